@@ -1,0 +1,23 @@
+# `make test` and (later) `make bench` create or reuse .venv and install what they
+# need; constraints.txt pins every package, so a fresh machine gets the same set.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# The backends CI expects: a test for one of these that cannot import it fails.
+EXPECT_BACKENDS ?= numpy,torch,jax,tensorflow,keras
+
+.PHONY: setup test clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[all,test]"
+	touch $(STAMP)
+
+test: setup
+	MIXEDPOLICY_EXPECT_BACKENDS=$(EXPECT_BACKENDS) $(PY) -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info

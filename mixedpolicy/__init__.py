@@ -1,0 +1,39 @@
+"""mixedpolicy: one mixed-precision vocabulary for JAX, PyTorch, TensorFlow and Keras 3.
+
+Importing mixedpolicy imports no framework; an adapter loads on first use, chosen
+by the type of the object it is given.
+
+>>> import mixedpolicy as mp
+>>> mp.Policy("mixed_float16").needs_loss_scaling
+True
+"""
+
+from mixedpolicy.api import LossScaleOptimizer, apply_policy, describe
+from mixedpolicy.describe import LayerPolicy, PolicyTable
+from mixedpolicy.function import PolicyFunction
+from mixedpolicy.global_policy import global_policy, policy_scope, set_global_policy
+from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale
+from mixedpolicy.policy import Policy
+from mixedpolicy.policy_map import LayerInfo, PolicyMap, Resolution
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DynamicLossScale",
+    "LayerInfo",
+    "LayerPolicy",
+    "LossScale",
+    "LossScaleOptimizer",
+    "NoLossScale",
+    "Policy",
+    "PolicyFunction",
+    "PolicyMap",
+    "PolicyTable",
+    "Resolution",
+    "StaticLossScale",
+    "apply_policy",
+    "describe",
+    "global_policy",
+    "policy_scope",
+    "set_global_policy",
+]

@@ -1,0 +1,89 @@
+"""Plain dtype names: the only dtype vocabulary the core speaks.
+
+Every dtype the core handles is one of four strings: ``"float16"``,
+``"bfloat16"``, ``"float32"`` and ``"float64"``. Users may bring the spellings of
+other libraries (``"f16"``, ``"half"``, ``"bf16"``, ``"fp32"``, ``"full"``) or a
+framework's dtype object (``torch.bfloat16``, ``jnp.float16``, ``tf.float32``,
+``np.dtype("float64")``); :func:`canonical_dtype` turns each into its plain name
+without importing the framework the object came from.
+"""
+
+from __future__ import annotations
+
+FLOATING_DTYPES = ("float16", "bfloat16", "float32", "float64")
+HALF_DTYPES = ("float16", "bfloat16")
+
+# Spellings accepted for each dtype: Keras/numpy names, jmp's contractions and the
+# short forms people type. Every spelling an error message suggests is listed here.
+_ALIASES = {
+    "float16": ("float16", "f16", "fp16", "half"),
+    "bfloat16": ("bfloat16", "bf16"),
+    "float32": ("float32", "f32", "fp32", "full", "single", "float"),
+    "float64": ("float64", "f64", "fp64", "double"),
+}
+_BY_ALIAS = {alias: name for name, aliases in _ALIASES.items() for alias in aliases}
+
+
+def canonical_dtype(value: object, *, what: str = "dtype") -> str:
+    """Returns the plain name of a floating dtype given in any supported spelling.
+
+    Args:
+      value: a string such as ``"bf16"`` or ``"float32"``, or a dtype object of
+        numpy, ml_dtypes, JAX, PyTorch or TensorFlow.
+      what: how the value is named in an error message.
+
+    Returns:
+      One of ``"float16"``, ``"bfloat16"``, ``"float32"``, ``"float64"``.
+
+    Raises:
+      ValueError: the value names a dtype that is not floating, or no dtype.
+      TypeError: the value is neither a string nor a dtype object.
+
+    >>> canonical_dtype("bf16")
+    'bfloat16'
+    >>> canonical_dtype("half")
+    'float16'
+    """
+    name = _dtype_name(value, what)
+    key = name.strip().lower()
+    if key in _BY_ALIAS:
+        return _BY_ALIAS[key]
+    valid = ", ".join(f"{n!r}" for n in FLOATING_DTYPES)
+    raise ValueError(
+        f"Received {what}={value!r}, which is not a floating dtype mixedpolicy "
+        f"supports. Expected one of {valid} (short forms such as 'f16', 'bf16', "
+        f"'f32', 'half' and 'full' are accepted too). Integer and boolean tensors "
+        f"are never cast, so they need no policy."
+    )
+
+
+def _dtype_name(value: object, what: str) -> str:
+    """Reads a dtype's name from a string or a framework dtype object, duck-typed."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool) or value is None:
+        raise TypeError(
+            f"Received {what}={value!r} of type {type(value).__name__}; expected a "
+            f"dtype name such as 'float32' or 'bfloat16', or a dtype object."
+        )
+    # torch.dtype prints as "torch.float16" and has no .name.
+    text = str(value)
+    if text.startswith("torch."):
+        return text[len("torch."):]
+    # numpy dtypes, tf.DType and jnp dtype instances carry .name.
+    name = getattr(value, "name", None)
+    if isinstance(name, str):
+        return name
+    # Scalar types (np.float16, jnp.bfloat16, ml_dtypes.bfloat16) go through numpy,
+    # which the core depends on anyway.
+    try:
+        import numpy as np
+
+        return np.dtype(value).name
+    except TypeError:
+        pass
+    raise TypeError(
+        f"Received {what}={value!r} of type {type(value).__name__}; expected a dtype "
+        f"name such as 'float32' or 'bfloat16', or a dtype object of numpy, JAX, "
+        f"PyTorch or TensorFlow."
+    )

@@ -1,0 +1,124 @@
+"""The public entry points that dispatch on an object's type to its framework's adapter."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from mixedpolicy import backends
+from mixedpolicy.describe import LayerPolicy, PolicyTable
+from mixedpolicy.function import PolicyFunction
+from mixedpolicy.loss_scale import DynamicLossScale, LossScale
+from mixedpolicy.policy_map import as_policy_map
+
+
+def apply_policy(model: Any, policy: Any = None, overrides: Mapping[Any, Any] | None = None) -> Any:
+    """Puts a policy, or a policy with per-layer overrides, onto a model of any framework.
+
+    Args:
+      model: a model or layer of a supported framework, or a plain function
+        ``f(params, *inputs)`` of arrays.
+      policy: a `Policy`, a name, or a `PolicyMap`; ``None`` uses the global policy.
+      overrides: per-layer overrides, as for `PolicyMap` (not with a `PolicyMap`).
+
+    Returns:
+      The model with the policy applied (modified in place where the framework's
+      models are mutable), or a `PolicyFunction` wrapping a plain function.
+
+    Raises:
+      TypeError: the model is of a type no installed adapter handles.
+
+    >>> import numpy as np
+    >>> f = apply_policy(lambda w, x: w @ x, "mixed_float16")
+    >>> f(np.ones((2, 2), np.float32), np.ones(2, np.float32)).dtype
+    dtype('float16')
+    """
+    policy_map = as_policy_map(policy, overrides)
+    adapter = backends.adapter_for(model, "model")
+    if adapter is not None:
+        return adapter.apply_policy(model, policy_map)
+    if callable(model) and not isinstance(model, type):
+        return PolicyFunction(model, policy_map)
+    raise TypeError(
+        f"Received a model of type {type(model).__module__}.{type(model).__qualname__}, "
+        f"which no installed mixedpolicy adapter handles. Expected a plain function of "
+        f"arrays, or one of: {backends.supported('model')}. If the model's framework is "
+        f"installed but not imported yet, import it before calling apply_policy.")
+
+
+def describe(model: Any) -> PolicyTable:
+    """Returns the per-layer table of a model: path, type, dtypes and where each policy came from.
+
+    Raises:
+      TypeError: the model is of a type no installed adapter handles.
+    """
+    if isinstance(model, PolicyFunction):
+        name = getattr(model.fn, "__name__", type(model.fn).__name__)
+        return PolicyTable([LayerPolicy("", f"function {name}", model.policy, model.source)])
+    adapter = backends.adapter_for(model, "model")
+    if adapter is None:
+        raise TypeError(
+            f"Received a model of type {type(model).__module__}.{type(model).__qualname__}, "
+            f"which no installed mixedpolicy adapter handles. Expected the result of "
+            f"apply_policy on a function, or one of: {backends.supported('model')}.")
+    return PolicyTable(adapter.describe(model))
+
+
+class _FactoryMeta(type):
+    """Lets ``isinstance(x, LossScaleOptimizer)`` recognise every framework's wrapper."""
+
+    _wrapper_types: tuple[type, ...] = ()
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, cls._wrapper_types)
+
+
+class LossScaleOptimizer(metaclass=_FactoryMeta):
+    """Wraps an optimizer of any supported framework with a bounded dynamic loss scale.
+
+    Returns the wrapper that fits the framework's idiom (a ``torch.optim``-like
+    optimizer, an ``optax.GradientTransformation``, a Keras optimizer). A step whose
+    gradients are not all finite is skipped whole and the scale backs off; every
+    wrapper exposes ``loss_scale``, ``last_step_skipped`` and ``num_skipped_steps``.
+
+    Args:
+      inner: the optimizer to wrap.
+      initial_scale: the first loss scale (Keras's default, 2**15).
+      dynamic_growth_steps: finite steps in a row before the scale doubles.
+      growth_factor, backoff_factor, min_scale, max_scale: see `DynamicLossScale`.
+      loss_scale: a ready `LossScale` (for example `StaticLossScale`) instead of the
+        settings above.
+
+    Raises:
+      TypeError: `inner` is not an optimizer of an installed framework, or an
+        argument that belongs to the inner optimizer was passed here.
+      ValueError: a setting is out of range.
+    """
+
+    def __new__(cls, inner: Any, initial_scale: float = 2.0**15, dynamic_growth_steps: int = 2000,
+                *, growth_factor: float = 2.0, backoff_factor: float = 0.5, min_scale: float = 1.0,
+                max_scale: float = 2.0**24, loss_scale: LossScale | None = None, **kwargs: Any):
+        if kwargs:
+            raise TypeError(
+                f"LossScaleOptimizer received unexpected arguments {sorted(kwargs)}. Settings "
+                f"such as learning_rate or weight_decay belong to the inner optimizer: pass "
+                f"them when you create it, then wrap it. The wrapper takes initial_scale, "
+                f"dynamic_growth_steps, growth_factor, backoff_factor, min_scale, max_scale "
+                f"and loss_scale.")
+        if loss_scale is None:
+            loss_scale = DynamicLossScale(
+                loss_scale=initial_scale, dynamic_growth_steps=dynamic_growth_steps,
+                growth_factor=growth_factor, backoff_factor=backoff_factor,
+                min_scale=min_scale, max_scale=max_scale)
+        elif not isinstance(loss_scale, LossScale):
+            raise TypeError(f"Received loss_scale of type {type(loss_scale).__name__}; expected "
+                            f"a DynamicLossScale, StaticLossScale or NoLossScale.")
+        adapter = backends.adapter_for(inner, "optimizer")
+        if adapter is None:
+            raise TypeError(
+                f"Received an optimizer of type {type(inner).__module__}."
+                f"{type(inner).__qualname__}, which no installed mixedpolicy adapter handles. "
+                f"Expected one of: {backends.supported('optimizer')}.")
+        wrapper = adapter.wrap_optimizer(inner, loss_scale)
+        if not isinstance(wrapper, _FactoryMeta._wrapper_types):
+            _FactoryMeta._wrapper_types += (type(wrapper),)
+        return wrapper

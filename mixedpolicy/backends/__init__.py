@@ -1,0 +1,131 @@
+"""Framework adapters and the registry that finds one from an object's type.
+
+An adapter is chosen by the type of the object it is given. A framework is never
+imported just to check: an adapter is only asked about an object once its
+framework's top-level module is already in ``sys.modules`` (if it were not, the
+object could not be one of its types). The answer is cached per type.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import threading
+from typing import Any, NamedTuple
+
+from mixedpolicy.backends.base import Adapter
+
+
+class _Entry(NamedTuple):
+    name: str          # adapter name
+    module: str        # top-level module that gates it
+    target: str        # "package.module:Class"
+    models: str = ""   # words for errors: the models it accepts
+    optimizers: str = ""  # ... and the optimizers
+
+
+# Order matters: the first adapter that claims an object wins. Keras comes before
+# torch and tensorflow because a Keras 3 layer on the torch backend is also a
+# torch.nn.Module. numpy comes last: other frameworks accept numpy leaves too.
+_ENTRIES: list[_Entry] = [
+    _Entry("numpy", "numpy", "mixedpolicy.backends.numpy_backend:NumpyAdapter"),
+]
+
+_lock = threading.Lock()
+_loaded: dict[str, Adapter] = {}
+_by_type: dict[type, tuple[Adapter | None, str | None]] = {}
+
+
+def _load(entry: _Entry) -> Adapter:
+    adapter = _loaded.get(entry.name)
+    if adapter is None:
+        with _lock:
+            adapter = _loaded.get(entry.name)
+            if adapter is None:
+                module_name, _, cls_name = entry.target.partition(":")
+                adapter = getattr(importlib.import_module(module_name), cls_name)()
+                _loaded[entry.name] = adapter
+    return adapter
+
+
+def _live_adapters() -> list[Adapter]:
+    """The adapters whose framework is already imported, in priority order."""
+    return [_load(e) for e in _ENTRIES if e.module in sys.modules]
+
+
+def get_adapter(name: str) -> Adapter:
+    """The adapter of the given name (importing its framework).
+
+    Raises:
+      ValueError: no adapter has that name.
+    """
+    for entry in _ENTRIES:
+        if entry.name == name:
+            return _load(entry)
+    raise ValueError(f"Received backend name {name!r}; expected one of "
+                     f"{[e.name for e in _ENTRIES]}.")
+
+
+def adapter_names() -> list[str]:
+    """The names of every adapter mixedpolicy ships, installed or not."""
+    return [e.name for e in _ENTRIES]
+
+
+def _classify(obj: Any) -> tuple[Adapter | None, str | None]:
+    cls = type(obj)
+    hit = _by_type.get(cls)
+    if hit is None:
+        hit = (None, None)
+        for adapter in _live_adapters():
+            if adapter.is_array(obj):
+                hit = (adapter, "array")
+                break
+            role = adapter.role_of(obj)
+            if role is not None:
+                hit = (adapter, role)
+                break
+        _by_type[cls] = hit
+    return hit
+
+
+def adapter_for_array(x: Any) -> Adapter:
+    """The adapter whose arrays `x` is; Python numbers are held by numpy."""
+    adapter, role = _classify(x)
+    if role == "array":
+        return adapter
+    return get_adapter("numpy")
+
+
+def adapter_for_tree(tree: Any) -> Adapter:
+    """The adapter of the first framework (in priority order) with an array among the leaves."""
+    for adapter in _live_adapters():
+        if any(adapter.is_array(leaf) for leaf in adapter.leaves(tree)):
+            return adapter
+    return get_adapter("numpy")
+
+
+def adapter_for(obj: Any, role: str) -> Adapter | None:
+    """The adapter that owns `obj` as a ``"model"`` or an ``"optimizer"``, or None."""
+    adapter, found = _classify(obj)
+    return adapter if found == role else None
+
+
+def supported(role: str) -> str:
+    """Words for an error message: the kinds of object mixedpolicy accepts in a role."""
+    words = [e.models if role == "model" else e.optimizers for e in _ENTRIES]
+    return "; ".join(w for w in words if w) or "none yet"
+
+
+def cast_tree(tree: Any, dtype: str) -> Any:
+    """Casts the floating leaves of `tree` to `dtype`; other leaves pass unchanged."""
+    from mixedpolicy._dtypes import canonical_dtype
+
+    dtype = canonical_dtype(dtype)
+    adapter = adapter_for_tree(tree)
+    return adapter.tree_map(lambda x: adapter.cast(x, dtype), tree)
+
+
+def global_policy_changed(policy: Any) -> None:
+    """Tells every imported framework with a global dtype policy of its own."""
+    for adapter in _live_adapters():
+        adapter.sync_global_policy(policy)

@@ -1,0 +1,87 @@
+"""The interface every framework adapter implements.
+
+An adapter is thin and final: the array operations the core's algorithms need
+(cast, finiteness test, select), and how to put a policy on a model and a loss
+scale on an optimizer of its framework. No adapter subclasses another. Because
+every method is abstract, an adapter that misses one fails when it is created,
+not at its first call.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Callable, ClassVar, Iterable
+
+
+class Adapter(abc.ABC):
+    """One framework's implementation of what the core needs."""
+
+    #: The name users and error messages see ("torch", "jax", ...).
+    name: ClassVar[str]
+    #: The top-level module that must already be in ``sys.modules`` before an object
+    #: is tested against this adapter; mixedpolicy never imports a framework to check.
+    module: ClassVar[str]
+
+    # -- arrays ---------------------------------------------------------------
+    @abc.abstractmethod
+    def is_array(self, x: Any) -> bool:
+        """Is `x` an array (tensor) of this framework?"""
+
+    @abc.abstractmethod
+    def leaves(self, tree: Any) -> Iterable[Any]:
+        """The leaves of a container of arrays, in this framework's pytree sense."""
+
+    @abc.abstractmethod
+    def tree_map(self, fn: Callable[[Any], Any], tree: Any) -> Any:
+        """Applies `fn` to every leaf, keeping the container structure."""
+
+    @abc.abstractmethod
+    def asarray(self, value: Any, dtype: str, like: Any = None) -> Any:
+        """A scalar or array of `dtype` ("float32", "int32", "bool"...), on `like`'s device."""
+
+    @abc.abstractmethod
+    def floating_dtype(self, x: Any) -> str | None:
+        """The plain dtype name of a floating array, or None for anything else."""
+
+    @abc.abstractmethod
+    def cast(self, x: Any, dtype: str) -> Any:
+        """Casts a floating array to `dtype`; integer, boolean and non-arrays pass unchanged."""
+
+    @abc.abstractmethod
+    def all_finite(self, tree: Any) -> Any:
+        """A boolean scalar array: are all floating leaves free of inf and NaN? No host sync."""
+
+    @abc.abstractmethod
+    def where(self, cond: Any, a: Any, b: Any) -> Any:
+        """Elementwise select between two arrays of one dtype."""
+
+    @abc.abstractmethod
+    def zeros_like(self, x: Any) -> Any:
+        """Zeros of `x`'s shape, dtype and device."""
+
+    @abc.abstractmethod
+    def full_like(self, x: Any, value: float) -> Any:
+        """`value` in `x`'s shape, dtype and device."""
+
+    # -- models and optimizers ------------------------------------------------
+    @abc.abstractmethod
+    def role_of(self, obj: Any) -> str | None:
+        """``"model"``, ``"optimizer"`` or None: what `obj` is to this framework."""
+
+    @abc.abstractmethod
+    def apply_policy(self, model: Any, policy_map: Any) -> Any:
+        """Puts a `PolicyMap` onto a model of this framework; returns the model."""
+
+    @abc.abstractmethod
+    def describe(self, model: Any) -> list:
+        """The per-layer rows (`LayerPolicy`) of a model of this framework."""
+
+    @abc.abstractmethod
+    def wrap_optimizer(self, optimizer: Any, loss_scale: Any) -> Any:
+        """Wraps an optimizer of this framework with a loss scale."""
+
+    def sync_global_policy(self, policy: Any) -> None:
+        """Mirrors mixedpolicy's global policy into the framework's own, where it has one.
+
+        Most frameworks have no global dtype policy, so nothing is mirrored.
+        """

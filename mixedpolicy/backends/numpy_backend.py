@@ -1,0 +1,106 @@
+"""The numpy reference adapter: the array operations, on numpy.
+
+It serves as the reference every other adapter is tested against, and holds
+loss-scale states made from Python numbers. numpy has no layers or optimizers,
+so it owns no model and no optimizer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+from mixedpolicy._dtypes import FLOATING_DTYPES
+from mixedpolicy.backends.base import Adapter
+
+
+def _np_dtype(dtype: str) -> Any:
+    if dtype == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise ValueError("bfloat16 numpy arrays need the ml_dtypes package: "
+                             "`pip install ml_dtypes`.") from None
+        return ml_dtypes.bfloat16
+    return np.dtype(dtype)
+
+
+def _is_namedtuple(x: Any) -> bool:
+    return isinstance(x, tuple) and hasattr(type(x), "_fields")
+
+
+class NumpyAdapter(Adapter):
+    name = "numpy"
+    module = "numpy"
+
+    def is_array(self, x: Any) -> bool:
+        return isinstance(x, (np.ndarray, np.generic))
+
+    def leaves(self, tree: Any) -> Iterable[Any]:
+        if isinstance(tree, dict):
+            for key in tree:
+                yield from self.leaves(tree[key])
+        elif isinstance(tree, (list, tuple)):
+            for item in tree:
+                yield from self.leaves(item)
+        elif tree is not None:
+            yield tree
+
+    def tree_map(self, fn: Callable[[Any], Any], tree: Any) -> Any:
+        if isinstance(tree, dict):
+            return type(tree)((k, self.tree_map(fn, v)) for k, v in tree.items())
+        if _is_namedtuple(tree):
+            return type(tree)(*(self.tree_map(fn, v) for v in tree))
+        if isinstance(tree, (list, tuple)):
+            return type(tree)(self.tree_map(fn, v) for v in tree)
+        if tree is None:
+            return None
+        return fn(tree)
+
+    def asarray(self, value: Any, dtype: str, like: Any = None) -> Any:
+        return np.asarray(value, dtype=_np_dtype(dtype))
+
+    def floating_dtype(self, x: Any) -> str | None:
+        dtype = getattr(x, "dtype", None)
+        if dtype is None or not self.is_array(x):
+            return None
+        name = np.dtype(dtype).name
+        return name if name in FLOATING_DTYPES else None
+
+    def cast(self, x: Any, dtype: str) -> Any:
+        if isinstance(x, float):
+            x = np.asarray(x, np.float32)
+        current = self.floating_dtype(x)
+        if current is None or current == dtype:
+            return x
+        return np.asarray(x).astype(_np_dtype(dtype))
+
+    def all_finite(self, tree: Any) -> Any:
+        ok = True
+        for leaf in self.leaves(tree):
+            if self.floating_dtype(leaf) is not None:
+                ok = ok and bool(np.isfinite(np.asarray(leaf, np.float32)).all())
+        return np.asarray(ok)
+
+    def where(self, cond: Any, a: Any, b: Any) -> Any:
+        return np.where(cond, a, b)
+
+    def zeros_like(self, x: Any) -> Any:
+        return np.zeros_like(x)
+
+    def full_like(self, x: Any, value: float) -> Any:
+        return np.full_like(x, value)
+
+    def role_of(self, obj: Any) -> str | None:
+        return None
+
+    def apply_policy(self, model: Any, policy_map: Any) -> Any:
+        raise TypeError("numpy has no layer objects; apply a policy to a function of numpy "
+                        "arrays instead: apply_policy(fn, policy).")
+
+    def describe(self, model: Any) -> list:
+        raise TypeError("numpy has no layer objects to describe.")
+
+    def wrap_optimizer(self, optimizer: Any, loss_scale: Any) -> Any:
+        raise TypeError("numpy has no optimizer type; use DynamicLossScale directly.")

@@ -1,0 +1,77 @@
+"""The global policy and `policy_scope`.
+
+The global policy is one value shared by every thread: `set_global_policy` in the
+main thread is seen by data-loader and worker threads alike. `policy_scope`
+overrides it for the current context only (a `contextvars.ContextVar`), so two
+threads or two asyncio tasks can each hold a different scope without seeing the
+other's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+from typing import Any, Iterator
+
+from mixedpolicy.policy import Policy, as_policy
+
+_DEFAULT = Policy("float32")
+_lock = threading.Lock()
+_global: Policy = _DEFAULT
+_scoped: contextvars.ContextVar[Policy | None] = contextvars.ContextVar(
+    "mixedpolicy_policy_scope", default=None)
+
+
+def set_global_policy(policy: Any) -> None:
+    """Sets the policy that layers and models built from now on follow.
+
+    Frameworks with a global dtype policy of their own (Keras) are kept in step,
+    whether they are imported before or after this call.
+
+    Args:
+      policy: a `Policy`, a policy name such as ``"mixed_float16"``, a config dict,
+        a Keras or jmp policy; ``None`` restores the default, ``"float32"``.
+
+    Raises:
+      TypeError, ValueError: the policy is not one mixedpolicy understands.
+
+    >>> set_global_policy("mixed_bfloat16")
+    >>> global_policy()
+    Policy('mixed_bfloat16')
+    >>> set_global_policy(None)
+    """
+    global _global
+    new = _DEFAULT if policy is None else as_policy(policy)
+    with _lock:
+        _global = new
+    from mixedpolicy.backends import global_policy_changed
+
+    global_policy_changed(new)
+
+
+def global_policy() -> Policy:
+    """Returns the policy in force here: the innermost `policy_scope`, else the global one."""
+    scoped = _scoped.get()
+    return _global if scoped is None else scoped
+
+
+@contextlib.contextmanager
+def policy_scope(policy: Any) -> Iterator[Policy]:
+    """Makes `policy` the one `global_policy()` returns inside a ``with`` block.
+
+    The scope belongs to the current thread or task; the global policy is left as
+    it was and is in force again when the block exits, even on an exception.
+
+    >>> with policy_scope("bf16-mixed") as p:
+    ...     global_policy() is p
+    True
+    >>> global_policy()
+    Policy('float32')
+    """
+    new = as_policy(policy)
+    token = _scoped.set(new)
+    try:
+        yield new
+    finally:
+        _scoped.reset(token)

@@ -1,0 +1,248 @@
+"""Loss scales: pure, immutable state machines shared by every backend.
+
+The arithmetic is written once here; the arrays it works on belong to whichever
+framework holds the state (numpy by default, a ``jax.Array`` under ``jax.jit``, a
+``torch.Tensor`` on the GPU), and the adapter of that framework supplies the few
+array operations it needs (`where`, `cast`, `all_finite`).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _ops(array: Any):
+    from mixedpolicy.backends import adapter_for_array
+
+    return adapter_for_array(array)
+
+
+def _check_scale(value: Any, what: str) -> Any:
+    """Validates a scale given as a Python number; arrays pass through (no host sync)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer, np.ndarray)):
+        if hasattr(value, "dtype") and hasattr(value, "shape"):
+            return value  # a framework array: validated where it was made
+        raise TypeError(f"Received {what}={value!r} of type {type(value).__name__}; "
+                        f"expected a positive number such as 2**15.")
+    number = float(np.asarray(value))
+    if not math.isfinite(number) or number <= 0:
+        raise ValueError(f"Received {what}={number!r}; expected a finite number > 0. "
+                         f"A scale of 0 or inf would turn the gradients into NaN.")
+    if number > _F32_MAX:
+        raise ValueError(f"Received {what}={number!r}, larger than float32 can hold "
+                         f"({_F32_MAX:.3g}); the scale is kept in float32.")
+    return np.asarray(number, np.float32)
+
+
+class LossScale(abc.ABC):
+    """The interface of every loss scale: `loss_scale`, `scale`, `unscale`, `adjust`."""
+
+    loss_scale: Any
+
+    def scale(self, loss: Any) -> Any:
+        """Returns ``loss * loss_scale``, computed in float32."""
+        ops = _ops(loss)
+        return ops.cast(loss, "float32") * self.loss_scale
+
+    def unscale(self, grads: Any) -> Any:
+        """Divides every floating leaf of `grads` by the scale, keeping each leaf's dtype."""
+        ops = _ops(self.loss_scale)
+        inv = 1.0 / ops.cast(self.loss_scale, "float32")
+
+        def leaf(g):
+            dtype = ops.floating_dtype(g)
+            if dtype is None:
+                return g
+            return ops.cast(ops.cast(g, "float32") * inv, dtype)
+
+        return ops.tree_map(leaf, grads)
+
+    @abc.abstractmethod
+    def adjust(self, grads_finite: Any) -> "LossScale":
+        """Returns the state for the next step, given whether this step's gradients were finite."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class NoLossScale(LossScale):
+    """No scaling: `scale` and `unscale` return their input, `adjust` returns self.
+
+    >>> NoLossScale().scale(3.0)
+    3.0
+    """
+
+    @property
+    def loss_scale(self) -> Any:
+        return np.asarray(1.0, np.float32)
+
+    def scale(self, loss: Any) -> Any:
+        return loss
+
+    def unscale(self, grads: Any) -> Any:
+        return grads
+
+    def adjust(self, grads_finite: Any) -> "NoLossScale":
+        return self
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is NoLossScale
+
+    def __hash__(self) -> int:
+        return hash(NoLossScale)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StaticLossScale(LossScale):
+    """A fixed scale: `adjust` returns self whatever the gradients.
+
+    Args:
+      loss_scale: the scale, a finite number > 0.
+
+    >>> float(StaticLossScale(128.0).scale(np.float32(0.5)))
+    64.0
+    """
+
+    loss_scale: Any = 2.0**15
+
+    def __post_init__(self):
+        object.__setattr__(self, "loss_scale", _check_scale(self.loss_scale, "loss_scale"))
+
+    def adjust(self, grads_finite: Any) -> "StaticLossScale":
+        return self
+
+    def __eq__(self, other: object) -> bool:
+        return (type(other) is StaticLossScale
+                and bool(np.asarray(other.loss_scale) == np.asarray(self.loss_scale)))
+
+    def __hash__(self) -> int:
+        return hash(StaticLossScale)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DynamicLossScale(LossScale):
+    """A loss scale that finds the largest scale that keeps gradients finite.
+
+    The algorithm (the same as Keras, ``torch.amp.GradScaler`` and jmp, plus bounds)::
+
+        for each step:
+            grads = unscale(grads of scale(loss))
+            if all_finite(grads):
+                counter += 1
+                if counter == dynamic_growth_steps:
+                    counter = 0
+                    loss_scale = min(loss_scale * growth_factor, max_scale)
+            else:                          # the caller skips this step's update
+                counter = 0
+                loss_scale = max(loss_scale * backoff_factor, min_scale)
+
+    Unlike Keras and torch, the scale never leaves ``[min_scale, max_scale]``: a long
+    run of overflows cannot drive it to 0 and turn the weights into NaN.
+
+    Args:
+      loss_scale: the initial scale (Keras calls it ``initial_scale``).
+      counter: finite steps since the last change of scale.
+      dynamic_growth_steps: finite steps in a row before the scale grows.
+      growth_factor: factor applied on growth, > 1.
+      backoff_factor: factor applied on overflow, in (0, 1).
+      min_scale: the floor, > 0 (may be below 1).
+      max_scale: the ceiling, at least the initial scale.
+
+    Raises:
+      ValueError, TypeError: a setting is out of range or of the wrong type.
+
+    >>> s = DynamicLossScale(loss_scale=8.0, dynamic_growth_steps=2)
+    >>> s = s.adjust(True).adjust(True)
+    >>> float(s.loss_scale), int(s.counter)
+    (16.0, 0)
+    >>> float(s.adjust(False).loss_scale)
+    8.0
+    """
+
+    loss_scale: Any = 2.0**15
+    counter: Any = 0
+    dynamic_growth_steps: int = 2000
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    min_scale: float = 1.0
+    max_scale: float = 2.0**24
+
+    def __post_init__(self):
+        steps = self.dynamic_growth_steps
+        if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
+            raise ValueError(f"Received dynamic_growth_steps={steps!r}; expected a whole "
+                             f"number >= 1 (Keras and torch use 2000).")
+        for name, low, high, hint in (
+            ("growth_factor", 1.0, math.inf, "a number > 1, such as 2.0"),
+            ("backoff_factor", 0.0, 1.0, "a number in (0, 1), such as 0.5"),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) \
+                    or not low < float(value) < high:
+                raise ValueError(f"Received {name}={value!r}; expected {hint}.")
+        min_scale = float(_check_scale(self.min_scale, "min_scale"))
+        max_scale = float(_check_scale(self.max_scale, "max_scale"))
+        if min_scale > max_scale:
+            raise ValueError(f"Received min_scale={min_scale} > max_scale={max_scale}; "
+                             f"expected min_scale <= max_scale.")
+        scale = _check_scale(self.loss_scale, "loss_scale")
+        if isinstance(scale, np.ndarray) and not min_scale <= float(scale) <= max_scale:
+            raise ValueError(f"Received loss_scale={float(scale)}, outside [min_scale, "
+                             f"max_scale] = [{min_scale}, {max_scale}]; widen the bounds or "
+                             f"choose an initial scale inside them.")
+        counter = self.counter
+        if isinstance(counter, (int, np.integer)) and not isinstance(counter, bool):
+            if counter < 0:
+                raise ValueError(f"Received counter={counter}; expected a count >= 0.")
+            counter = np.asarray(counter, np.int32)
+        object.__setattr__(self, "loss_scale", scale)
+        object.__setattr__(self, "counter", counter)
+        object.__setattr__(self, "dynamic_growth_steps", int(steps))
+        for name in ("growth_factor", "backoff_factor"):
+            object.__setattr__(self, name, float(getattr(self, name)))
+        object.__setattr__(self, "min_scale", min_scale)
+        object.__setattr__(self, "max_scale", max_scale)
+
+    def adjust(self, grads_finite: Any) -> "DynamicLossScale":
+        """Returns the next state; this one is left unchanged.
+
+        Args:
+          grads_finite: a boolean scalar (array or Python bool): were all gradients finite?
+        """
+        ops = _ops(self.loss_scale)
+        finite = ops.asarray(grads_finite, "bool", like=self.loss_scale)
+        scale = self.loss_scale
+        counter = ops.where(finite, self.counter + 1, ops.zeros_like(self.counter))
+        grow = finite & (counter >= self.dynamic_growth_steps)
+        grown = scale * self.growth_factor
+        grown = ops.where(grown > self.max_scale, ops.full_like(scale, self.max_scale), grown)
+        shrunk = scale * self.backoff_factor
+        shrunk = ops.where(shrunk < self.min_scale, ops.full_like(scale, self.min_scale), shrunk)
+        new_scale = ops.where(grow, grown, ops.where(finite, scale, shrunk))
+        new_counter = ops.where(grow, ops.zeros_like(counter), counter)
+        return self._evolve(loss_scale=new_scale, counter=new_counter)
+
+    def _evolve(self, **arrays: Any) -> "DynamicLossScale":
+        """A copy with new array fields, skipping validation (the hot path under jit)."""
+        new = object.__new__(DynamicLossScale)
+        for field in dataclasses.fields(self):
+            object.__setattr__(new, field.name, arrays.get(field.name, getattr(self, field.name)))
+        return new
+
+    def _settings(self) -> tuple:
+        return (self.dynamic_growth_steps, self.growth_factor, self.backoff_factor,
+                self.min_scale, self.max_scale)
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not DynamicLossScale or other._settings() != self._settings():
+            return False
+        return (bool(np.asarray(other.loss_scale) == np.asarray(self.loss_scale))
+                and bool(np.asarray(other.counter) == np.asarray(self.counter)))
+
+    def __hash__(self) -> int:
+        return hash((DynamicLossScale, self._settings()))

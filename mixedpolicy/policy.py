@@ -1,0 +1,283 @@
+"""`Policy`: which dtype variables are stored in, math runs in, and outputs leave in."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+from mixedpolicy._dtypes import FLOATING_DTYPES, HALF_DTYPES, canonical_dtype
+
+# Lightning's `precision=` strings, normalised to (variable, compute) dtypes.
+_LIGHTNING = {
+    "16-mixed": ("float32", "float16"),
+    "bf16-mixed": ("float32", "bfloat16"),
+    "32-true": ("float32", "float32"),
+    "16-true": ("float16", "float16"),
+    "bf16-true": ("bfloat16", "bfloat16"),
+    "64-true": ("float64", "float64"),
+}
+_JMP_KEYS = {"p": "params", "params": "params", "c": "compute", "compute": "compute",
+             "o": "output", "output": "output"}
+_KERAS_NAMES = FLOATING_DTYPES + tuple(f"mixed_{d}" for d in HALF_DTYPES)
+
+
+def _valid_names_hint() -> str:
+    return (
+        f"Expected a Keras name ({', '.join(repr(n) for n in _KERAS_NAMES)}), a jmp "
+        f"policy ('params=float32,compute=bfloat16,output=float32' or 'p=f32,c=bf16') "
+        f"or a Lightning precision ({', '.join(repr(n) for n in _LIGHTNING)})."
+    )
+
+
+def _parse_name(name: str) -> tuple[str, str, str | None]:
+    """Returns (variable, compute, output-or-None) for a policy name of any family."""
+    text = name.strip()
+    key = text.lower()
+    if key.startswith("mixed_"):
+        compute = canonical_dtype(key[len("mixed_"):], what=f"the dtype in {name!r}")
+        if compute not in HALF_DTYPES:
+            raise ValueError(
+                f"Received policy name {name!r}: a mixed policy computes in half "
+                f"precision, so it must be 'mixed_float16' or 'mixed_bfloat16'. For "
+                f"full precision use {compute!r} itself."
+            )
+        return "float32", compute, None
+    if key in _LIGHTNING:
+        variable, compute = _LIGHTNING[key]
+        return variable, compute, None
+    if "=" in key:
+        return _parse_jmp(name)
+    try:
+        dtype = canonical_dtype(key, what="policy name")
+    except ValueError:
+        raise ValueError(f"Received policy name {name!r}, which is not a policy "
+                         f"mixedpolicy knows. {_valid_names_hint()}") from None
+    return dtype, dtype, None
+
+
+def _parse_jmp(name: str) -> tuple[str, str, str | None]:
+    found: dict[str, str] = {}
+    for part in name.split(","):
+        key, sep, value = part.partition("=")
+        field = _JMP_KEYS.get(key.strip().lower())
+        if not sep or field is None:
+            raise ValueError(
+                f"Received policy name {name!r}: the part {part.strip()!r} is not "
+                f"'key=dtype' with key one of 'params' ('p'), 'compute' ('c') or "
+                f"'output' ('o'). Example: 'params=float32,compute=bfloat16,output=float32'."
+            )
+        if field in found:
+            raise ValueError(f"Received policy name {name!r}, which sets {field!r} "
+                             f"twice; give each of params, compute, output at most once.")
+        found[field] = canonical_dtype(value, what=f"{field} in policy {name!r}")
+    # jmp's rule: params default to float32, compute follows params, output follows compute.
+    variable = found.get("params", "float32")
+    compute = found.get("compute", variable)
+    return variable, compute, found.get("output")
+
+
+def _canonical_name(variable: str, compute: str, output: str) -> str:
+    if variable == compute == output:
+        return compute
+    if variable == "float32" and compute in HALF_DTYPES and output == compute:
+        return f"mixed_{compute}"
+    return f"params={variable},compute={compute},output={output}"
+
+
+@dataclasses.dataclass(frozen=True, init=False, repr=False)
+class Policy:
+    """A mixed-precision policy: the dtypes of variables, of math and of outputs.
+
+    Names follow Keras: ``"float32"``, ``"float16"``, ``"bfloat16"``, ``"float64"``
+    keep everything in one dtype; ``"mixed_float16"`` and ``"mixed_bfloat16"`` store
+    variables in float32 and compute in half precision. jmp's grammar
+    (``"params=float32,compute=bfloat16,output=float32"``, short ``"p=f32,c=bf16"``)
+    and Lightning's precision strings (``"16-mixed"``, ``"bf16-true"``...) are
+    accepted and normalised, so equal policies compare and hash equal.
+
+    The dtype keywords override what the name says; a dtype the name leaves open
+    follows jmp: variables default to float32, compute follows the variables and the
+    output follows the compute dtype.
+
+    Args:
+      name: a policy name of any of the families above, or ``None`` to build the
+        policy from the keywords alone.
+      compute_dtype: dtype the math runs in.
+      variable_dtype: dtype variables (weights) are stored in.
+      output_dtype: dtype layer outputs are cast to.
+
+    Raises:
+      ValueError: the name or a dtype is not one mixedpolicy knows.
+      TypeError: an argument is of the wrong type.
+
+    >>> p = Policy("mixed_bfloat16")
+    >>> p.variable_dtype, p.compute_dtype, p.output_dtype
+    ('float32', 'bfloat16', 'bfloat16')
+    >>> Policy("bf16-mixed") == p
+    True
+    >>> Policy("p=f32,c=f16,o=f32")
+    Policy('params=float32,compute=float16,output=float32')
+    """
+
+    name: str
+    compute_dtype: str
+    variable_dtype: str
+    output_dtype: str
+
+    def __init__(self, name: str | None = "float32", *, compute_dtype: Any = None,
+                 variable_dtype: Any = None, output_dtype: Any = None):
+        if isinstance(name, Policy):
+            variable, compute, output = name.variable_dtype, name.compute_dtype, name.output_dtype
+        elif name is None:
+            variable, compute, output = "float32", None, None
+        elif isinstance(name, str):
+            variable, compute, output = _parse_name(name)
+        else:
+            hint = ""
+            if isinstance(name, int) and not isinstance(name, bool):
+                hint = (" Numbers such as Lightning's precision=16 are ambiguous: write "
+                        "'16-mixed' or 'mixed_float16' for float16 compute with float32 "
+                        "variables, or 'float16' for float16 everywhere.")
+            raise TypeError(
+                f"Received policy name {name!r} of type {type(name).__name__}; expected "
+                f"a string such as 'mixed_float16' or a Policy.{hint} To convert a "
+                f"Keras DTypePolicy or a jmp Policy use Policy.from_keras / Policy.from_jmp."
+            )
+        if variable_dtype is not None:
+            variable = canonical_dtype(variable_dtype, what="variable_dtype")
+        if compute_dtype is not None:
+            compute = canonical_dtype(compute_dtype, what="compute_dtype")
+        if output_dtype is not None:
+            output = canonical_dtype(output_dtype, what="output_dtype")
+        if compute is None:
+            compute = variable
+        if output is None:
+            output = compute
+        object.__setattr__(self, "variable_dtype", variable)
+        object.__setattr__(self, "compute_dtype", compute)
+        object.__setattr__(self, "output_dtype", output)
+        object.__setattr__(self, "name", _canonical_name(variable, compute, output))
+
+    def __repr__(self) -> str:
+        return f"Policy({self.name!r})"
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def needs_loss_scaling(self) -> bool:
+        """True when the compute dtype is float16, whose range needs a loss scale."""
+        return self.compute_dtype == "float16"
+
+    # -- serialisation --------------------------------------------------------
+    def get_config(self) -> dict[str, str]:
+        """Returns a JSON-ready dict of every field; `from_config` inverts it.
+
+        >>> Policy.from_config(Policy("mixed_float16").get_config())
+        Policy('mixed_float16')
+        """
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> "Policy":
+        """Rebuilds a policy from `get_config()` output (or Keras's ``{"name": ...}``).
+
+        Raises:
+          TypeError: config is not a mapping.
+          ValueError: config has unknown keys or names an unknown policy or dtype.
+        """
+        if not isinstance(config, Mapping):
+            raise TypeError(f"Received config of type {type(config).__name__}; expected "
+                            f"the dict returned by Policy.get_config().")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(config) - known)
+        if unknown:
+            raise ValueError(f"Received a policy config with unknown keys {unknown}; "
+                             f"expected only {sorted(known)}.")
+        return cls(config.get("name", "float32"),
+                   **{k: config[k] for k in sorted(known - {"name"}) if k in config})
+
+    # -- conversions ----------------------------------------------------------
+    @classmethod
+    def from_keras(cls, dtype_policy: Any) -> "Policy":
+        """Converts a Keras 3 ``DTypePolicy`` (or anything with its two dtype fields)."""
+        return _from_fields(dtype_policy, "Keras DTypePolicy",
+                            variable="variable_dtype", compute="compute_dtype")
+
+    @classmethod
+    def from_jmp(cls, jmp_policy: Any) -> "Policy":
+        """Converts a ``jmp.Policy`` (or anything with its three dtype fields)."""
+        return _from_fields(jmp_policy, "jmp Policy", variable="param_dtype",
+                            compute="compute_dtype", output="output_dtype")
+
+    def to_keras(self) -> Any:
+        """Returns the equivalent ``keras.DTypePolicy`` (imports Keras)."""
+        from mixedpolicy.backends import conversions
+
+        return conversions.to_keras(self)
+
+    def to_jmp(self) -> Any:
+        """Returns the equivalent ``jmp.Policy`` (imports jmp and JAX)."""
+        from mixedpolicy.backends import conversions
+
+        return conversions.to_jmp(self)
+
+    # -- casting (jmp's vocabulary) -------------------------------------------
+    def cast_to_compute(self, tree: Any) -> Any:
+        """Casts the floating leaves of an array or container to the compute dtype."""
+        from mixedpolicy.backends import cast_tree
+
+        return cast_tree(tree, self.compute_dtype)
+
+    def cast_to_variable(self, tree: Any) -> Any:
+        """Casts the floating leaves to the variable dtype (jmp: ``cast_to_param``)."""
+        from mixedpolicy.backends import cast_tree
+
+        return cast_tree(tree, self.variable_dtype)
+
+    cast_to_param = cast_to_variable
+
+    def cast_to_output(self, tree: Any) -> Any:
+        """Casts the floating leaves to the output dtype."""
+        from mixedpolicy.backends import cast_tree
+
+        return cast_tree(tree, self.output_dtype)
+
+
+def _from_fields(obj: Any, kind: str, **fields: str) -> Policy:
+    missing = [attr for attr in fields.values() if not hasattr(obj, attr)]
+    if missing:
+        raise TypeError(f"Received {type(obj).__name__}, which has no {missing}; "
+                        f"expected a {kind} with fields {list(fields.values())}.")
+    values = {key: getattr(obj, attr) for key, attr in fields.items()}
+    if any(v is None for v in values.values()):
+        raise ValueError(f"Received a {kind} whose dtypes are {values}; a quantized or "
+                         f"unset policy has no mixedpolicy equivalent.")
+    return Policy(None, variable_dtype=values["variable"], compute_dtype=values["compute"],
+                  output_dtype=values.get("output"))
+
+
+def as_policy(value: Any, *, what: str = "policy") -> Policy:
+    """Coerces a name, a Policy, a config dict or a Keras/jmp policy to `Policy`.
+
+    Raises:
+      TypeError/ValueError: the value is none of those, saying what was received.
+
+    >>> as_policy("bf16-mixed")
+    Policy('mixed_bfloat16')
+    """
+    if isinstance(value, Policy):
+        return value
+    if isinstance(value, str):
+        return Policy(value)
+    if isinstance(value, Mapping):
+        return Policy.from_config(value)
+    if hasattr(value, "param_dtype") and hasattr(value, "compute_dtype"):
+        return Policy.from_jmp(value)
+    if hasattr(value, "variable_dtype") and hasattr(value, "compute_dtype"):
+        return Policy.from_keras(value)
+    raise TypeError(
+        f"Received {what}={value!r} of type {type(value).__name__}; expected a Policy, "
+        f"a policy name such as 'mixed_float16', a config dict, a Keras DTypePolicy or "
+        f"a jmp Policy."
+    )

@@ -1,0 +1,235 @@
+"""`PolicyMap`: a default policy plus per-layer overrides.
+
+How a layer's policy is chosen, first rule that applies wins:
+
+1. an override key that matches the layer itself:
+   a. an exact path (``"encoder.layers.0.norm"``);
+   b. a glob on the path (``"encoder.*.norm"``; ``*`` also crosses separators).
+      When several globs match, the one with the most literal characters wins;
+   c. a layer class (``torch.nn.LayerNorm``); a subclass matches, and the class
+      nearest in the layer's MRO wins.
+   Two keys of the same kind that tie and give different policies are an error
+   naming both keys.
+2. a built-in rule for the layer's kind (normalisation layers and losses compute
+   in float32 when the policy around them computes in half precision); disable with
+   ``builtin_rules=False``, or override one layer with a key of rule 1;
+3. the override that matched the nearest enclosing layer (an override on a block
+   covers everything inside it);
+4. the map's default, or when it has none, the global policy at resolve time.
+
+Paths use each framework's own naming: ``named_modules()`` in PyTorch, ``layer.path``
+in Keras, the pytree path in JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import fnmatch
+import warnings
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
+
+from mixedpolicy.global_policy import global_policy
+from mixedpolicy.policy import Policy, as_policy
+
+_GLOB_CHARS = frozenset("*?[")
+
+# Built-in rules: a layer kind (as classified by the adapter) -> how its policy
+# changes. Each only ever raises precision.
+NORMALIZATION = "normalization"
+LOSS = "loss"
+
+
+def _rule_normalization(policy: Policy) -> Policy:
+    return dataclasses.replace(policy, compute_dtype="float32")
+
+
+def _rule_loss(policy: Policy) -> Policy:
+    return dataclasses.replace(policy, compute_dtype="float32", output_dtype="float32")
+
+
+_RULES = {NORMALIZATION: _rule_normalization, LOSS: _rule_loss}
+
+
+class LayerInfo(NamedTuple):
+    """What an adapter tells the map about one layer.
+
+    Attributes:
+      path: the layer's path in its framework's own naming ("" for the root).
+      type: the layer's class.
+      kind: ``"normalization"``, ``"loss"`` or ``None``, for the built-in rules.
+    """
+
+    path: str
+    type: type
+    kind: str | None = None
+
+
+class Resolution(NamedTuple):
+    """The policy chosen for a layer and where it came from (for `describe`)."""
+
+    policy: Policy
+    source: str
+
+
+def _is_glob(key: str) -> bool:
+    return any(c in _GLOB_CHARS for c in key)
+
+
+def _literal_chars(pattern: str) -> int:
+    return sum(c not in _GLOB_CHARS for c in pattern)
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class PolicyMap:
+    """A default policy plus per-layer overrides (see the module docstring for precedence).
+
+    Args:
+      default: the policy of every layer no override reaches; ``None`` follows the
+        global policy in force when the map is applied.
+      overrides: a mapping from a layer path, a glob on paths or a layer class to
+        a policy (a `Policy` or anything `Policy` accepts).
+      builtin_rules: apply the built-in rules (normalisation and losses in float32).
+
+    Raises:
+      TypeError: a key is neither a non-empty string nor a class, or a value is not a policy.
+      ValueError: a value names an unknown policy.
+
+    >>> m = PolicyMap("mixed_bfloat16", {"head": "float32"})
+    >>> m.resolve([LayerInfo("", object), LayerInfo("head", object)])
+    Resolution(policy=Policy('float32'), source="map key 'head'")
+    """
+
+    default: Policy | None
+    overrides: tuple[tuple[Any, Policy], ...]
+    builtin_rules: bool
+
+    def __init__(self, default: Any = None, overrides: Mapping[Any, Any] | None = None,
+                 *, builtin_rules: bool = True):
+        if overrides is None:
+            overrides = {}
+        if not isinstance(overrides, Mapping):
+            raise TypeError(f"Received overrides of type {type(overrides).__name__}; "
+                            f"expected a dict such as {{'encoder.*.norm': 'float32'}}.")
+        pairs = []
+        for key, value in overrides.items():
+            if isinstance(key, str):
+                if not key.strip() and key != "":
+                    raise TypeError(f"Received the blank override key {key!r}; "
+                                    f"expected a layer path, a glob or a layer class.")
+            elif not isinstance(key, type):
+                raise TypeError(
+                    f"Received override key {key!r} of type {type(key).__name__}; expected "
+                    f"a layer path ('encoder.norm'), a glob ('encoder.*.norm') or a layer "
+                    f"class (torch.nn.LayerNorm, keras.layers.BatchNormalization).")
+            pairs.append((key, as_policy(value, what=f"overrides[{key!r}]")))
+        if not isinstance(builtin_rules, bool):
+            raise TypeError(f"Received builtin_rules={builtin_rules!r}; expected True or False.")
+        object.__setattr__(self, "default", None if default is None else as_policy(default, what="default"))
+        object.__setattr__(self, "overrides", tuple(pairs))
+        object.__setattr__(self, "builtin_rules", builtin_rules)
+
+    # -- matching -------------------------------------------------------------
+    def _match(self, layer: LayerInfo) -> tuple[Any, Policy] | None:
+        """The override key that matches this layer itself, or None."""
+        for key, policy in self.overrides:
+            if isinstance(key, str) and not _is_glob(key) and key == layer.path:
+                return key, policy
+        globs = [(_literal_chars(k), k, p) for k, p in self.overrides
+                 if isinstance(k, str) and _is_glob(k) and fnmatch.fnmatchcase(layer.path, k)]
+        if globs:
+            return _best(globs, layer, "globs")
+        mro = getattr(layer.type, "__mro__", (layer.type,))
+        classes = [(-mro.index(k), k, p) for k, p in self.overrides
+                   if isinstance(k, type) and k in mro]
+        if classes:
+            return _best(classes, layer, "classes")
+        return None
+
+    def resolve(self, chain: Sequence[LayerInfo]) -> Resolution:
+        """Chooses the policy of the last layer in `chain`.
+
+        Args:
+          chain: the layers from the outermost model down to the layer to resolve.
+
+        Returns:
+          A `Resolution`: the policy and a short text saying where it came from.
+
+        Raises:
+          ValueError: two override keys tie for the layer with different policies.
+        """
+        if not chain:
+            raise ValueError("Received an empty chain; expected the layers from the root "
+                             "model down to the layer to resolve.")
+        layer = chain[-1]
+        own = self._match(layer)
+        if own is not None:
+            return Resolution(own[1], f"map key {_key_text(own[0])}")
+        base = self._inherited(chain[:-1])
+        rule = _RULES.get(layer.kind) if self.builtin_rules else None
+        if rule is not None and base.policy.compute_dtype in ("float16", "bfloat16"):
+            return Resolution(rule(base.policy), f"built-in rule: {layer.kind}")
+        return base
+
+    def _inherited(self, ancestors: Sequence[LayerInfo]) -> Resolution:
+        for ancestor in reversed(ancestors):
+            match = self._match(ancestor)
+            if match is not None:
+                return Resolution(match[1], f"map key {_key_text(match[0])} (inherited "
+                                            f"from {ancestor.path!r})")
+        if self.default is not None:
+            return Resolution(self.default, "map default")
+        return Resolution(global_policy(), "global policy")
+
+    def warn_unmatched(self, layers: Iterable[LayerInfo]) -> None:
+        """Warns about each override key that matches none of `layers`, naming the nearest paths."""
+        layers = list(layers)
+        paths = [layer.path for layer in layers]
+        for key, _ in self.overrides:
+            if isinstance(key, type):
+                if not any(key in getattr(layer.type, "__mro__", ()) for layer in layers):
+                    warnings.warn(f"PolicyMap key {_key_text(key)} matches no layer: the model "
+                                  f"has no layer of that class, so the override has no effect.",
+                                  UserWarning, stacklevel=3)
+                continue
+            if _is_glob(key):
+                hit = any(fnmatch.fnmatchcase(p, key) for p in paths)
+            else:
+                hit = key in paths
+            if not hit:
+                near = difflib.get_close_matches(key, paths, n=3, cutoff=0.4) or paths[:3]
+                warnings.warn(f"PolicyMap key {key!r} matches no layer path, so the override "
+                              f"has no effect. Nearest paths: {near}.", UserWarning, stacklevel=3)
+
+
+def _key_text(key: Any) -> str:
+    if isinstance(key, type):
+        return f"{key.__module__}.{key.__qualname__}"
+    return repr(key)
+
+
+def _best(candidates: list[tuple[int, Any, Policy]], layer: LayerInfo, what: str) -> tuple[Any, Policy]:
+    candidates.sort(key=lambda c: c[0], reverse=True)
+    rank, key, policy = candidates[0]
+    for other_rank, other_key, other_policy in candidates[1:]:
+        if other_rank == rank and other_policy != policy:
+            raise ValueError(
+                f"Ambiguous PolicyMap for layer {layer.path!r}: the {what} {_key_text(key)} "
+                f"({policy.name}) and {_key_text(other_key)} ({other_policy.name}) match it "
+                f"equally well. Add an exact-path key for {layer.path!r}, or make one key "
+                f"more specific.")
+    return key, policy
+
+
+def as_policy_map(policy: Any = None, overrides: Mapping[Any, Any] | None = None) -> PolicyMap:
+    """The map `apply_policy` uses: a `PolicyMap` as given, else one built from a policy and overrides.
+
+    Raises:
+      TypeError: a `PolicyMap` was given together with separate overrides.
+    """
+    if isinstance(policy, PolicyMap):
+        if overrides:
+            raise TypeError("Received a PolicyMap and separate overrides; put the overrides "
+                            "into the PolicyMap, or pass a plain policy with overrides=.")
+        return policy
+    return PolicyMap(policy, overrides)

@@ -1,0 +1,60 @@
+"""Fixtures shared by the whole suite.
+
+- ``backend``: parametrised over every adapter mixedpolicy ships, so a failure
+  reads ``test_x[torch]``. A backend named in ``MIXEDPOLICY_EXPECT_BACKENDS``
+  (``make test`` sets it) that cannot be imported fails; others are skipped.
+- every test leaves the global policy as it found it.
+- JAX runs with strict dtype promotion, so a silent float16 -> float32 upcast fails.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+
+os.environ.setdefault("JAX_NUMPY_DTYPE_PROMOTION", "strict")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import mixedpolicy  # noqa: E402
+from mixedpolicy import backends  # noqa: E402
+
+
+def expected_backends() -> set[str]:
+    raw = os.environ.get("MIXEDPOLICY_EXPECT_BACKENDS", "numpy")
+    return {name.strip() for name in raw.split(",") if name.strip()}
+
+
+def require_module(module: str, backend: str | None = None):
+    """Imports a framework, failing if CI expects it and skipping otherwise."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        if (backend or module) in expected_backends():
+            pytest.fail(f"backend {backend or module!r} is expected "
+                        f"(MIXEDPOLICY_EXPECT_BACKENDS) but {module!r} failed to import: {err}")
+        pytest.skip(f"{module} is not installed")
+
+
+@pytest.fixture(params=backends.adapter_names())
+def backend(request):
+    """The adapter of one framework, its framework imported."""
+    name = request.param
+    require_module(backends._ENTRIES[backends.adapter_names().index(name)].module, name)
+    return backends.get_adapter(name)
+
+
+@pytest.fixture(autouse=True)
+def _restore_global_policy():
+    before = mixedpolicy.global_policy()
+    yield
+    mixedpolicy.set_global_policy(before)
+
+
+@pytest.fixture(autouse=True)
+def _doctest_namespace(doctest_namespace):
+    import numpy as np
+
+    doctest_namespace["np"] = np
+    doctest_namespace["mp"] = mixedpolicy

@@ -1,0 +1,189 @@
+"""Policy: every name family, normalisation, value semantics, serialisation, bad input."""
+
+import dataclasses
+import json
+import re
+
+import numpy as np
+import pytest
+
+from mixedpolicy import Policy
+from mixedpolicy.policy import as_policy
+
+# name -> (variable, compute, output)
+CASES = {
+    "float32": ("float32", "float32", "float32"),
+    "float16": ("float16", "float16", "float16"),
+    "bfloat16": ("bfloat16", "bfloat16", "bfloat16"),
+    "float64": ("float64", "float64", "float64"),
+    "mixed_float16": ("float32", "float16", "float16"),
+    "mixed_bfloat16": ("float32", "bfloat16", "bfloat16"),
+    # jmp grammar, long and short, with jmp's defaults for what is left out
+    "params=float32,compute=bfloat16,output=float32": ("float32", "bfloat16", "float32"),
+    "p=f32,c=bf16,o=f32": ("float32", "bfloat16", "float32"),
+    "c=f16": ("float32", "float16", "float16"),
+    "p=f16,c=f16": ("float16", "float16", "float16"),
+    "p=bf16": ("bfloat16", "bfloat16", "bfloat16"),
+    "params=full,compute=half": ("float32", "float16", "float16"),
+    "half": ("float16", "float16", "float16"),
+    "full": ("float32", "float32", "float32"),
+    # Lightning precision strings
+    "16-mixed": ("float32", "float16", "float16"),
+    "bf16-mixed": ("float32", "bfloat16", "bfloat16"),
+    "32-true": ("float32", "float32", "float32"),
+    "16-true": ("float16", "float16", "float16"),
+    "bf16-true": ("bfloat16", "bfloat16", "bfloat16"),
+    "64-true": ("float64", "float64", "float64"),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_every_name_family_normalises(name):
+    p = Policy(name)
+    assert (p.variable_dtype, p.compute_dtype, p.output_dtype) == CASES[name]
+    # the canonical name parses back to the same value
+    assert Policy(p.name) == p
+    assert all(isinstance(d, str) for d in (p.name, p.compute_dtype, p.variable_dtype, p.output_dtype))
+
+
+def test_equal_policies_hash_equal_across_families():
+    family = {Policy("mixed_float16"), Policy("16-mixed"), Policy("c=f16"), Policy("p=f32,c=f16,o=f16"),
+              Policy(None, compute_dtype="float16")}
+    assert len(family) == 1
+    assert Policy("16-mixed").name == "mixed_float16"
+
+
+def test_canonical_names():
+    assert Policy("bf16-true").name == "bfloat16"
+    assert Policy("p=f32,c=bf16,o=f32").name == "params=float32,compute=bfloat16,output=float32"
+    assert repr(Policy("mixed_bfloat16")) == "Policy('mixed_bfloat16')"
+    assert str(Policy("half")) == "float16"
+
+
+def test_needs_loss_scaling():
+    assert Policy("mixed_float16").needs_loss_scaling
+    assert Policy("float16").needs_loss_scaling
+    assert not Policy("mixed_bfloat16").needs_loss_scaling
+    assert not Policy("float32").needs_loss_scaling
+    assert not Policy("p=f16,c=f32").needs_loss_scaling
+
+
+def test_keywords_override_the_name_and_default_like_jmp():
+    p = Policy("mixed_float16", output_dtype="float32")
+    assert (p.variable_dtype, p.compute_dtype, p.output_dtype) == ("float32", "float16", "float32")
+    assert Policy(None, variable_dtype="bf16") == Policy("bfloat16")
+    assert Policy(None) == Policy("float32") == Policy()
+
+
+def test_dtype_objects_are_accepted():
+    import ml_dtypes
+
+    assert Policy(None, compute_dtype=np.float16).compute_dtype == "float16"
+    assert Policy(None, compute_dtype=np.dtype("float16")).compute_dtype == "float16"
+    assert Policy(None, compute_dtype=ml_dtypes.bfloat16).compute_dtype == "bfloat16"
+
+
+def test_frozen_and_replace():
+    p = Policy("mixed_float16")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.compute_dtype = "bfloat16"
+    q = dataclasses.replace(p, compute_dtype="bfloat16")
+    assert q.name == "params=float32,compute=bfloat16,output=float16"
+    assert p == Policy("mixed_float16")  # the original is unchanged
+    assert dataclasses.replace(p, output_dtype="float16") == p
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_config_and_json_round_trip(name):
+    p = Policy(name)
+    config = p.get_config()
+    assert set(config) == {f.name for f in dataclasses.fields(Policy)}  # no field silently lost
+    assert Policy.from_config(json.loads(json.dumps(config))) == p
+    assert Policy.from_config({"name": p.name}) == p  # Keras's {"name": ...} form
+
+
+def test_from_config_rejects_unknown_keys():
+    with pytest.raises(ValueError, match=r"unknown keys \['dtype'\].*expected only"):
+        Policy.from_config({"name": "float32", "dtype": "float16"})
+    with pytest.raises(TypeError, match="expected the dict returned by Policy.get_config"):
+        Policy.from_config("float32")
+
+
+@pytest.mark.parametrize("bad, exc, message", [
+    ("mixed_float32", ValueError, "mixed policy computes in half precision"),
+    ("mixed_int8", ValueError, "not a floating dtype"),
+    ("int8", ValueError, "not a policy mixedpolicy knows.*Expected a Keras name"),
+    ("banana", ValueError, "'banana'.*jmp policy.*Lightning"),
+    ("p=f32,x=bf16", ValueError, "'x=bf16'.*'params' \\('p'\\)"),
+    ("p=f32,p=bf16", ValueError, "sets 'params' twice"),
+    ("p=f32,c=int8", ValueError, "not a floating dtype"),
+    (16, TypeError, "'16-mixed'.*'float16'"),
+    (3.5, TypeError, "of type float"),
+])
+def test_bad_names_say_what_how_and_what_is_valid(bad, exc, message):
+    with pytest.raises(exc, match=message):
+        Policy(bad)
+
+
+def test_suggested_aliases_are_accepted():
+    # Every name an error message suggests must itself work.
+    from mixedpolicy.policy import _valid_names_hint
+
+    suggested = re.findall(r"'([^']+)'", _valid_names_hint())
+    assert len(suggested) >= 12
+    for name in suggested:
+        Policy(name)
+    for dtype in ("f16", "bf16", "f32", "half", "full", "float16", "bfloat16", "float32", "float64"):
+        Policy(None, compute_dtype=dtype)
+    for name in ("mixed_float16", "mixed_bfloat16", "16-mixed", "float16"):  # from the int-name hint
+        Policy(name)
+
+
+def test_bad_dtype_keyword():
+    with pytest.raises(ValueError, match="compute_dtype='int32'"):
+        Policy(None, compute_dtype="int32")
+    with pytest.raises(TypeError, match="variable_dtype=True"):
+        Policy(None, variable_dtype=True)
+
+
+def test_as_policy_accepts_duck_typed_keras_and_jmp_policies():
+    class KerasLike:
+        variable_dtype = "float32"
+        compute_dtype = "bfloat16"
+
+    class JmpLike:
+        param_dtype = np.dtype("float32")
+        compute_dtype = np.dtype("float16")
+        output_dtype = np.dtype("float32")
+
+    assert as_policy(KerasLike()) == Policy("mixed_bfloat16")
+    assert as_policy(JmpLike()) == Policy("p=f32,c=f16,o=f32")
+    assert as_policy({"name": "bf16-mixed"}) == Policy("mixed_bfloat16")
+    with pytest.raises(TypeError, match="expected a Policy, a policy name"):
+        as_policy(1.5)
+
+
+def test_keras_conversion_round_trip():
+    from conftest import require_module
+
+    keras = require_module("keras")
+    for name in ("float32", "mixed_float16", "mixed_bfloat16", "bfloat16"):
+        dtype_policy = Policy(name).to_keras()
+        assert isinstance(dtype_policy, keras.DTypePolicy)
+        assert dtype_policy.name == name
+        assert Policy.from_keras(dtype_policy) == Policy(name)
+    with pytest.raises(ValueError, match="Keras cannot express"):
+        Policy("p=f32,c=bf16,o=f32").to_keras()
+
+
+def test_jmp_conversion_round_trip():
+    from conftest import require_module
+
+    require_module("jax")
+    jmp = require_module("jmp", "jax")
+    for name in CASES:
+        p = Policy(name)
+        j = p.to_jmp()
+        assert isinstance(j, jmp.Policy)
+        assert Policy.from_jmp(j) == p
+    assert Policy.from_jmp(jmp.get_policy("p=f32,c=bf16,o=f32")) == Policy("p=f32,c=bf16,o=f32")
