@@ -7,9 +7,8 @@ How a layer's policy is chosen, first rule that applies wins:
    b. a glob on the path (``"encoder.*.norm"``; ``*`` also crosses separators).
       When several globs match, the one with the most literal characters wins;
    c. a layer class (``torch.nn.LayerNorm``); a subclass matches, and the class
-      nearest in the layer's MRO wins.
-   Two keys of the same kind that tie and give different policies are an error
-   naming both keys.
+      that comes first in the layer's MRO wins.
+   Two globs that tie and give different policies are an error naming both keys.
 2. a built-in rule for the layer's kind (normalisation layers and losses compute
    in float32 when the policy around them computes in half precision); disable with
    ``builtin_rules=False``, or override one layer with a key of rule 1;

@@ -1,0 +1,57 @@
+"""Every script in examples/ runs, and the README's quick start runs as written."""
+
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
+
+
+def test_there_are_examples():
+    assert EXAMPLES
+
+
+@pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
+def test_example_runs(script):
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    assert "accuracy" in proc.stdout
+
+
+def test_numpy_example_matches_float32_and_shows_skipped_steps():
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import numpy as np
+        import numpy_loss_scaling as ex
+    finally:
+        sys.path.pop(0)
+    with np.errstate(over="ignore", invalid="ignore"):
+        acc32, skipped32, _, _ = ex.train("float32", epochs=10)
+        acc16, skipped16, scale16, wdtype = ex.train("mixed_float16", epochs=10)
+    assert skipped32 == 0 and skipped16 > 0  # the too-high initial scale is backed off
+    assert scale16 < 2.0**24 and wdtype == np.float32
+    assert abs(acc32 - acc16) <= 0.02
+
+
+def test_readme_quick_start_runs():
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert blocks
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), {})
+
+
+def test_guide_policy_table_is_true():
+    import mixedpolicy as mp
+
+    text = (ROOT / "docs" / "guide.md").read_text()
+    rows = re.findall(r"^\| (`.*?) \| `(.*?)` \|", text, re.M)
+    assert len(rows) >= 6
+    for spellings, canonical in rows:
+        for name in re.findall(r'"([^"]+)"', spellings):
+            assert mp.Policy(name).name == canonical, name

@@ -1,0 +1,187 @@
+"""Loss scales: the state machine, its bounds, purity, and the same results on every backend."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import mixedpolicy as mp
+from mixedpolicy import DynamicLossScale, NoLossScale, StaticLossScale
+
+
+def reference(flags, scale, steps, growth, backoff, lo, hi):
+    """The algorithm of the docstring, in plain Python floats."""
+    counter, out = 0, []
+    for finite in flags:
+        if finite:
+            counter += 1
+            if counter == steps:
+                counter, scale = 0, min(scale * growth, hi)
+        else:
+            counter, scale = 0, max(scale * backoff, lo)
+        out.append((scale, counter))
+    return out
+
+
+def test_defaults_are_keras():
+    s = DynamicLossScale()
+    assert float(s.loss_scale) == 2.0**15 and int(s.counter) == 0
+    assert (s.dynamic_growth_steps, s.growth_factor, s.backoff_factor, s.min_scale, s.max_scale) == \
+        (2000, 2.0, 0.5, 1.0, 2.0**24)
+    assert s.loss_scale.dtype == np.float32 and s.counter.dtype == np.int32
+
+
+def test_adjust_is_pure():
+    s = DynamicLossScale(loss_scale=8.0, dynamic_growth_steps=1)
+    t = s.adjust(True)
+    assert float(s.loss_scale) == 8.0 and float(t.loss_scale) == 16.0
+    assert s == DynamicLossScale(loss_scale=8.0, dynamic_growth_steps=1)
+
+
+def test_value_semantics_and_replace():
+    a, b = DynamicLossScale(loss_scale=4.0), DynamicLossScale(loss_scale=4.0)
+    assert a == b and hash(a) == hash(b)
+    assert a != a.adjust(False)
+    c = dataclasses.replace(a, min_scale=0.25)
+    assert c.min_scale == 0.25 and a.min_scale == 1.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.loss_scale = 2.0
+    assert StaticLossScale(2.0) == StaticLossScale(2.0) != StaticLossScale(4.0)
+    assert NoLossScale() == NoLossScale() and hash(NoLossScale()) == hash(NoLossScale())
+
+
+def test_a_long_run_of_overflows_stops_at_the_floor():
+    s = DynamicLossScale()
+    for _ in range(200):
+        s = s.adjust(False)
+    assert float(s.loss_scale) == 1.0
+    s = DynamicLossScale(min_scale=2.0**-4)  # a floor below 1 is allowed
+    for _ in range(200):
+        s = s.adjust(False)
+    assert float(s.loss_scale) == 2.0**-4
+
+
+def test_growth_stops_at_the_ceiling():
+    s = DynamicLossScale(loss_scale=2.0**23, dynamic_growth_steps=1)
+    for _ in range(10):
+        s = s.adjust(True)
+    assert float(s.loss_scale) == 2.0**24
+
+
+def test_scale_and_unscale():
+    s = DynamicLossScale(loss_scale=1024.0)
+    loss = s.scale(np.float16(0.5))
+    assert loss.dtype == np.float32 and float(loss) == 512.0  # the scaled loss is float32
+    grads = {"w": np.full(3, 2048.0, np.float16), "b": np.float32(1024.0), "step": np.int32(7)}
+    out = s.unscale(grads)
+    assert out["w"].dtype == np.float16 and np.all(out["w"] == 2.0)
+    assert out["b"].dtype == np.float32 and float(out["b"]) == 1.0
+    assert out["step"] == 7 and out["step"].dtype == np.int32  # integers are never touched
+    assert NoLossScale().unscale(grads) is grads
+
+
+def test_static_and_none_never_change():
+    for s in (StaticLossScale(128.0), NoLossScale()):
+        assert s.adjust(False) is s and s.adjust(True) is s
+    assert float(NoLossScale().loss_scale) == 1.0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"loss_scale": 0.0}, "loss_scale=0.0; expected a finite number > 0"),
+    ({"loss_scale": -1.0}, "loss_scale=-1.0"),
+    ({"loss_scale": float("inf")}, "loss_scale=inf"),
+    ({"loss_scale": 1e39}, "larger than float32"),
+    ({"loss_scale": 2.0**30}, r"outside \[min_scale, max_scale\]"),
+    ({"dynamic_growth_steps": 0}, "dynamic_growth_steps=0; expected a whole number >= 1"),
+    ({"dynamic_growth_steps": 2.5}, "dynamic_growth_steps=2.5"),
+    ({"growth_factor": 1.0}, "growth_factor=1.0; expected a number > 1"),
+    ({"growth_factor": 0.5}, "growth_factor=0.5"),
+    ({"backoff_factor": 1.0}, r"backoff_factor=1.0; expected a number in \(0, 1\)"),
+    ({"backoff_factor": 0.0}, "backoff_factor=0.0"),
+    ({"min_scale": 0.0}, "min_scale=0.0"),
+    ({"min_scale": 8.0, "max_scale": 4.0, "loss_scale": 4.0}, "min_scale=8.0 > max_scale=4.0"),
+    ({"counter": -1}, "counter=-1"),
+])
+def test_bad_settings_are_rejected(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        DynamicLossScale(**kwargs)
+
+
+def test_bad_types_are_rejected():
+    with pytest.raises(TypeError, match="loss_scale='big'.*positive number"):
+        DynamicLossScale(loss_scale="big")
+    with pytest.raises(TypeError, match="loss_scale=True"):
+        StaticLossScale(True)
+    with pytest.raises(ValueError, match="loss_scale=0"):
+        StaticLossScale(0)
+
+
+def _on(backend, state):
+    """The same state with arrays of `backend`."""
+    return state._evolve(loss_scale=backend.asarray(float(state.loss_scale), "float32"),
+                         counter=backend.asarray(int(state.counter), "int32"))
+
+
+FLAGS = [False, True, True, True, False, False, True, True, True, True, True, False] + [True] * 7
+
+
+def test_same_trajectory_on_every_backend(backend):
+    ref = DynamicLossScale(loss_scale=2.0**15, dynamic_growth_steps=3, min_scale=2.0**13)
+    s = _on(backend, ref)
+    for flag in FLAGS:
+        ref = ref.adjust(flag)
+        s = s.adjust(backend.asarray(flag, "bool"))
+        assert backend.is_array(s.loss_scale) and backend.floating_dtype(s.loss_scale) == "float32"
+        assert float(np.asarray(s.loss_scale)) == float(ref.loss_scale)
+        assert int(np.asarray(s.counter)) == int(ref.counter)
+
+
+def test_unscale_and_finiteness_on_every_backend(backend):
+    s = _on(backend, DynamicLossScale(loss_scale=256.0))
+    grads = [backend.asarray(np.full(4, 512.0), d) for d in ("float16", "bfloat16", "float32")]
+    out = s.unscale(grads)
+    for g, o in zip(grads, out):
+        assert backend.floating_dtype(o) == backend.floating_dtype(g)
+        assert np.all(np.asarray(backend.cast(o, "float32")) == 2.0)
+    assert bool(np.asarray(backend.all_finite(out)))
+    bad = out + [backend.asarray([1.0, np.inf], "float16")]
+    assert not bool(np.asarray(backend.all_finite(bad)))
+    assert not bool(np.asarray(backend.all_finite([backend.asarray([np.nan], "bfloat16")])))
+    assert bool(np.asarray(backend.all_finite([backend.asarray([1, 2], "int32")])))
+
+
+settings.register_profile("mixedpolicy", deadline=None, max_examples=150)
+settings.load_profile("mixedpolicy")
+
+
+@given(flags=st.lists(st.booleans(), max_size=120),
+       steps=st.integers(1, 6),
+       log_scale=st.integers(-4, 24),
+       log_lo=st.integers(-8, 4),
+       log_hi=st.integers(4, 26),
+       growth=st.sampled_from([1.5, 2.0, 4.0]),
+       backoff=st.sampled_from([0.25, 0.5, 0.9]))
+def test_state_machine_properties(flags, steps, log_scale, log_lo, log_hi, growth, backoff):
+    lo, hi = 2.0**log_lo, 2.0**log_hi
+    start = min(max(2.0**log_scale, lo), hi)
+    s = DynamicLossScale(loss_scale=start, dynamic_growth_steps=steps, growth_factor=growth,
+                         backoff_factor=backoff, min_scale=lo, max_scale=hi)
+    expected = reference(flags, np.float32(start), steps, np.float32(growth), np.float32(backoff),
+                         np.float32(lo), np.float32(hi))
+    finite_run = 0
+    for flag, (ref_scale, ref_counter) in zip(flags, expected):
+        before = float(s.loss_scale)
+        s = s.adjust(flag)
+        scale = float(s.loss_scale)
+        assert lo <= scale <= hi and 0 < scale < np.inf  # bounded, never 0 or inf
+        assert scale == float(ref_scale) and int(s.counter) == ref_counter
+        finite_run = finite_run + 1 if flag else 0
+        if not flag:  # every overflow backs off (down to the floor)
+            assert scale == max(before * backoff, lo) or np.isclose(scale, max(before * backoff, lo))
+            assert int(s.counter) == 0
+        elif scale > before:  # growth only after a full run of finite steps
+            assert finite_run % steps == 0 and finite_run >= steps
+        else:
+            assert scale == before or before == hi or scale == hi
