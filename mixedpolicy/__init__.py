@@ -8,7 +8,7 @@ by the type of the object it is given.
 True
 """
 
-from mixedpolicy.api import LossScaleOptimizer, apply_policy, describe
+from mixedpolicy.api import LossScaleOptimizer, apply_policy, describe, remove_policy
 from mixedpolicy.describe import LayerPolicy, PolicyTable
 from mixedpolicy.function import PolicyFunction
 from mixedpolicy.global_policy import global_policy, policy_scope, set_global_policy
@@ -32,6 +32,7 @@ __all__ = [
     "Resolution",
     "StaticLossScale",
     "apply_policy",
+    "remove_policy",
     "describe",
     "global_policy",
     "policy_scope",

@@ -45,6 +45,25 @@ def apply_policy(model: Any, policy: Any = None, overrides: Mapping[Any, Any] | 
         f"installed but not imported yet, import it before calling apply_policy.")
 
 
+def remove_policy(model: Any) -> Any:
+    """Undoes `apply_policy` on a model: its forwards and variable dtypes are restored.
+
+    A `PolicyFunction` gives back the function it wraps.
+
+    Raises:
+      TypeError: the model is of a type no installed adapter handles.
+    """
+    if isinstance(model, PolicyFunction):
+        return model.fn
+    adapter = backends.adapter_for(model, "model")
+    if adapter is None:
+        raise TypeError(
+            f"Received a model of type {type(model).__module__}.{type(model).__qualname__}, "
+            f"which no installed mixedpolicy adapter handles. Expected one of: "
+            f"{backends.supported('model')}.")
+    return adapter.remove_policy(model)
+
+
 def describe(model: Any) -> PolicyTable:
     """Returns the per-layer table of a model: path, type, dtypes and where each policy came from.
 

@@ -9,8 +9,9 @@ How a layer's policy is chosen, first rule that applies wins:
    c. a layer class (``torch.nn.LayerNorm``); a subclass matches, and the class
       that comes first in the layer's MRO wins.
    Two globs that tie and give different policies are an error naming both keys.
-2. a built-in rule for the layer's kind (normalisation layers and losses compute
-   in float32 when the policy around them computes in half precision); disable with
+2. a built-in rule for the layer's kind (normalisation layers compute, and keep
+   their variables, in float32; losses compute and output float32; each when the
+   policy around them computes in half precision); disable with
    ``builtin_rules=False``, or override one layer with a key of rule 1;
 3. the override that matched the nearest enclosing layer (an override on a block
    covers everything inside it);
@@ -40,7 +41,10 @@ LOSS = "loss"
 
 
 def _rule_normalization(policy: Policy) -> Policy:
-    return dataclasses.replace(policy, compute_dtype="float32")
+    # Statistics in float32; so are the (tiny) scale and shift, which a float32
+    # computation needs in float32 even under a pure half-precision policy.
+    variable = "float32" if policy.variable_dtype in ("float16", "bfloat16") else policy.variable_dtype
+    return dataclasses.replace(policy, compute_dtype="float32", variable_dtype=variable)
 
 
 def _rule_loss(policy: Policy) -> Policy:

@@ -74,6 +74,7 @@ def test_numpy_owns_no_model_or_optimizer():
     adapter = backends.get_adapter("numpy")
     assert adapter.role_of(np.ones(2)) is None
     for call in (lambda: adapter.apply_policy(None, None), lambda: adapter.describe(None),
+                 lambda: adapter.remove_policy(None),
                  lambda: adapter.wrap_optimizer(None, None)):
         with pytest.raises(TypeError, match="numpy has no"):
             call()

@@ -137,3 +137,9 @@ def test_unmatched_keys_warn_with_nearest_paths():
 def test_apply_policy_rejects_map_plus_overrides():
     with pytest.raises(TypeError, match="put the overrides into the PolicyMap"):
         mp.apply_policy(lambda x: x, PolicyMap("float32"), {"a": "float16"})
+
+
+def test_norm_rule_keeps_norm_variables_in_float32_under_pure_half():
+    r = resolve(PolicyMap("bfloat16"), ("norm", Norm, "normalization"))
+    assert (r.policy.variable_dtype, r.policy.compute_dtype, r.policy.output_dtype) == \
+        ("float32", "float32", "bfloat16")

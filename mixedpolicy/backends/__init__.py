@@ -28,6 +28,8 @@ class _Entry(NamedTuple):
 # torch and tensorflow because a Keras 3 layer on the torch backend is also a
 # torch.nn.Module. numpy comes last: other frameworks accept numpy leaves too.
 _ENTRIES: list[_Entry] = [
+    _Entry("torch", "torch", "mixedpolicy.backends.torch_backend:TorchAdapter",
+           models="a torch.nn.Module", optimizers="a torch.optim.Optimizer (or a list of them)"),
     _Entry("numpy", "numpy", "mixedpolicy.backends.numpy_backend:NumpyAdapter"),
 ]
 

@@ -73,6 +73,10 @@ class Adapter(abc.ABC):
         """Puts a `PolicyMap` onto a model of this framework; returns the model."""
 
     @abc.abstractmethod
+    def remove_policy(self, model: Any) -> Any:
+        """Undoes `apply_policy` on a model of this framework; returns the model."""
+
+    @abc.abstractmethod
     def describe(self, model: Any) -> list:
         """The per-layer rows (`LayerPolicy`) of a model of this framework."""
 

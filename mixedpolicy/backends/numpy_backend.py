@@ -99,6 +99,9 @@ class NumpyAdapter(Adapter):
         raise TypeError("numpy has no layer objects; apply a policy to a function of numpy "
                         "arrays instead: apply_policy(fn, policy).")
 
+    def remove_policy(self, model: Any) -> Any:
+        raise TypeError("numpy has no layer objects to remove a policy from.")
+
     def describe(self, model: Any) -> list:
         raise TypeError("numpy has no layer objects to describe.")
 

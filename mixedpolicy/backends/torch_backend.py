@@ -1,0 +1,254 @@
+"""PyTorch adapter: policies on ``nn.Module`` through autocast regions, and torch arrays.
+
+How a policy reaches a module tree:
+
+- every module's policy is resolved from the `PolicyMap` (by its ``named_modules()``
+  path, its class, the built-in rules);
+- a module gets a *region* only where its policy differs from its parent's (the
+  root always has one): its ``forward`` is wrapped, so a whole ``mixed_bfloat16``
+  model costs one ``torch.autocast`` region, exactly what hand-written AMP does;
+- a region computing in half precision over float32 variables runs under
+  ``torch.autocast(dtype=compute)``; any other region (float32 statistics of a
+  norm layer, a pure ``bfloat16`` model) turns autocast off and casts its
+  floating inputs to the compute dtype;
+- floating outputs leave a region in its output dtype; under a mixed policy whose
+  output dtype is its compute dtype, outputs are left as autocast makes them (half
+  for matmul-like ops, float32 for autocast's float32 ops and for layers overridden
+  to float32), as in hand-written AMP;
+- parameters (and floating buffers) are stored in the variable dtype.
+
+`remove_policy` undoes all of it: forwards and parameter dtypes are restored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+from torch.utils import _pytree as pytree
+
+from mixedpolicy._dtypes import FLOATING_DTYPES
+from mixedpolicy.backends.base import Adapter
+from mixedpolicy.describe import LayerPolicy
+from mixedpolicy.policy import Policy
+from mixedpolicy.policy_map import LOSS, NORMALIZATION, LayerInfo
+
+_TORCH_DTYPES = {name: getattr(torch, name) for name in FLOATING_DTYPES}
+_TORCH_DTYPES.update(bool=torch.bool, int32=torch.int32, int64=torch.int64)
+_NAMES = {v: k for k, v in _TORCH_DTYPES.items() if k in FLOATING_DTYPES}
+_STATE = "_mixedpolicy"  # attribute holding what apply_policy changed on a module
+
+_NORM_TYPES = tuple(t for t in (
+    torch.nn.modules.batchnorm._NormBase, torch.nn.LayerNorm, torch.nn.GroupNorm,
+    getattr(torch.nn, "RMSNorm", None), torch.nn.LocalResponseNorm) if t is not None)
+
+
+def _kind(module: torch.nn.Module) -> str | None:
+    if isinstance(module, _NORM_TYPES):
+        return NORMALIZATION
+    if isinstance(module, torch.nn.modules.loss._Loss):
+        return LOSS
+    return None
+
+
+def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    def leaf(x):
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+    return pytree.tree_map(leaf, tree)
+
+
+def _device_type(args: tuple, kwargs: dict, module: torch.nn.Module) -> str:
+    for value in args:
+        if isinstance(value, torch.Tensor):
+            return value.device.type
+    for value in kwargs.values():
+        if isinstance(value, torch.Tensor):
+            return value.device.type
+    for p in module.parameters():
+        return p.device.type
+    return "cpu"
+
+
+def _region_forward(forward: Callable, policy: Policy, module: torch.nn.Module) -> Callable:
+    """A forward that runs `forward` under `policy`."""
+    compute = _TORCH_DTYPES[policy.compute_dtype]
+    output = _TORCH_DTYPES[policy.output_dtype]
+    use_autocast = policy.compute_dtype in ("float16", "bfloat16") and \
+        policy.variable_dtype != policy.compute_dtype
+
+    if use_autocast and policy.output_dtype == policy.compute_dtype:
+        # Outputs as autocast makes them (half for matmul-like ops, float32 for
+        # float32 ops and for sub-regions overridden to float32), as in hand-written AMP.
+        def region(*args, **kwargs):
+            with torch.autocast(_device_type(args, kwargs, module), dtype=compute):
+                return forward(*args, **kwargs)
+    elif use_autocast:
+        def region(*args, **kwargs):
+            with torch.autocast(_device_type(args, kwargs, module), dtype=compute):
+                out = forward(*args, **kwargs)
+            return _cast_floating(out, output)
+    else:
+        def region(*args, **kwargs):
+            args, kwargs = _cast_floating((args, kwargs), compute)
+            device = _device_type(args, kwargs, module)
+            if torch.is_autocast_enabled(device):
+                with torch.autocast(device, enabled=False):
+                    out = forward(*args, **kwargs)
+            else:
+                out = forward(*args, **kwargs)
+            return _cast_floating(out, output)
+    region.__wrapped__ = forward
+    return region
+
+
+class TorchAdapter(Adapter):
+    name = "torch"
+    module = "torch"
+
+    # -- arrays ---------------------------------------------------------------
+    def is_array(self, x: Any) -> bool:
+        return isinstance(x, torch.Tensor)
+
+    def leaves(self, tree: Any) -> Iterable[Any]:
+        return pytree.tree_leaves(tree)
+
+    def tree_map(self, fn: Callable[[Any], Any], tree: Any) -> Any:
+        return pytree.tree_map(fn, tree)
+
+    def asarray(self, value: Any, dtype: str, like: Any = None) -> Any:
+        device = like.device if isinstance(like, torch.Tensor) else None
+        if isinstance(value, torch.Tensor):
+            return value.to(device=device or value.device, dtype=_TORCH_DTYPES[dtype])
+        return torch.as_tensor(value, dtype=_TORCH_DTYPES[dtype], device=device)
+
+    def floating_dtype(self, x: Any) -> str | None:
+        return _NAMES.get(x.dtype) if isinstance(x, torch.Tensor) else None
+
+    def cast(self, x: Any, dtype: str) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            return x.to(_TORCH_DTYPES[dtype])
+        return x
+
+    def all_finite(self, tree: Any) -> Any:
+        flags = [torch.isfinite(x).all() for x in pytree.tree_leaves(tree)
+                 if isinstance(x, torch.Tensor) and x.is_floating_point()]
+        return torch.stack(flags).all() if flags else torch.tensor(True)
+
+    def where(self, cond: Any, a: Any, b: Any) -> Any:
+        return torch.where(cond, a, b)
+
+    def zeros_like(self, x: Any) -> Any:
+        return torch.zeros_like(x)
+
+    def full_like(self, x: Any, value: float) -> Any:
+        return torch.full_like(x, value)
+
+    # -- models ---------------------------------------------------------------
+    def role_of(self, obj: Any) -> str | None:
+        if isinstance(obj, torch.nn.Module):
+            return "model"
+        if isinstance(obj, torch.optim.Optimizer):
+            return "optimizer"
+        if isinstance(obj, (list, tuple)) and obj and all(isinstance(o, torch.optim.Optimizer) for o in obj):
+            return "optimizer"
+        return None
+
+    def apply_policy(self, model: torch.nn.Module, policy_map: Any) -> torch.nn.Module:
+        remove_policy(model)
+        resolved = _resolve(model, policy_map)
+        policy_map.warn_unmatched(info for info, _, _ in resolved.values())
+        for path, (_, resolution, _) in resolved.items():
+            _check_master_weights(path, model.get_submodule(path), resolution.policy)
+        changed = {}
+        for path, (_, resolution, parent_policy) in resolved.items():
+            module = model.get_submodule(path)
+            policy = resolution.policy
+            state = {"policy": policy, "source": resolution.source, "dtypes": {}}
+            target = _TORCH_DTYPES[policy.variable_dtype]
+            for name, p in module.named_parameters(recurse=False):
+                if p.is_floating_point() and p.dtype != target:
+                    state["dtypes"][name] = p.dtype
+                    p.data = p.data.to(target)
+            for name, b in module.named_buffers(recurse=False):
+                if b is not None and b.is_floating_point() and b.dtype != target:
+                    state["dtypes"][name] = b.dtype
+                    setattr(module, name, b.to(target))
+            if parent_policy != policy:
+                state["forward"] = module.__dict__.get("forward")
+                module.forward = _region_forward(module.forward, policy, module)
+            changed[path] = state
+        for path, state in changed.items():
+            setattr(model.get_submodule(path), _STATE, state)
+        return model
+
+    def remove_policy(self, model: torch.nn.Module) -> torch.nn.Module:
+        return remove_policy(model)
+
+    def describe(self, model: torch.nn.Module) -> list:
+        rows = []
+        for path, module in model.named_modules():
+            state = getattr(module, _STATE, None)
+            if state is not None:
+                policy, source = state["policy"], state["source"]
+            else:
+                dtypes = {_NAMES.get(p.dtype) for p in module.parameters(recurse=False)} - {None}
+                dtype = dtypes.pop() if len(dtypes) == 1 else "float32"
+                policy, source = Policy(dtype), "no policy applied"
+            rows.append(LayerPolicy(path, type(module).__name__, policy, source))
+        return rows
+
+    def wrap_optimizer(self, optimizer: Any, loss_scale: Any) -> Any:
+        from mixedpolicy.backends.torch_optimizer import TorchLossScaleOptimizer
+
+        return TorchLossScaleOptimizer(optimizer, loss_scale)
+
+
+def _resolve(model: torch.nn.Module, policy_map: Any) -> dict:
+    """path -> (LayerInfo, Resolution, parent's policy or None), in named_modules() order."""
+    out: dict = {}
+    chains: dict[str, list[LayerInfo]] = {}
+    for path, module in model.named_modules():
+        info = LayerInfo(path, type(module), _kind(module))
+        parent = path.rpartition(".")[0] if path else None
+        chain = (chains[parent] if parent is not None else []) + [info]
+        chains[path] = chain
+        resolution = policy_map.resolve(chain)
+        parent_policy = out[parent][1].policy if parent is not None else None
+        out[path] = (info, resolution, parent_policy)
+    return out
+
+
+def _check_master_weights(path: str, module: torch.nn.Module, policy: Policy) -> None:
+    if policy.variable_dtype == policy.compute_dtype:
+        return
+    for name, p in module.named_parameters(recurse=False):
+        if p.dtype in (torch.float16, torch.bfloat16) and policy.variable_dtype == "float32":
+            where = f"{path}.{name}" if path else name
+            raise ValueError(
+                f"Received a module whose parameter {where!r} is already {_NAMES[p.dtype]}, "
+                f"but the policy {policy.name} keeps variables in float32 and computes in "
+                f"{policy.compute_dtype}: applying it would silently train half-precision "
+                f"master weights. Call model.float() before apply_policy, or use the pure "
+                f"policy {_NAMES[p.dtype]!r} if half-precision weights are intended.")
+
+
+def remove_policy(model: torch.nn.Module) -> torch.nn.Module:
+    """Undoes `apply_policy` on a module tree: forwards and parameter dtypes are restored."""
+    for module in model.modules():
+        state = module.__dict__.pop(_STATE, None)
+        if state is None:
+            continue
+        if "forward" in state:
+            if state["forward"] is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = state["forward"]
+        for name, dtype in state["dtypes"].items():
+            tensor = getattr(module, name)
+            if isinstance(tensor, torch.nn.Parameter):
+                tensor.data = tensor.data.to(dtype)
+            else:
+                setattr(module, name, tensor.to(dtype))
+    return model

@@ -1,0 +1,290 @@
+"""A ``torch.optim.Optimizer`` that scales the loss, skips overflowing steps, and bounds the scale.
+
+Used like the optimizer it wraps::
+
+    opt = mp.LossScaleOptimizer(torch.optim.AdamW(model.parameters()))
+    opt.scale_loss(loss).backward()
+    opt.unscale_()                      # optional, before gradient clipping
+    opt.step()                          # unscale, skip or apply, update the scale
+    opt.zero_grad()
+
+The scale lives on the device. Per step there is at most one host sync, the one
+``torch.amp.GradScaler`` makes to decide the skip; with fused optimizers
+(``fused=True``) there is none: the fused kernel unscales and skips on the device.
+The update of the scale is ``GradScaler``'s own kernel followed by a clamp into
+``[min_scale, max_scale]``, which is exactly `DynamicLossScale.adjust`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, defaultdict
+from typing import Any
+
+import torch
+
+from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale
+
+
+class TorchLossScaleOptimizer(torch.optim.Optimizer):
+    """Wraps one or several ``torch.optim.Optimizer`` with one shared loss scale.
+
+    With several optimizers, one overflow anywhere skips every one of them.
+    ``param_groups`` and ``state`` are the inner optimizer's own objects, so LR
+    schedulers work on the wrapper unchanged.
+    """
+
+    def __init__(self, inner: Any, loss_scale: LossScale):  # noqa: D107 (Optimizer.__init__ not called on purpose)
+        inners = list(inner) if isinstance(inner, (list, tuple)) else [inner]
+        for opt in inners:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    if p.dtype in (torch.float16, torch.bfloat16) and not isinstance(loss_scale, NoLossScale):
+                        raise ValueError(
+                            f"Received an optimizer whose parameters are {p.dtype} master weights. "
+                            f"Loss scaling protects float16 gradients, but updates to half-precision "
+                            f"weights are lost to rounding. Keep the weights in float32 (apply a "
+                            f"mixed policy such as 'mixed_float16', which stores variables in "
+                            f"float32), or wrap with loss_scale=mp.NoLossScale() if intended.")
+        self._inners = inners
+        self._config = loss_scale
+        self._scale: torch.Tensor | None = None
+        self._growth_tracker: torch.Tensor | None = None
+        self._found_inf: torch.Tensor | None = None  # of the current step, once checked
+        self._unscaled = False
+        self._skipped: torch.Tensor | None = None
+        self._last_skipped: torch.Tensor | None = None
+        self._optimizer_step_pre_hooks: dict = OrderedDict()
+        self._optimizer_step_post_hooks: dict = OrderedDict()
+        self.defaults = inners[0].defaults
+
+    # -- the inner optimizer's view -------------------------------------------
+    @property
+    def inner_optimizers(self) -> list:
+        return list(self._inners)
+
+    @property
+    def inner_optimizer(self) -> torch.optim.Optimizer:
+        return self._inners[0]
+
+    @property
+    def param_groups(self) -> list:
+        if len(self._inners) == 1:
+            return self._inners[0].param_groups
+        return [g for opt in self._inners for g in opt.param_groups]
+
+    @property
+    def state(self) -> Any:
+        if len(self._inners) == 1:
+            return self._inners[0].state
+        merged: dict = {}
+        for opt in self._inners:
+            merged.update(opt.state)
+        return merged
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self._inners:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    # -- scale ----------------------------------------------------------------
+    def _ensure_scale(self, device: torch.device) -> torch.Tensor:
+        if self._scale is None:
+            cfg = self._config
+            self._scale = torch.tensor(float(cfg.loss_scale), dtype=torch.float32, device=device)
+            counter = int(cfg.counter) if isinstance(cfg, DynamicLossScale) else 0
+            self._growth_tracker = torch.tensor(counter, dtype=torch.int32, device=device)
+            self._skipped = torch.zeros((), dtype=torch.int64, device=device)
+            self._last_skipped = torch.zeros((), dtype=torch.bool, device=device)
+        return self._scale
+
+    def _first_device(self) -> torch.device:
+        for group in self.param_groups:
+            for p in group["params"]:
+                return p.device
+        return torch.device("cpu")
+
+    @property
+    def loss_scale(self) -> torch.Tensor:
+        """The current scale, a float32 tensor on the device (reading it does not sync)."""
+        return self._ensure_scale(self._first_device())
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last `step` was skipped (reading it syncs with the device)."""
+        self._ensure_scale(self._first_device())
+        return bool(self._last_skipped)
+
+    @property
+    def num_skipped_steps(self) -> int:
+        """How many steps were skipped so far (reading it syncs with the device)."""
+        self._ensure_scale(self._first_device())
+        return int(self._skipped)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Returns ``loss * loss_scale`` in float32; call ``.backward()`` on it."""
+        if isinstance(self._config, NoLossScale):
+            return loss
+        scale = self._ensure_scale(loss.device)
+        return loss.float() * scale.to(loss.device, non_blocking=True)
+
+    # -- unscale and step -----------------------------------------------------
+    def _grads_by_device_and_dtype(self) -> dict:
+        groups: dict = defaultdict(list)
+        for group in self.param_groups:
+            for p in group["params"]:
+                g = p.grad
+                if g is None:
+                    continue
+                if g.is_sparse:
+                    g = g.coalesce()._values() if g.dtype == torch.float16 else g._values()
+                groups[(g.device, g.dtype)].append(g)
+        return groups
+
+    def _check(self, inv_scale: torch.Tensor) -> torch.Tensor:
+        """Multiplies every gradient by `inv_scale` and returns one found-inf flag (no sync)."""
+        scale = self._ensure_scale(self._first_device())
+        per_device: dict = {}
+        for (device, _), grads in self._grads_by_device_and_dtype().items():
+            found = per_device.setdefault(device, torch.zeros((), dtype=torch.float32, device=device))
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale.to(device))
+        if not per_device:
+            return torch.zeros((), dtype=torch.float32, device=scale.device)
+        return sum(f.to(scale.device, non_blocking=True) for f in per_device.values())
+
+    def unscale_(self) -> None:
+        """Divides the gradients by the scale in place (call before clipping them).
+
+        Raises:
+          RuntimeError: `unscale_` was already called since the last `step`.
+        """
+        if self._unscaled:
+            raise RuntimeError("unscale_() was already called since the last step(); the "
+                               "gradients are unscaled once per step. Call step() next.")
+        if isinstance(self._config, NoLossScale):
+            self._unscaled = True
+            return
+        scale = self._ensure_scale(self._first_device())
+        self._found_inf = self._check(scale.double().reciprocal().float())
+        self._unscaled = True
+
+    def step(self, closure: Any = None) -> Any:
+        """Unscales (unless `unscale_` ran), skips or applies the update, updates the scale.
+
+        Raises:
+          TypeError: a closure was given (closure optimizers such as LBFGS re-evaluate
+            the loss, which loss scaling cannot follow).
+        """
+        if closure is not None:
+            raise TypeError("LossScaleOptimizer.step() takes no closure: an optimizer that "
+                            "re-evaluates the loss (LBFGS) cannot be loss-scaled. Use it without "
+                            "a LossScaleOptimizer and a bfloat16 or float32 policy.")
+        if isinstance(self._config, NoLossScale):
+            for opt in self._inners:
+                opt.step()
+            self._unscaled = False
+            return None
+        scale = self._ensure_scale(self._first_device())
+        fused = all(getattr(opt, "_step_supports_amp_scaling", False) for opt in self._inners)
+        if fused:
+            if self._found_inf is None:  # the fused kernel unscales; only check here
+                self._found_inf = self._check(torch.ones((), dtype=torch.float32, device=scale.device))
+            for opt in self._inners:
+                opt.grad_scale = None if self._unscaled else scale
+                opt.found_inf = self._found_inf
+                try:
+                    opt.step()
+                finally:
+                    del opt.grad_scale, opt.found_inf
+        else:
+            if not self._unscaled:
+                self.unscale_()
+            if not self._found_inf.item():  # the one host sync GradScaler makes too
+                for opt in self._inners:
+                    opt.step()
+        self._update_scale(self._found_inf)
+        self._found_inf = None
+        self._unscaled = False
+        return None
+
+    def _update_scale(self, found_inf: torch.Tensor) -> None:
+        skipped = found_inf.reshape(()) > 0
+        self._last_skipped.copy_(skipped)
+        self._skipped.add_(skipped.to(torch.int64))
+        cfg = self._config
+        if isinstance(cfg, StaticLossScale):
+            return
+        torch._amp_update_scale_(self._scale, self._growth_tracker, found_inf,
+                                 cfg.growth_factor, cfg.backoff_factor, cfg.dynamic_growth_steps)
+        self._scale.clamp_(cfg.min_scale, cfg.max_scale)
+
+    # -- checkpoints ----------------------------------------------------------
+    def scaler_state_dict(self) -> dict:
+        """The scale in ``torch.amp.GradScaler.state_dict()`` format."""
+        self._ensure_scale(self._first_device())
+        cfg = self._config
+        dynamic = isinstance(cfg, DynamicLossScale)
+        return {
+            "scale": float(self._scale),
+            "growth_factor": cfg.growth_factor if dynamic else 1.0,
+            "backoff_factor": cfg.backoff_factor if dynamic else 1.0,
+            "growth_interval": cfg.dynamic_growth_steps if dynamic else 2**31 - 1,
+            "_growth_tracker": int(self._growth_tracker),
+        }
+
+    def load_scaler_state_dict(self, state: dict) -> None:
+        """Loads a ``torch.amp.GradScaler.state_dict()`` (or `scaler_state_dict`) into the scale.
+
+        Raises:
+          ValueError: the dict lacks GradScaler's keys, or its scale is outside the bounds.
+        """
+        missing = [k for k in ("scale", "_growth_tracker") if k not in state]
+        if missing:
+            raise ValueError(f"Received a scaler state dict without {missing}; expected the "
+                             f"dict from torch.amp.GradScaler.state_dict() or scaler_state_dict().")
+        cfg = self._config
+        if isinstance(cfg, DynamicLossScale):
+            cfg = DynamicLossScale(
+                loss_scale=state["scale"], counter=int(state["_growth_tracker"]),
+                dynamic_growth_steps=int(state.get("growth_interval", cfg.dynamic_growth_steps)),
+                growth_factor=state.get("growth_factor", cfg.growth_factor),
+                backoff_factor=state.get("backoff_factor", cfg.backoff_factor),
+                min_scale=min(cfg.min_scale, state["scale"]), max_scale=max(cfg.max_scale, state["scale"]))
+        else:
+            cfg = StaticLossScale(state["scale"])
+        self._config = cfg
+        device = self._first_device()
+        self._scale = None
+        self._ensure_scale(device)
+
+    def state_dict(self) -> dict:
+        """The inner optimizer's state dict plus ``"loss_scale"`` (GradScaler format) and counters."""
+        if len(self._inners) == 1:
+            out = dict(self._inners[0].state_dict())
+        else:
+            out = {"inner": [opt.state_dict() for opt in self._inners]}
+        out["loss_scale"] = dict(self.scaler_state_dict(), min_scale=getattr(self._config, "min_scale", None),
+                                 max_scale=getattr(self._config, "max_scale", None),
+                                 num_skipped_steps=self.num_skipped_steps)
+        return out
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restores what `state_dict` saved: inner state, scale, growth counter, skip count."""
+        state_dict = dict(state_dict)
+        scale_state = state_dict.pop("loss_scale", None)
+        if len(self._inners) == 1:
+            self._inners[0].load_state_dict(state_dict)
+        else:
+            for opt, sd in zip(self._inners, state_dict["inner"], strict=True):
+                opt.load_state_dict(sd)
+        if scale_state is not None:
+            if isinstance(self._config, DynamicLossScale) and scale_state.get("min_scale") is not None:
+                import dataclasses
+
+                self._config = dataclasses.replace(self._config, loss_scale=scale_state["scale"],
+                                                   min_scale=scale_state["min_scale"],
+                                                   max_scale=scale_state["max_scale"])
+            self.load_scaler_state_dict(scale_state)
+            self._skipped.fill_(int(scale_state.get("num_skipped_steps", 0)))
+
+    def __repr__(self) -> str:
+        inner = ", ".join(type(o).__name__ for o in self._inners)
+        return f"LossScaleOptimizer({inner}, {self._config!r})"

@@ -1,0 +1,296 @@
+"""PyTorch LossScaleOptimizer: GradScaler parity, skipping, clipping, accumulation, checkpoints, DDP."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import require_module
+
+torch = require_module("torch")
+import mixedpolicy as mp  # noqa: E402
+
+INF = float("inf")
+
+
+def net(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+def batches(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(n)]
+
+
+def loss_of(model, x, y, poison=False):
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    return loss * (INF if poison else 1.0)
+
+
+def run_ours(make_opt, poison, steps=14, **kw):
+    model = net()
+    opt = mp.LossScaleOptimizer(make_opt(model), **kw)
+    scales = []
+    for i, (x, y) in enumerate(batches(steps)):
+        opt.scale_loss(loss_of(model, x, y, i in poison)).backward()
+        opt.step()
+        opt.zero_grad()
+        scales.append(float(opt.loss_scale))
+    return model, opt, scales
+
+
+def run_gradscaler(make_opt, poison, steps=14, init_scale=2.0**15, growth_interval=2000):
+    model = net()
+    opt = make_opt(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval)
+    scales = []
+    for i, (x, y) in enumerate(batches(steps)):
+        scaler.scale(loss_of(model, x, y, i in poison)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        scales.append(scaler.get_scale())
+    return model, opt, scales
+
+
+OPTIMIZERS = {
+    "sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+    "adam-foreach": lambda m: torch.optim.Adam(m.parameters(), lr=1e-2, foreach=True),
+    "adamw-fused": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True),
+}
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_matches_gradscaler_step_for_step(name):
+    poison = {1, 4, 5, 9}
+    ours, ours_opt, s1 = run_ours(OPTIMIZERS[name], poison, initial_scale=2.0**15, dynamic_growth_steps=3)
+    ref, ref_opt, s2 = run_gradscaler(OPTIMIZERS[name], poison, growth_interval=3)
+    assert s1 == s2
+    assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), ref.parameters()))
+    assert ours_opt.num_skipped_steps == len(poison)
+    step_a = [s["step"] for s in ours_opt.state.values() if "step" in s]
+    step_b = [s["step"] for s in ref_opt.state.values() if "step" in s]
+    assert [float(a) for a in step_a] == [float(b) for b in step_b]
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_skipped_step_changes_nothing(name):
+    model = net()
+    opt = mp.LossScaleOptimizer(OPTIMIZERS[name](model))
+    (x, y), (x2, y2) = batches(2)
+    opt.scale_loss(loss_of(model, x, y)).backward()
+    opt.step()
+    opt.zero_grad()
+    params = [p.detach().clone() for p in model.parameters()]
+    state = {k: {n: v.clone() for n, v in s.items()} for k, s in opt.state.items()}
+    opt.scale_loss(loss_of(model, x2, y2, poison=True)).backward()
+    opt.step()
+    assert opt.last_step_skipped and opt.num_skipped_steps == 1
+    assert float(opt.loss_scale) == 2.0**14
+    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+    for k, s in opt.state.items():
+        assert all(torch.equal(v, state[k][n]) for n, v in s.items())
+
+
+def test_two_hundred_overflows_leave_weights_untouched_and_scale_at_floor():
+    model = net()
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    params = [p.detach().clone() for p in model.parameters()]
+    x, y = batches(1)[0]
+    for _ in range(200):
+        opt.scale_loss(loss_of(model, x, y, poison=True)).backward()
+        opt.step()
+        opt.zero_grad()
+    assert float(opt.loss_scale) == 1.0 and opt.num_skipped_steps == 200
+    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+    opt.scale_loss(loss_of(model, x, y)).backward()
+    opt.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_unscale_before_clipping_matches_gradscaler():
+    def train(ours):
+        model = net()
+        inner = torch.optim.SGD(model.parameters(), lr=0.5)
+        opt = mp.LossScaleOptimizer(inner) if ours else inner
+        scaler = None if ours else torch.amp.GradScaler("cpu")
+        for x, y in batches(5):
+            loss = loss_of(model, x, y)
+            (opt.scale_loss(loss) if ours else scaler.scale(loss)).backward()
+            opt.unscale_() if ours else scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+            if ours:
+                opt.step()
+            else:
+                scaler.step(opt)
+                scaler.update()
+            opt.zero_grad()
+        return model
+
+    assert all(torch.equal(a, b) for a, b in zip(train(True).parameters(), train(False).parameters()))
+
+
+def test_unscale_twice_is_an_error():
+    model = net()
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    opt.scale_loss(loss_of(model, *batches(1)[0])).backward()
+    opt.unscale_()
+    with pytest.raises(RuntimeError, match="already called since the last step"):
+        opt.unscale_()
+
+
+def test_gradient_accumulation_matches_gradscaler():
+    def train(ours):
+        model = net()
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt = mp.LossScaleOptimizer(inner) if ours else inner
+        scaler = None if ours else torch.amp.GradScaler("cpu", init_scale=2.0**15)
+        data = batches(8)
+        for i in range(0, 8, 4):
+            for x, y in data[i:i + 4]:
+                loss = loss_of(model, x, y) / 4
+                (opt.scale_loss(loss) if ours else scaler.scale(loss)).backward()
+            if ours:
+                opt.step()
+            else:
+                scaler.step(opt)
+                scaler.update()
+            opt.zero_grad()
+        return model
+
+    assert all(torch.equal(a, b) for a, b in zip(train(True).parameters(), train(False).parameters()))
+
+
+def test_several_optimizers_share_one_scale_and_skip_together():
+    model = net()
+    first = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    second = torch.optim.Adam(model[2].parameters(), lr=0.1)
+    opt = mp.LossScaleOptimizer([first, second])
+    params = [p.detach().clone() for p in model.parameters()]
+    model[2].weight.register_hook(lambda g: g * INF)  # overflow in the second optimizer's part only
+    opt.scale_loss(loss_of(model, *batches(1)[0])).backward()
+    opt.step()
+    assert opt.last_step_skipped
+    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+    assert len(opt.param_groups) == 2 and opt.inner_optimizers == [first, second]
+
+
+def test_lr_scheduler_drives_the_shared_param_groups():
+    model = net()
+    inner = torch.optim.SGD(model.parameters(), lr=1.0)
+    opt = mp.LossScaleOptimizer(inner)
+    assert opt.param_groups is inner.param_groups
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for x, y in batches(3):
+        opt.scale_loss(loss_of(model, x, y)).backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    assert inner.param_groups[0]["lr"] == 0.125
+
+
+def test_state_dict_resumes_bit_for_bit():
+    poison = {2}
+    full, full_opt, _ = run_ours(OPTIMIZERS["adam-foreach"], poison, steps=10, dynamic_growth_steps=2)
+    model = net()
+    opt = mp.LossScaleOptimizer(OPTIMIZERS["adam-foreach"](model), dynamic_growth_steps=2)
+    data = batches(10)
+    for i, (x, y) in enumerate(data[:5]):
+        opt.scale_loss(loss_of(model, x, y, i in poison)).backward()
+        opt.step()
+        opt.zero_grad()
+    saved_model, saved_opt = model.state_dict(), opt.state_dict()
+    model2 = net(seed=5)
+    model2.load_state_dict(saved_model)
+    opt2 = mp.LossScaleOptimizer(OPTIMIZERS["adam-foreach"](model2), dynamic_growth_steps=2)
+    opt2.load_state_dict(saved_opt)
+    for x, y in data[5:]:
+        opt2.scale_loss(loss_of(model2, x, y)).backward()
+        opt2.step()
+        opt2.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(full.parameters(), model2.parameters()))
+    assert float(opt2.loss_scale) == float(full_opt.loss_scale)
+    assert opt2.num_skipped_steps == full_opt.num_skipped_steps == 1
+
+
+def test_scale_state_moves_to_and_from_gradscaler():
+    model = net()
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_growth_steps=7)
+    opt.scale_loss(loss_of(model, *batches(1)[0], poison=True)).backward()
+    opt.step()
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.load_state_dict(opt.scaler_state_dict())
+    assert scaler.get_scale() == 2.0**14 and scaler.get_growth_interval() == 7
+    assert scaler.state_dict() == opt.scaler_state_dict()
+    scaler2 = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=5)
+    opt.load_scaler_state_dict(scaler2.state_dict())
+    assert float(opt.loss_scale) == 1024.0 and opt.scaler_state_dict()["growth_interval"] == 5
+    with pytest.raises(ValueError, match="without \\['scale', '_growth_tracker'\\]"):
+        opt.load_scaler_state_dict({})
+
+
+def test_half_master_weights_are_an_error():
+    model = net().half()
+    with pytest.raises(ValueError, match="float16 master weights.*float32"):
+        mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_closure_is_refused():
+    model = net()
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(TypeError, match="takes no closure"):
+        opt.step(lambda: 0.0)
+
+
+def test_isinstance_and_type():
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(net().parameters(), lr=0.1))
+    assert isinstance(opt, mp.LossScaleOptimizer) and isinstance(opt, torch.optim.Optimizer)
+    assert not isinstance(torch.optim.SGD(net().parameters(), lr=0.1), mp.LossScaleOptimizer)
+
+
+DDP_SCRIPT = textwrap.dedent("""
+    import os, sys, torch, torch.distributed as dist
+    import mixedpolicy as mp
+    def main(rank):
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+        dist.init_process_group("gloo", rank=rank, world_size=2)
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+        opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        skipped = []
+        for step in range(4):
+            x = torch.randn(3, 4) + rank
+            loss = model(x).square().mean()
+            if step == 1 and rank == 0:
+                loss = loss * float("inf")  # an overflow on one rank only
+            opt.scale_loss(loss).backward()
+            opt.step()
+            opt.zero_grad()
+            skipped.append(opt.last_step_skipped)
+        w = torch.cat([p.detach().flatten() for p in model.parameters()])
+        out = [torch.zeros_like(w) for _ in range(2)]
+        dist.all_gather(out, w)
+        assert torch.equal(out[0], out[1]), "replicas diverged"
+        with open(os.path.join(sys.argv[2], f"{rank}.txt"), "w") as f:
+            f.write(f"{skipped} {float(opt.loss_scale)}")
+        dist.destroy_process_group()
+    if __name__ == "__main__":
+        torch.multiprocessing.spawn(main, nprocs=2)
+""")
+
+
+def test_ddp_overflow_on_one_rank_skips_every_rank(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "ddp.py"
+    script.write_text(DDP_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), str(port), str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    for rank in range(2):
+        assert (tmp_path / f"{rank}.txt").read_text() == "[False, True, False, False] 16384.0"

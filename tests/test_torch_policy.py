@@ -1,0 +1,148 @@
+"""PyTorch: apply_policy on nn.Module, per-module overrides, describe, removal, torch.compile."""
+
+import warnings
+
+import pytest
+
+from conftest import require_module
+
+torch = require_module("torch")
+import mixedpolicy as mp  # noqa: E402
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.GELU())
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.encoder(x))
+
+
+def make(seed=0):
+    torch.manual_seed(seed)
+    return Net()
+
+
+def record_dtypes(model):
+    seen = {}
+    for name, module in model.named_modules():
+        module.register_forward_hook(lambda m, i, o, name=name: seen.__setitem__(name, (i[0], o)))
+    return seen
+
+
+@pytest.mark.parametrize("name, half", [("mixed_bfloat16", torch.bfloat16), ("mixed_float16", torch.float16)])
+def test_mixed_policy_keeps_float32_weights_and_computes_in_half(name, half):
+    model = mp.apply_policy(make(), name)
+    seen = record_dtypes(model)
+    out = model(torch.randn(3, 8))
+    assert out.dtype == half
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert seen["encoder.0"][1].dtype == half  # the Linear ran in half precision
+    # LayerNorm: statistics computed in float32, result handed on in half precision
+    ln, (inp, out_ln) = model.encoder[1], seen["encoder.1"]
+    assert out_ln.dtype == half
+    expected = torch.nn.functional.layer_norm(inp.float(), (16,), ln.weight, ln.bias).to(half)
+    assert torch.equal(out_ln, expected)
+
+
+def test_float32_policy_reproduces_plain_pytorch_bit_for_bit():
+    x = torch.randn(16, 8)
+    plain, ours = make(), mp.apply_policy(make(), "float32")
+    assert torch.equal(plain(x), ours(x))
+    for model in (plain, ours):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(x).square().mean().backward()
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), ours.parameters()))
+
+
+def test_mixed_policy_matches_hand_written_autocast():
+    x = torch.randn(16, 8)
+    plain, ours = make(), mp.apply_policy(make(), "mixed_bfloat16")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = plain(x)
+    assert torch.equal(ours(x), expected)
+
+
+def test_overrides_by_path_glob_and_class():
+    model = mp.apply_policy(make(), "mixed_bfloat16", {"head": "float32", torch.nn.GELU: "float32"})
+    seen = record_dtypes(model)
+    out = model(torch.randn(2, 8))
+    assert out.dtype == torch.float32 and seen["head"][1].dtype == torch.float32
+    assert seen["encoder.2"][1].dtype == torch.float32
+    table = {row.path: row for row in mp.describe(model)}
+    assert table["head"].source == "map key 'head'"
+    assert "GELU" in table["encoder.2"].source
+    assert table["encoder.1"].source == "built-in rule: normalization"
+
+
+def test_pure_policy_casts_parameters_but_not_norms_and_removal_restores():
+    model = make()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    mp.apply_policy(model, "bfloat16")
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    assert dtypes["encoder.0.weight"] == torch.bfloat16 and dtypes["head.bias"] == torch.bfloat16
+    assert dtypes["encoder.1.weight"] == torch.float32  # the norm rule
+    assert model(torch.randn(2, 8)).dtype == torch.bfloat16
+    mp.remove_policy(model)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    assert model(torch.randn(2, 8)).dtype == torch.float32
+    assert mp.describe(model)[0].source == "no policy applied"
+    assert set(before) == {n for n, _ in model.named_parameters()}
+
+
+def test_applying_twice_replaces_the_first_policy():
+    model = mp.apply_policy(make(), "mixed_float16")
+    mp.apply_policy(model, "mixed_bfloat16")
+    assert model(torch.randn(2, 8)).dtype == torch.bfloat16
+
+
+def test_batchnorm_buffers_follow_the_policy():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    mp.apply_policy(model, "bfloat16")
+    assert model[1].running_mean.dtype == torch.float32  # norm keeps float32 statistics
+    assert model(torch.randn(8, 4)).dtype == torch.bfloat16
+
+
+def test_integer_inputs_are_never_cast():
+    emb = torch.nn.Embedding(10, 4)
+    mp.apply_policy(emb, "bfloat16")
+    assert emb(torch.tensor([1, 2])).dtype == torch.bfloat16
+
+
+def test_loss_module_computes_in_float32():
+    loss = mp.apply_policy(torch.nn.CrossEntropyLoss(), "mixed_float16")
+    value = loss(torch.randn(4, 3, dtype=torch.float16), torch.tensor([0, 1, 2, 0]))
+    assert value.dtype == torch.float32
+
+
+def test_mixed_policy_on_half_weights_is_an_error():
+    model = make().to(torch.float16)
+    with pytest.raises(ValueError, match=r"'encoder.0.weight' is already float16.*model.float\(\)"):
+        mp.apply_policy(model, "mixed_float16")
+    assert all("forward" not in m.__dict__ for m in model.modules())  # nothing was changed
+
+
+def test_unmatched_override_warns_with_nearest_paths():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mp.apply_policy(make(), "mixed_bfloat16", {"haed": "float32"})
+    assert any("'haed' matches no layer path" in str(w.message) and "'head'" in str(w.message)
+               for w in caught)
+
+
+def test_torch_compile_has_no_graph_breaks():
+    model = mp.apply_policy(make(), "mixed_bfloat16", {"head": "float32"})
+    explanation = torch._dynamo.explain(model)(torch.randn(4, 8))
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    compiled = torch.compile(model)
+    x = torch.randn(4, 8)
+    assert torch.allclose(compiled(x), model(x), atol=1e-2)
+
+
+def test_explicit_output_dtype_is_honoured():
+    model = mp.apply_policy(make(), "p=f32,c=bf16,o=f32")
+    assert model(torch.randn(2, 8)).dtype == torch.float32
