@@ -55,3 +55,17 @@ def test_guide_policy_table_is_true():
     for spellings, canonical in rows:
         for name in re.findall(r'"([^"]+)"', spellings):
             assert mp.Policy(name).name == canonical, name
+
+
+def test_torch_overhead_benchmark_runs_and_reports_each_policy():
+    from conftest import require_module
+
+    require_module("torch")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import torch_overhead
+    finally:
+        sys.path.pop(0)
+    ratios = torch_overhead.main(["--steps", "2", "--repeats", "3", "--width", "16", "--batch", "8"])
+    assert set(ratios) == {"float32", "mixed_bfloat16", "mixed_float16"}
+    assert all(r > 0 for r in ratios.values())

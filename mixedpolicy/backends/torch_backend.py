@@ -8,7 +8,8 @@ How a policy reaches a module tree:
   root always has one): its ``forward`` is wrapped, so a whole ``mixed_bfloat16``
   model costs one ``torch.autocast`` region, exactly what hand-written AMP does;
 - a region computing in half precision over float32 variables runs under
-  ``torch.autocast(dtype=compute)``; any other region (float32 statistics of a
+  ``torch.autocast(dtype=compute)``; a float32 root needs no region and runs as
+  plain PyTorch; any other region (float32 statistics of a
   norm layer, a pure ``bfloat16`` model) turns autocast off and casts its
   floating inputs to the compute dtype;
 - floating outputs leave a region in its output dtype; under a mixed policy whose
@@ -36,7 +37,8 @@ from mixedpolicy.policy_map import LOSS, NORMALIZATION, LayerInfo
 _TORCH_DTYPES = {name: getattr(torch, name) for name in FLOATING_DTYPES}
 _TORCH_DTYPES.update(bool=torch.bool, int32=torch.int32, int64=torch.int64)
 _NAMES = {v: k for k, v in _TORCH_DTYPES.items() if k in FLOATING_DTYPES}
-_STATE = "_mixedpolicy"  # attribute holding what apply_policy changed on a module
+_STATE = "_mixedpolicy"
+_FLOAT32 = Policy("float32")  # attribute holding what apply_policy changed on a module
 
 _NORM_TYPES = tuple(t for t in (
     torch.nn.modules.batchnorm._NormBase, torch.nn.LayerNorm, torch.nn.GroupNorm,
@@ -162,7 +164,7 @@ class TorchAdapter(Adapter):
         for path, (_, resolution, _) in resolved.items():
             _check_master_weights(path, model.get_submodule(path), resolution.policy)
         changed = {}
-        for path, (_, resolution, parent_policy) in resolved.items():
+        for path, (info, resolution, parent_policy) in resolved.items():
             module = model.get_submodule(path)
             policy = resolution.policy
             state = {"policy": policy, "source": resolution.source, "dtypes": {}}
@@ -175,7 +177,10 @@ class TorchAdapter(Adapter):
                 if b is not None and b.is_floating_point() and b.dtype != target:
                     state["dtypes"][name] = b.dtype
                     setattr(module, name, b.to(target))
-            if parent_policy != policy:
+            # A region where the policy changes; a plain float32 root needs none (plain
+            # PyTorch). A loss or norm root still casts its half-precision inputs.
+            plain_root = parent_policy is None and policy == _FLOAT32 and info.kind is None
+            if parent_policy != policy and not plain_root:
                 state["forward"] = module.__dict__.get("forward")
                 module.forward = _region_forward(module.forward, policy, module)
             changed[path] = state
