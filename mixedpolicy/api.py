@@ -11,6 +11,18 @@ from mixedpolicy.loss_scale import DynamicLossScale, LossScale, _check_scale
 from mixedpolicy.policy_map import as_policy_map
 
 
+def _model_adapter(model: Any, expected: str = "") -> Any:
+    """The adapter that owns `model`, or a TypeError naming its type and the supported ones."""
+    adapter = backends.adapter_for(model, "model")
+    if adapter is None:
+        raise TypeError(
+            f"Received a model of type {type(model).__module__}.{type(model).__qualname__}, "
+            f"which no installed mixedpolicy adapter handles. Expected {expected}one of: "
+            f"{backends.supported('model')}. If the model's framework is installed but not "
+            f"imported yet, import it first.")
+    return adapter
+
+
 def apply_policy(model: Any, policy: Any = None, overrides: Mapping[Any, Any] | None = None) -> Any:
     """Puts a policy, or a policy with per-layer overrides, onto a model of any framework.
 
@@ -33,16 +45,9 @@ def apply_policy(model: Any, policy: Any = None, overrides: Mapping[Any, Any] | 
     dtype('float16')
     """
     policy_map = as_policy_map(policy, overrides)
-    adapter = backends.adapter_for(model, "model")
-    if adapter is not None:
-        return adapter.apply_policy(model, policy_map)
-    if callable(model) and not isinstance(model, type):
+    if backends.adapter_for(model, "model") is None and callable(model) and not isinstance(model, type):
         return PolicyFunction(model, policy_map)
-    raise TypeError(
-        f"Received a model of type {type(model).__module__}.{type(model).__qualname__}, "
-        f"which no installed mixedpolicy adapter handles. Expected a plain function of "
-        f"arrays, or one of: {backends.supported('model')}. If the model's framework is "
-        f"installed but not imported yet, import it before calling apply_policy.")
+    return _model_adapter(model, "a plain function of arrays, or ").apply_policy(model, policy_map)
 
 
 def remove_policy(model: Any) -> Any:
@@ -55,13 +60,7 @@ def remove_policy(model: Any) -> Any:
     """
     if isinstance(model, PolicyFunction):
         return model.fn
-    adapter = backends.adapter_for(model, "model")
-    if adapter is None:
-        raise TypeError(
-            f"Received a model of type {type(model).__module__}.{type(model).__qualname__}, "
-            f"which no installed mixedpolicy adapter handles. Expected one of: "
-            f"{backends.supported('model')}.")
-    return adapter.remove_policy(model)
+    return _model_adapter(model).remove_policy(model)
 
 
 def describe(model: Any) -> PolicyTable:
@@ -73,13 +72,7 @@ def describe(model: Any) -> PolicyTable:
     if isinstance(model, PolicyFunction):
         name = getattr(model.fn, "__name__", type(model.fn).__name__)
         return PolicyTable([LayerPolicy("", f"function {name}", model.policy, model.source)])
-    adapter = backends.adapter_for(model, "model")
-    if adapter is None:
-        raise TypeError(
-            f"Received a model of type {type(model).__module__}.{type(model).__qualname__}, "
-            f"which no installed mixedpolicy adapter handles. Expected the result of "
-            f"apply_policy on a function, or one of: {backends.supported('model')}.")
-    return PolicyTable(adapter.describe(model))
+    return PolicyTable(_model_adapter(model, "the result of apply_policy on a function, or ").describe(model))
 
 
 class _FactoryMeta(type):
