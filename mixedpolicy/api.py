@@ -45,9 +45,11 @@ def apply_policy(model: Any, policy: Any = None, overrides: Mapping[Any, Any] | 
     dtype('float16')
     """
     policy_map = as_policy_map(policy, overrides)
-    if backends.adapter_for(model, "model") is None and callable(model) and not isinstance(model, type):
+    adapter = backends.adapter_for(model, "model")
+    if adapter is None and callable(model) and not isinstance(model, type):
         return PolicyFunction(model, policy_map)
-    return _model_adapter(model, "a plain function of arrays, or ").apply_policy(model, policy_map)
+    adapter = adapter or _model_adapter(model, "a plain function of arrays, or ")
+    return adapter.apply_policy(model, policy_map)
 
 
 def remove_policy(model: Any) -> Any:

@@ -95,8 +95,8 @@ class PolicyMap:
       builtin_rules: apply the built-in rules (normalisation and losses in float32).
 
     Raises:
-      TypeError: a key is neither a non-empty string nor a class, or a value is not a policy.
-      ValueError: a value names an unknown policy.
+      TypeError: a key is neither a string nor a class, or a value is not a policy.
+      ValueError: a key is blank, or a value names an unknown policy.
 
     >>> m = PolicyMap("mixed_bfloat16", {"head": "float32"})
     >>> m.resolve([LayerInfo("", object), LayerInfo("head", object)])
@@ -118,8 +118,8 @@ class PolicyMap:
         for key, value in overrides.items():
             if isinstance(key, str):
                 if not key.strip() and key != "":
-                    raise TypeError(f"Received the blank override key {key!r}; "
-                                    f"expected a layer path, a glob or a layer class.")
+                    raise ValueError(f"Received the blank override key {key!r}; expected a layer "
+                                     f"path (\"\" for the root), a glob or a layer class.")
             elif not isinstance(key, type):
                 raise TypeError(
                     f"Received override key {key!r} of type {type(key).__name__}; expected "

@@ -143,3 +143,8 @@ def test_norm_rule_keeps_norm_variables_in_float32_under_pure_half():
     r = resolve(PolicyMap("bfloat16"), ("norm", Norm, "normalization"))
     assert (r.policy.variable_dtype, r.policy.compute_dtype, r.policy.output_dtype) == \
         ("float32", "float32", "bfloat16")
+
+
+def test_blank_key_is_a_value_error():
+    with pytest.raises(ValueError, match="blank override key"):
+        PolicyMap("float32", {"  ": "float16"})

@@ -110,26 +110,35 @@ def test_two_hundred_overflows_leave_weights_untouched_and_scale_at_floor():
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def test_unscale_before_clipping_matches_gradscaler():
-    def train(ours):
-        model = net()
-        inner = torch.optim.SGD(model.parameters(), lr=0.5)
-        opt = mp.LossScaleOptimizer(inner) if ours else inner
-        scaler = None if ours else torch.amp.GradScaler("cpu")
-        for x, y in batches(5):
-            loss = loss_of(model, x, y)
+def train_with(ours, lr, steps, accumulate=1, clip=None):
+    """Trains with our wrapper or with hand-written GradScaler; `accumulate` micro-batches per step."""
+    model = net()
+    inner = torch.optim.SGD(model.parameters(), lr=lr)
+    opt = mp.LossScaleOptimizer(inner) if ours else inner
+    scaler = None if ours else torch.amp.GradScaler("cpu", init_scale=2.0**15)
+    data = batches(steps * accumulate)
+    for i in range(0, len(data), accumulate):
+        for x, y in data[i:i + accumulate]:
+            loss = loss_of(model, x, y) / accumulate
             (opt.scale_loss(loss) if ours else scaler.scale(loss)).backward()
+        if clip is not None:
             opt.unscale_() if ours else scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
-            if ours:
-                opt.step()
-            else:
-                scaler.step(opt)
-                scaler.update()
-            opt.zero_grad()
-        return model
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if ours:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
+        opt.zero_grad()
+    return model
 
-    assert all(torch.equal(a, b) for a, b in zip(train(True).parameters(), train(False).parameters()))
+
+def same_weights(a, b):
+    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_unscale_before_clipping_matches_gradscaler():
+    assert same_weights(train_with(True, 0.5, 5, clip=0.1), train_with(False, 0.5, 5, clip=0.1))
 
 
 def test_unscale_twice_is_an_error():
@@ -142,25 +151,7 @@ def test_unscale_twice_is_an_error():
 
 
 def test_gradient_accumulation_matches_gradscaler():
-    def train(ours):
-        model = net()
-        inner = torch.optim.SGD(model.parameters(), lr=0.1)
-        opt = mp.LossScaleOptimizer(inner) if ours else inner
-        scaler = None if ours else torch.amp.GradScaler("cpu", init_scale=2.0**15)
-        data = batches(8)
-        for i in range(0, 8, 4):
-            for x, y in data[i:i + 4]:
-                loss = loss_of(model, x, y) / 4
-                (opt.scale_loss(loss) if ours else scaler.scale(loss)).backward()
-            if ours:
-                opt.step()
-            else:
-                scaler.step(opt)
-                scaler.update()
-            opt.zero_grad()
-        return model
-
-    assert all(torch.equal(a, b) for a, b in zip(train(True).parameters(), train(False).parameters()))
+    assert same_weights(train_with(True, 0.1, 2, accumulate=4), train_with(False, 0.1, 2, accumulate=4))
 
 
 def test_several_optimizers_share_one_scale_and_skip_together():
@@ -294,3 +285,12 @@ def test_ddp_overflow_on_one_rank_skips_every_rank(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     for rank in range(2):
         assert (tmp_path / f"{rank}.txt").read_text() == "[False, True, False, False] 16384.0"
+
+
+def test_loading_a_gradscaler_dict_keeps_the_skip_count():
+    model = net()
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    opt.scale_loss(loss_of(model, *batches(1)[0], poison=True)).backward()
+    opt.step()
+    opt.load_scaler_state_dict(torch.amp.GradScaler("cpu").state_dict())
+    assert opt.num_skipped_steps == 1 and float(opt.loss_scale) == 2.0**16

@@ -233,27 +233,34 @@ class TorchLossScaleOptimizer(torch.optim.Optimizer):
     def load_scaler_state_dict(self, state: dict) -> None:
         """Loads a ``torch.amp.GradScaler.state_dict()`` (or `scaler_state_dict`) into the scale.
 
+        Bounds and the skip count are read from the dict when it has them (this
+        wrapper's own `state_dict`); otherwise the bounds widen to hold the loaded
+        scale and the skip count is kept.
+
         Raises:
-          ValueError: the dict lacks GradScaler's keys, or its scale is outside the bounds.
+          ValueError: the dict lacks GradScaler's keys.
         """
         missing = [k for k in ("scale", "_growth_tracker") if k not in state]
         if missing:
             raise ValueError(f"Received a scaler state dict without {missing}; expected the "
                              f"dict from torch.amp.GradScaler.state_dict() or scaler_state_dict().")
-        cfg = self._config
+        cfg, scale = self._config, state["scale"]
         if isinstance(cfg, DynamicLossScale):
             cfg = DynamicLossScale(
-                loss_scale=state["scale"], counter=int(state["_growth_tracker"]),
+                loss_scale=scale, counter=int(state["_growth_tracker"]),
                 dynamic_growth_steps=int(state.get("growth_interval", cfg.dynamic_growth_steps)),
                 growth_factor=state.get("growth_factor", cfg.growth_factor),
                 backoff_factor=state.get("backoff_factor", cfg.backoff_factor),
-                min_scale=min(cfg.min_scale, state["scale"]), max_scale=max(cfg.max_scale, state["scale"]))
+                min_scale=state.get("min_scale") or min(cfg.min_scale, scale),
+                max_scale=state.get("max_scale") or max(cfg.max_scale, scale))
         else:
-            cfg = StaticLossScale(state["scale"])
-        self._config = cfg
-        device = self._first_device()
-        self._scale = None
-        self._ensure_scale(device)
+            cfg = StaticLossScale(scale)
+        skipped = state.get("num_skipped_steps")
+        if skipped is None:
+            skipped = self.num_skipped_steps
+        self._config, self._scale = cfg, None
+        self._ensure_scale(self._first_device())
+        self._skipped.fill_(int(skipped))
 
     def state_dict(self) -> dict:
         """The inner optimizer's state dict plus ``"loss_scale"`` (GradScaler format) and counters."""
@@ -276,14 +283,7 @@ class TorchLossScaleOptimizer(torch.optim.Optimizer):
             for opt, sd in zip(self._inners, state_dict["inner"], strict=True):
                 opt.load_state_dict(sd)
         if scale_state is not None:
-            if isinstance(self._config, DynamicLossScale) and scale_state.get("min_scale") is not None:
-                import dataclasses
-
-                self._config = dataclasses.replace(self._config, loss_scale=scale_state["scale"],
-                                                   min_scale=scale_state["min_scale"],
-                                                   max_scale=scale_state["max_scale"])
             self.load_scaler_state_dict(scale_state)
-            self._skipped.fill_(int(scale_state.get("num_skipped_steps", 0)))
 
     def __repr__(self) -> str:
         inner = ", ".join(type(o).__name__ for o in self._inners)
