@@ -266,6 +266,7 @@ DDP_SCRIPT = textwrap.dedent("""
         assert torch.equal(out[0], out[1]), "replicas diverged"
         with open(os.path.join(sys.argv[2], f"{rank}.txt"), "w") as f:
             f.write(f"{skipped} {float(opt.loss_scale)}")
+        dist.barrier()  # no rank tears gloo down while the other still talks to it
         dist.destroy_process_group()
     if __name__ == "__main__":
         torch.multiprocessing.spawn(main, nprocs=2)
