@@ -101,6 +101,8 @@ class LossScaleOptimizer(metaclass=_FactoryMeta):
       growth_factor, backoff_factor, min_scale, max_scale: see `DynamicLossScale`.
       loss_scale: a ready `LossScale` (for example `StaticLossScale`) instead of the
         settings above.
+      axis_name: JAX only: the ``pmap`` / ``shard_map`` axis over which replicas agree
+        to skip a step.
 
     Raises:
       TypeError: `inner` is not an optimizer of an installed framework, or an
@@ -110,14 +112,15 @@ class LossScaleOptimizer(metaclass=_FactoryMeta):
 
     def __new__(cls, inner: Any, initial_scale: float = 2.0**15, dynamic_growth_steps: int = 2000,
                 *, growth_factor: float = 2.0, backoff_factor: float = 0.5, min_scale: float = 1.0,
-                max_scale: float = 2.0**24, loss_scale: LossScale | None = None, **kwargs: Any):
+                max_scale: float = 2.0**24, loss_scale: LossScale | None = None,
+                axis_name: Any = None, **kwargs: Any):
         if kwargs:
             raise TypeError(
                 f"LossScaleOptimizer received unexpected arguments {sorted(kwargs)}. Settings "
                 f"such as learning_rate or weight_decay belong to the inner optimizer: pass "
                 f"them when you create it, then wrap it. The wrapper takes initial_scale, "
-                f"dynamic_growth_steps, growth_factor, backoff_factor, min_scale, max_scale "
-                f"and loss_scale.")
+                f"dynamic_growth_steps, growth_factor, backoff_factor, min_scale, max_scale, "
+                f"loss_scale and axis_name.")
         if loss_scale is None:
             _check_scale(initial_scale, "initial_scale")
             loss_scale = DynamicLossScale(
@@ -129,11 +132,15 @@ class LossScaleOptimizer(metaclass=_FactoryMeta):
                             f"a DynamicLossScale, StaticLossScale or NoLossScale.")
         adapter = backends.adapter_for(inner, "optimizer")
         if adapter is None:
+            hint = ""
+            if callable(inner) and hasattr(inner, "__qualname__"):
+                hint = (f" {inner.__module__}.{inner.__qualname__} builds an optimizer: call it "
+                        f"first, for example LossScaleOptimizer({inner.__qualname__}(1e-3)).")
             raise TypeError(
                 f"Received an optimizer of type {type(inner).__module__}."
                 f"{type(inner).__qualname__}, which no installed mixedpolicy adapter handles. "
-                f"Expected one of: {backends.supported('optimizer')}.")
-        wrapper = adapter.wrap_optimizer(inner, loss_scale)
+                f"Expected one of: {backends.supported('optimizer')}.{hint}")
+        wrapper = adapter.wrap_optimizer(inner, loss_scale, axis_name)
         if not isinstance(wrapper, _FactoryMeta._wrapper_types):
             _FactoryMeta._wrapper_types += (type(wrapper),)
         return wrapper

@@ -26,6 +26,12 @@ def _ops(array: Any):
 
 def _check_scale(value: Any, what: str) -> Any:
     """Validates a scale given as a Python number; arrays pass through (no host sync)."""
+    dtype = str(getattr(value, "dtype", "")).rpartition(".")[2]
+    if dtype in ("float16", "bfloat16"):
+        raise ValueError(
+            f"Received {what} as a {dtype} value; the scale is kept in float32 whatever the "
+            f"compute dtype (float16 overflows above 65504, and the scale grows past that). "
+            f"Pass a Python number such as 2**15, or a float32 array.")
     if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer, np.ndarray)):
         if hasattr(value, "dtype") and hasattr(value, "shape"):
             return value  # a framework array: validated where it was made

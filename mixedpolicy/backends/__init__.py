@@ -30,6 +30,9 @@ class _Entry(NamedTuple):
 _ENTRIES: list[_Entry] = [
     _Entry("torch", "torch", "mixedpolicy.backends.torch_backend:TorchAdapter",
            models="a torch.nn.Module", optimizers="a torch.optim.Optimizer (or a list of them)"),
+    _Entry("jax", "jax", "mixedpolicy.backends.jax_backend:JaxAdapter",
+           models="a Flax NNX or linen module",
+           optimizers="an optax GradientTransformation"),
     _Entry("numpy", "numpy", "mixedpolicy.backends.numpy_backend:NumpyAdapter"),
 ]
 
@@ -123,8 +126,7 @@ def cast_tree(tree: Any, dtype: str) -> Any:
     from mixedpolicy._dtypes import canonical_dtype
 
     dtype = canonical_dtype(dtype)
-    adapter = adapter_for_tree(tree)
-    return adapter.tree_map(lambda x: adapter.cast(x, dtype), tree)
+    return adapter_for_tree(tree).cast_tree(tree, dtype)
 
 
 def global_policy_changed(policy: Any) -> None:

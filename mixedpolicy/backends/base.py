@@ -47,6 +47,10 @@ class Adapter(abc.ABC):
     def cast(self, x: Any, dtype: str) -> Any:
         """Casts a floating array to `dtype`; integer, boolean and non-arrays pass unchanged."""
 
+    def cast_tree(self, tree: Any, dtype: str) -> Any:
+        """Casts the floating leaves of a container of arrays to `dtype`."""
+        return self.tree_map(lambda x: self.cast(x, dtype), tree)
+
     @abc.abstractmethod
     def all_finite(self, tree: Any) -> Any:
         """A boolean scalar array: are all floating leaves free of inf and NaN? No host sync."""
@@ -81,8 +85,12 @@ class Adapter(abc.ABC):
         """The per-layer rows (`LayerPolicy`) of a model of this framework."""
 
     @abc.abstractmethod
-    def wrap_optimizer(self, optimizer: Any, loss_scale: Any) -> Any:
-        """Wraps an optimizer of this framework with a loss scale."""
+    def wrap_optimizer(self, optimizer: Any, loss_scale: Any, axis_name: Any = None) -> Any:
+        """Wraps an optimizer of this framework with a loss scale.
+
+        `axis_name` names the replica axis to agree on skipped steps over, for
+        frameworks whose replicas are named axes (JAX); others reject it.
+        """
 
     def sync_global_policy(self, policy: Any) -> None:
         """Mirrors mixedpolicy's global policy into the framework's own, where it has one.

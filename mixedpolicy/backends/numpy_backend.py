@@ -105,5 +105,5 @@ class NumpyAdapter(Adapter):
     def describe(self, model: Any) -> list:
         raise TypeError("numpy has no layer objects to describe.")
 
-    def wrap_optimizer(self, optimizer: Any, loss_scale: Any) -> Any:
+    def wrap_optimizer(self, optimizer: Any, loss_scale: Any, axis_name: Any = None) -> Any:
         raise TypeError("numpy has no optimizer type; use DynamicLossScale directly.")

@@ -204,7 +204,12 @@ class TorchAdapter(Adapter):
             rows.append(LayerPolicy(path, type(module).__name__, policy, source))
         return rows
 
-    def wrap_optimizer(self, optimizer: Any, loss_scale: Any) -> Any:
+    def wrap_optimizer(self, optimizer: Any, loss_scale: Any, axis_name: Any = None) -> Any:
+        if axis_name is not None:
+            raise TypeError(
+                f"Received axis_name={axis_name!r} for a torch optimizer; axis_name names a JAX "
+                f"replica axis. Under DistributedDataParallel every rank already skips "
+                f"together: the gradients are all-reduced before the step checks them.")
         from mixedpolicy.backends.torch_optimizer import TorchLossScaleOptimizer
 
         return TorchLossScaleOptimizer(optimizer, loss_scale)

@@ -1,0 +1,147 @@
+"""JAX adapter: jax arrays and pytrees, Flax NNX and linen modules, optax transformations.
+
+- arrays are ``jax.Array`` (tracers included, so every operation works under
+  ``jax.jit``); pytrees are JAX's own;
+- a Flax NNX module gets each submodule's ``dtype`` / ``param_dtype`` set from its
+  resolved policy (see `mixedpolicy.backends.jax_flax`);
+- a Flax linen module is wrapped in a `PolicyLinen`, whose ``init`` / ``apply``
+  cast each submodule's parameters and inputs on the way in;
+- an optax ``GradientTransformation`` is wrapped into another one that carries the
+  loss scale in its state (see `mixedpolicy.backends.jax_optimizer`).
+
+Flax and optax are imported only once the user has imported them.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mixedpolicy._dtypes import FLOATING_DTYPES
+from mixedpolicy.backends.base import Adapter
+
+_JNP_DTYPES = {name: jnp.dtype(name) for name in FLOATING_DTYPES}
+_JNP_DTYPES.update(bool=jnp.dtype("bool"), int32=jnp.dtype("int32"), int64=jnp.dtype("int64"))
+_NAMES = {v: k for k, v in _JNP_DTYPES.items() if k in FLOATING_DTYPES}
+_SCALARS = (bool, int, float, complex, np.ndarray, np.generic)
+
+
+def dtype_name(dtype: Any) -> str | None:
+    """The plain name of a floating dtype (``jnp.bfloat16``, ``np.float32``...), else None."""
+    if dtype is None:
+        return None
+    try:
+        return _NAMES.get(jnp.dtype(dtype))
+    except TypeError:
+        return None
+
+
+def jnp_dtype(name: str) -> Any:
+    return _JNP_DTYPES[name]
+
+
+def cast_leaf(x: Any, dtype: str) -> Any:
+    """Casts one floating array (jax or numpy) to `dtype`; anything else passes unchanged."""
+    if isinstance(x, (jax.Array, np.ndarray, np.generic)) and dtype_name(x.dtype) not in (None, dtype):
+        return jnp.asarray(x).astype(_JNP_DTYPES[dtype])
+    return x
+
+
+def _path_text(path: tuple) -> str:
+    return jax.tree_util.keystr(path) or "(the root)"
+
+
+class JaxAdapter(Adapter):
+    name = "jax"
+    module = "jax"
+
+    # -- arrays ---------------------------------------------------------------
+    def is_array(self, x: Any) -> bool:
+        return isinstance(x, jax.Array)
+
+    def leaves(self, tree: Any) -> Iterable[Any]:
+        return jax.tree_util.tree_leaves(tree)
+
+    def tree_map(self, fn: Callable[[Any], Any], tree: Any) -> Any:
+        return jax.tree_util.tree_map(fn, tree)
+
+    def asarray(self, value: Any, dtype: str, like: Any = None) -> Any:
+        return jnp.asarray(value, dtype=_JNP_DTYPES[dtype])
+
+    def floating_dtype(self, x: Any) -> str | None:
+        return dtype_name(x.dtype) if isinstance(x, jax.Array) else None
+
+    def cast(self, x: Any, dtype: str) -> Any:
+        return cast_leaf(x, dtype)
+
+    def cast_tree(self, tree: Any, dtype: str) -> Any:
+        """Casts floating leaves; a leaf that is neither an array nor a number is an error.
+
+        A policy that silently skipped a leaf it cannot cast (a string, an object)
+        would leave part of a computation in the wrong precision.
+        """
+        def leaf(path, x):
+            if isinstance(x, jax.Array) or isinstance(x, _SCALARS):
+                return cast_leaf(x, dtype)
+            raise TypeError(
+                f"Received a pytree whose leaf at {_path_text(path)} is a {type(x).__name__} "
+                f"({x!r:.60}); a policy casts arrays, so every leaf must be an array or a number. "
+                f"Bind non-array arguments before applying the policy (functools.partial), "
+                f"or keep them out of the pytree (mark them static under jax.jit).")
+        return jax.tree_util.tree_map_with_path(leaf, tree)
+
+    def all_finite(self, tree: Any) -> Any:
+        flags = [jnp.isfinite(x).all() for x in jax.tree_util.tree_leaves(tree)
+                 if self.floating_dtype(x) is not None]
+        return jnp.stack(flags).all() if flags else jnp.asarray(True)
+
+    def where(self, cond: Any, a: Any, b: Any) -> Any:
+        return jnp.where(cond, a, b)
+
+    def zeros_like(self, x: Any) -> Any:
+        return jnp.zeros_like(x)
+
+    def full_like(self, x: Any, value: float) -> Any:
+        return jnp.full_like(x, value)
+
+    # -- models and optimizers ------------------------------------------------
+    def role_of(self, obj: Any) -> str | None:
+        nnx = sys.modules.get("flax.nnx")
+        if nnx is not None and isinstance(obj, nnx.Module):
+            return "model"
+        linen = sys.modules.get("flax.linen")
+        if linen is not None and isinstance(obj, linen.Module):
+            return "model"
+        if "mixedpolicy.backends.jax_flax" in sys.modules:
+            from mixedpolicy.backends.jax_flax import PolicyLinen
+
+            if isinstance(obj, PolicyLinen):
+                return "model"
+        optax = sys.modules.get("optax")
+        if optax is not None and isinstance(obj, optax.GradientTransformation):
+            return "optimizer"
+        return None
+
+    def apply_policy(self, model: Any, policy_map: Any) -> Any:
+        from mixedpolicy.backends import jax_flax
+
+        return jax_flax.apply_policy(model, policy_map)
+
+    def remove_policy(self, model: Any) -> Any:
+        from mixedpolicy.backends import jax_flax
+
+        return jax_flax.remove_policy(model)
+
+    def describe(self, model: Any) -> list:
+        from mixedpolicy.backends import jax_flax
+
+        return jax_flax.describe(model)
+
+    def wrap_optimizer(self, optimizer: Any, loss_scale: Any, axis_name: Any = None) -> Any:
+        from mixedpolicy.backends.jax_optimizer import loss_scale_transformation
+
+        return loss_scale_transformation(optimizer, loss_scale, axis_name)

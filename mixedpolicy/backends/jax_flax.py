@@ -1,0 +1,326 @@
+"""Policies on Flax modules, NNX and linen, through Flax's own ``dtype`` / ``param_dtype``.
+
+Every Flax layer already takes a compute ``dtype`` (inputs and parameters are cast
+to it before the math) and a ``param_dtype`` (what new parameters are created in).
+A policy sets both per layer, from the `PolicyMap`, so the math is exactly what a
+hand-written Flax model with those arguments does:
+
+- NNX modules are mutable: `apply_policy` sets ``dtype`` / ``param_dtype`` on each
+  submodule that has them, casts existing parameters to the variable dtype (pure
+  policies), and returns the same module. Where a layer's output dtype differs
+  from its compute dtype (norm layers under a mixed policy compute in float32 and
+  hand on the compute dtype; jmp-style ``o=f32`` policies), the layer's class is
+  swapped for a subclass whose ``__call__`` casts the floating outputs. What was
+  changed is kept on the module as a static, hashable record, so it survives
+  ``nnx.jit`` and ``nnx.split`` / ``nnx.merge``, and `remove_policy` restores it all.
+- linen modules are immutable and build their submodules lazily, so `apply_policy`
+  returns a `PolicyLinen`: its ``init`` and ``apply`` run the module under a method
+  interceptor that resolves each submodule's policy when it is first called, sets
+  its ``dtype`` / ``param_dtype`` for the call, casts floating inputs to the
+  compute dtype and, where the policy's output dtype differs from its compute
+  dtype, outputs to the output dtype (otherwise outputs are left as the layers
+  make them, as in hand-written Flax).
+
+Layer paths are the module paths joined with dots: ``"blocks.0.linear"`` in NNX,
+``"Dense_0"`` or ``"encoder.head"`` in linen (the keys of the params tree).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import threading
+from typing import Any, NamedTuple
+
+import jax
+
+from mixedpolicy.backends.jax_backend import cast_leaf, dtype_name, jnp_dtype
+from mixedpolicy.describe import LayerPolicy
+from mixedpolicy.policy import Policy
+from mixedpolicy.policy_map import NORMALIZATION, LayerInfo, PolicyMap, Resolution
+
+_STATE = "_mixedpolicy"
+_NORM_NAMES = ("LayerNorm", "BatchNorm", "RMSNorm", "GroupNorm", "InstanceNorm", "SpectralNorm",
+               "WeightNorm")
+
+
+def _kind(cls: type, namespace: Any) -> str | None:
+    norms = tuple(getattr(namespace, n) for n in _NORM_NAMES if hasattr(namespace, n))
+    return NORMALIZATION if issubclass(cls, norms) else None
+
+
+def _path(keys: tuple) -> str:
+    return ".".join(str(k) for k in keys)
+
+
+def _cast_tree(tree: Any, dtype: str) -> Any:
+    return jax.tree_util.tree_map(lambda x: cast_leaf(x, dtype), tree)
+
+
+def _check_master_weights(where: str, dtype: str | None, policy: Policy) -> None:
+    if dtype in ("float16", "bfloat16") and policy.variable_dtype == "float32" \
+            and policy.compute_dtype != policy.variable_dtype:
+        raise ValueError(
+            f"Received a module whose parameter {where!r} is already {dtype}, but the policy "
+            f"{policy.name} keeps variables in float32 and computes in {policy.compute_dtype}: "
+            f"applying it would silently train half-precision master weights. Create the "
+            f"module with param_dtype=jnp.float32 before apply_policy, or use the pure policy "
+            f"{dtype!r} if half-precision weights are intended.")
+
+
+# -- dispatch ------------------------------------------------------------------
+def _is_nnx(model: Any) -> bool:
+    nnx = sys.modules.get("flax.nnx")
+    return nnx is not None and isinstance(model, nnx.Module)
+
+
+def apply_policy(model: Any, policy_map: PolicyMap) -> Any:
+    if _is_nnx(model):
+        return _nnx_apply(model, policy_map)
+    if isinstance(model, PolicyLinen):
+        model = model.module
+    return PolicyLinen(model, policy_map)
+
+
+def remove_policy(model: Any) -> Any:
+    if _is_nnx(model):
+        return _nnx_remove(model)
+    if isinstance(model, PolicyLinen):
+        return model.module
+    return model  # a bare linen module carries no policy
+
+
+def describe(model: Any) -> list:
+    if _is_nnx(model):
+        return _nnx_describe(model)
+    if isinstance(model, PolicyLinen):
+        return model.describe_rows()
+    raise TypeError(
+        f"Received a bare linen module {type(model).__name__}: linen builds its submodules "
+        f"only when called, so describe needs the PolicyLinen that apply_policy returns, "
+        f"after one init or apply call.")
+
+
+# -- NNX -----------------------------------------------------------------------
+class _Applied(NamedTuple):
+    """What apply_policy changed on one NNX module: static, hashable, restorable."""
+
+    policy: Policy
+    source: str
+    dtype: Any               # the module's dtype attribute before, or a sentinel
+    param_dtype: Any         # ... and its param_dtype
+    cls: type                # its class before a swap
+    variables: tuple         # (attribute, dtype name) of variables cast
+
+
+_MISSING = "<missing>"
+_subclasses: dict[type, type] = {}
+_subclasses_lock = threading.Lock()
+
+
+def _output_cast_class(cls: type) -> type:
+    """A subclass of `cls` whose ``__call__`` casts floating outputs to the policy's output dtype."""
+    with _subclasses_lock:
+        sub = _subclasses.get(cls)
+        if sub is None:
+            def __call__(self, *args, **kwargs):
+                out = super(sub, self).__call__(*args, **kwargs)
+                return _cast_tree(out, getattr(self, _STATE).policy.output_dtype)
+
+            sub = type(cls.__name__, (cls,), {
+                "__call__": __call__, "__module__": cls.__module__,
+                "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
+            sub._mixedpolicy_base = cls
+            _subclasses[cls] = sub
+    return sub
+
+
+def _nnx_modules(model: Any) -> list[tuple[str, Any]]:
+    """(dotted path, module) for the module and every submodule, parents first."""
+    from flax import nnx
+
+    found = list(nnx.iter_modules(model))
+    found.sort(key=lambda item: len(item[0]))
+    return [(_path(keys), module) for keys, module in found]
+
+
+def _own_variables(module: Any) -> list[tuple[str, Any]]:
+    """The parameters and batch statistics held directly by `module` (not by a submodule)."""
+    from flax import nnx
+
+    return [(name, value) for name, value in vars(module).items()
+            if isinstance(value, (nnx.Param, nnx.BatchStat))]
+
+
+def _nnx_apply(model: Any, policy_map: PolicyMap) -> Any:
+    from flax import nnx
+
+    _nnx_remove(model)
+    modules = _nnx_modules(model)
+    chains: dict[str, list[LayerInfo]] = {}
+    plan = []
+    for path, module in modules:
+        info = LayerInfo(path, type(module), _kind(type(module), nnx))
+        parent = path.rpartition(".")[0] if path else None
+        chains[path] = (chains[parent] if parent is not None else []) + [info]
+        resolution = policy_map.resolve(chains[path])
+        for name, var in _own_variables(module):
+            _check_master_weights(f"{path}.{name}" if path else name,
+                                  dtype_name(var.get_value().dtype), resolution.policy)
+        plan.append((path, module, resolution))
+    policy_map.warn_unmatched(chains[path][-1] for path, _ in modules)
+    policies = {path: resolution.policy for path, _, resolution in plan}
+    for path, module, resolution in plan:
+        policy = resolution.policy
+        before_dtype = getattr(module, "dtype", _MISSING)
+        before_param = getattr(module, "param_dtype", _MISSING)
+        if before_dtype is not _MISSING:
+            module.dtype = jnp_dtype(policy.compute_dtype)
+        if before_param is not _MISSING:
+            module.param_dtype = jnp_dtype(policy.variable_dtype)
+        cast = []
+        for name, var in _own_variables(module):
+            dtype = dtype_name(var.get_value().dtype)
+            if dtype is not None and dtype != policy.variable_dtype:
+                cast.append((name, dtype))
+                var.set_value(var.get_value().astype(jnp_dtype(policy.variable_dtype)))
+        cls = type(module)
+        parent = path.rpartition(".")[0] if path else None
+        region = parent is None or policies[parent] != policy or before_dtype is not _MISSING
+        if region and policy.output_dtype != policy.compute_dtype:
+            module.__class__ = _output_cast_class(cls)
+        setattr(module, _STATE, _Applied(policy, resolution.source, before_dtype, before_param,
+                                         cls, tuple(cast)))
+    return model
+
+
+def _nnx_remove(model: Any) -> Any:
+    for _, module in _nnx_modules(model):
+        applied = vars(module).get(_STATE)
+        if applied is None:
+            continue
+        delattr(module, _STATE)
+        module.__class__ = applied.cls
+        if applied.dtype is not _MISSING:
+            module.dtype = applied.dtype
+        if applied.param_dtype is not _MISSING:
+            module.param_dtype = applied.param_dtype
+        for name, dtype in applied.variables:
+            var = getattr(module, name)
+            var.set_value(var.get_value().astype(jnp_dtype(dtype)))
+    return model
+
+
+def _nnx_describe(model: Any) -> list:
+    rows = []
+    for path, module in _nnx_modules(model):
+        applied = vars(module).get(_STATE)
+        if applied is not None:
+            policy, source, cls = applied.policy, applied.source, applied.cls
+        else:
+            variable = dtype_name(getattr(module, "param_dtype", None)) or "float32"
+            compute = dtype_name(getattr(module, "dtype", None)) or variable
+            policy = Policy(f"params={variable},compute={compute},output={compute}")
+            source, cls = "no policy applied", type(module)
+        rows.append(LayerPolicy(path, cls.__name__, policy, source))
+    return rows
+
+
+# -- linen -----------------------------------------------------------------------
+class PolicyLinen:
+    """A Flax linen module under a policy: ``init`` and ``apply`` as on the module itself.
+
+    Made by `mixedpolicy.apply_policy` from a ``flax.linen.Module``. Each submodule's
+    policy is resolved when it is first called (linen builds submodules lazily), by
+    its path in the params tree (``"Dense_0"``, ``"encoder.head"``), its class or a
+    built-in rule. During the call its ``dtype`` and ``param_dtype`` fields are set
+    from the policy, floating inputs are cast to the compute dtype and floating
+    outputs to the output dtype, so ``init`` creates parameters in the variable
+    dtype and ``apply`` runs each layer's math in its compute dtype, under
+    ``jax.jit`` or not.
+
+    Attributes:
+      module: the linen module.
+      policy_map: the `PolicyMap` it runs under.
+    """
+
+    def __init__(self, module: Any, policy_map: PolicyMap):
+        self.module = module
+        self.policy_map = policy_map
+        self._seen: dict[str, tuple[type, Resolution]] = {}
+        self._warned = False
+        self._lock = threading.Lock()
+
+    def init(self, rngs: Any, *args: Any, **kwargs: Any) -> Any:
+        """``module.init`` under the policy: parameters come out in their variable dtype."""
+        return self._run(self.module.init, rngs, *args, **kwargs)
+
+    def init_with_output(self, rngs: Any, *args: Any, **kwargs: Any) -> Any:
+        """``module.init_with_output`` under the policy."""
+        return self._run(self.module.init_with_output, rngs, *args, **kwargs)
+
+    def apply(self, variables: Any, *args: Any, **kwargs: Any) -> Any:
+        """``module.apply`` under the policy (jit it as you would the module's)."""
+        return self._run(self.module.apply, variables, *args, **kwargs)
+
+    def _run(self, fn: Any, first: Any, *args: Any, **kwargs: Any) -> Any:
+        import flax.linen as nn
+
+        with nn.intercept_methods(self._intercept):
+            out = fn(first, *args, **kwargs)
+        if not self._warned:
+            self._warned = True
+            self.policy_map.warn_unmatched(self._infos())
+        return out
+
+    def _infos(self) -> list[LayerInfo]:
+        import flax.linen as nn
+
+        return [LayerInfo(path, cls, _kind(cls, nn)) for path, (cls, _) in self._seen.items()]
+
+    def _resolve(self, module: Any) -> Resolution:
+        import flax.linen as nn
+
+        keys = tuple(module.path)
+        chain = []
+        for i in range(len(keys)):
+            seen = self._seen.get(_path(keys[:i]))
+            if seen is not None:
+                chain.append(LayerInfo(_path(keys[:i]), seen[0], _kind(seen[0], nn)))
+        chain.append(LayerInfo(_path(keys), type(module), _kind(type(module), nn)))
+        resolution = self.policy_map.resolve(chain)
+        with self._lock:
+            self._seen[_path(keys)] = (type(module), resolution)
+        return resolution
+
+    def _intercept(self, next_fun: Any, args: tuple, kwargs: dict, context: Any) -> Any:
+        module = context.module
+        if context.method_name != "__call__" and module.path:
+            return next_fun(*args, **kwargs)  # helpers and setup of submodules run as they are
+        policy = self._resolve(module).policy
+        fields = {f.name for f in dataclasses.fields(module)}
+        changed = {}
+        for name, dtype in (("dtype", policy.compute_dtype), ("param_dtype", policy.variable_dtype)):
+            if name in fields:
+                changed[name] = getattr(module, name)
+                object.__setattr__(module, name, jnp_dtype(dtype))
+        try:
+            args, kwargs = _cast_tree((args, kwargs), policy.compute_dtype)
+            out = next_fun(*args, **kwargs)
+        finally:
+            for name, value in changed.items():
+                object.__setattr__(module, name, value)
+        if policy.output_dtype == policy.compute_dtype:
+            return out  # as the layers made it, e.g. float32 from a layer overridden to float32
+        return _cast_tree(out, policy.output_dtype)
+
+    def describe_rows(self) -> list:
+        if not self._seen:
+            raise ValueError(
+                f"describe needs one init or apply call of this PolicyLinen first: linen "
+                f"builds the submodules of {type(self.module).__name__} only when called.")
+        return [LayerPolicy(path, cls.__name__, resolution.policy, resolution.source)
+                for path, (cls, resolution) in self._seen.items()]  # call order: parents first
+
+    def __repr__(self) -> str:
+        return f"PolicyLinen({self.module!r}, {self.policy_map!r})"

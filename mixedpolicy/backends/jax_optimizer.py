@@ -1,0 +1,137 @@
+"""`LossScaleOptimizer` for optax: a ``GradientTransformation`` that carries the loss scale.
+
+The wrapper's state is a `LossScaleState`: the inner optimizer's state plus
+``loss_scale``, ``counter``, ``last_step_skipped`` and ``num_skipped_steps``, all
+arrays, so the whole step stays inside ``jax.jit`` with no host round trip. Its
+``update``:
+
+1. unscales the gradients (divides by the scale, each leaf keeping its dtype);
+2. checks that every gradient is finite; with ``axis_name`` the answer is reduced
+   over that axis (``pmap``, ``shard_map``), so one replica's overflow makes every
+   replica skip;
+3. runs the inner update and keeps it on a finite step; on a skipped step the
+   updates are zeros and the inner state (its counters included) is the old one;
+4. adjusts the bounded scale (`mixedpolicy.DynamicLossScale`).
+
+A typical step::
+
+    opt = mp.LossScaleOptimizer(optax.adam(1e-3))
+    state = opt.init(params)
+
+    @jax.jit
+    def step(params, state, x, y):
+        grads = jax.grad(lambda p: opt.scale_loss(loss_fn(p, x, y), state))(params)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from mixedpolicy.backends.jax_backend import JaxAdapter
+from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale
+
+_ops = JaxAdapter()
+
+
+class LossScaleState(NamedTuple):
+    """The state of an optax `LossScaleOptimizer`.
+
+    Attributes:
+      inner_state: the wrapped transformation's state.
+      loss_scale: the current scale, a float32 scalar.
+      counter: finite steps since the scale last changed, an int32 scalar.
+      last_step_skipped: whether the last update was skipped, a bool scalar.
+      num_skipped_steps: how many updates were skipped so far, an int32 scalar.
+    """
+
+    inner_state: Any
+    loss_scale: Any
+    counter: Any
+    last_step_skipped: Any
+    num_skipped_steps: Any
+
+
+def _value(x: Any) -> Any:
+    """The array inside an ``nnx.Variable`` (nnx.Optimizer wraps state leaves), or `x`."""
+    if isinstance(x, jax.Array) or not hasattr(x, "get_value"):
+        return x
+    return x.get_value()
+
+
+class LossScaleTransformation(optax.GradientTransformationExtraArgs):
+    """The ``optax.GradientTransformation`` that `mixedpolicy.LossScaleOptimizer` returns.
+
+    Used like any optax transformation (``init``, ``update``, inside ``optax.chain``
+    or ``nnx.Optimizer``), plus `scale_loss` for the loss of the current step.
+    """
+
+    __slots__ = ()
+
+    def scale_loss(self, loss: Any, state: Any) -> Any:
+        """Returns ``loss * state.loss_scale`` in float32: differentiate this.
+
+        Args:
+          loss: the unscaled loss, a scalar of any floating dtype.
+          state: this transformation's `LossScaleState` (as returned by ``init`` or
+            ``update``, or ``nnx.Optimizer.opt_state``).
+        """
+        if not isinstance(state, LossScaleState):
+            raise TypeError(
+                f"Received a state of type {type(state).__name__}; expected the "
+                f"LossScaleState that this LossScaleOptimizer's init/update returned. If it "
+                f"sits inside optax.chain, pass that element of the chain's state.")
+        return jnp.asarray(loss).astype(jnp.float32) * _value(state.loss_scale)
+
+
+def _scale_state(config: LossScale, state: LossScaleState) -> LossScale:
+    if isinstance(config, DynamicLossScale):
+        return config._evolve(loss_scale=state.loss_scale, counter=state.counter)
+    return config
+
+
+def loss_scale_transformation(inner: Any, config: LossScale, axis_name: Any = None) -> LossScaleTransformation:
+    """Wraps an optax transformation with `config` (see the module docstring)."""
+    if isinstance(inner, LossScaleTransformation):
+        raise TypeError("Received a LossScaleOptimizer to wrap; it already scales the loss. "
+                        "Wrap the inner optax transformation once.")
+    if axis_name is not None and not isinstance(axis_name, (str, tuple)):
+        raise TypeError(f"Received axis_name={axis_name!r}; expected the name (or a tuple of "
+                        f"names) of the pmap / shard_map axis the replicas run over.")
+    inner = optax.with_extra_args_support(inner)
+
+    def init(params: Any) -> LossScaleState:
+        scale = jnp.asarray(config.loss_scale, jnp.float32)
+        counter = jnp.asarray(getattr(config, "counter", 0), jnp.int32)
+        return LossScaleState(inner.init(params), scale, counter, jnp.asarray(False),
+                              jnp.asarray(0, jnp.int32))
+
+    def update(grads: Any, state: LossScaleState, params: Any = None, **extra_args: Any):
+        if not isinstance(state, LossScaleState):
+            raise TypeError(f"Received a state of type {type(state).__name__}; expected the "
+                            f"LossScaleState that this LossScaleOptimizer's init returned.")
+        if isinstance(config, NoLossScale):
+            updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
+            return updates, state._replace(inner_state=inner_state)
+        scale = _scale_state(config, state)
+        grads = scale.unscale(grads)
+        finite = _ops.all_finite(grads)
+        if axis_name is not None:
+            finite = jax.lax.psum((~finite).astype(jnp.int32), axis_name) == 0
+        updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
+        updates = jax.tree_util.tree_map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), updates)
+        inner_state = jax.tree_util.tree_map(lambda new, old: jnp.where(finite, new, old),
+                                             inner_state, state.inner_state)
+        scale = scale.adjust(finite)
+        skipped = ~finite
+        return updates, LossScaleState(
+            inner_state, jnp.asarray(scale.loss_scale, jnp.float32),
+            jnp.asarray(getattr(scale, "counter", state.counter), jnp.int32), skipped,
+            state.num_skipped_steps + skipped.astype(jnp.int32))
+
+    return LossScaleTransformation(init, update)

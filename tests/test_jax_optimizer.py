@@ -1,0 +1,256 @@
+"""The optax LossScaleOptimizer: state fields, skipping, jmp parity, no host sync, replicas."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from conftest import require_module
+
+jax = require_module("jax")
+jnp = jax.numpy
+optax = require_module("optax", "jax")
+jmp = require_module("jmp", "jax")
+
+import mixedpolicy as mp  # noqa: E402
+from mixedpolicy.backends.jax_optimizer import LossScaleState  # noqa: E402
+
+X = np.random.default_rng(0).normal(size=(16, 6)).astype(np.float32)
+Y = np.random.default_rng(1).normal(size=(16, 3)).astype(np.float32)
+
+
+def params_tree():
+    rng = np.random.default_rng(2)
+    return {"w": jnp.asarray(rng.normal(size=(6, 3)) * 0.3, jnp.float32), "b": jnp.zeros(3, jnp.float32)}
+
+
+def loss_fn(params, poison):
+    pred = X @ params["w"] + params["b"]
+    # Poison multiplicatively: every gradient of the step becomes inf or NaN.
+    return ((pred - Y) ** 2).mean() * jnp.where(poison, jnp.inf, 1.0).astype(jnp.float32)
+
+
+def make_step(opt):
+    @jax.jit
+    def step(params, state, poison):
+        grads = jax.grad(lambda p: opt.scale_loss(loss_fn(p, poison), state))(params)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+    return step
+
+
+def adam():
+    # optax's adam mixes a Python float and an int32 count, which JAX's strict
+    # promotion (on in this suite) rejects with or without mixedpolicy.
+    return jax.numpy_dtype_promotion("standard")
+
+
+def test_state_fields_and_isinstance():
+    opt = mp.LossScaleOptimizer(optax.sgd(0.1), initial_scale=2.0**8)
+    assert isinstance(opt, optax.GradientTransformation) and isinstance(opt, mp.LossScaleOptimizer)
+    assert not isinstance(optax.sgd(0.1), mp.LossScaleOptimizer)
+    state = opt.init(params_tree())
+    assert isinstance(state, LossScaleState)
+    assert state.loss_scale.dtype == jnp.float32 and float(state.loss_scale) == 256.0
+    assert state.counter.dtype == jnp.int32 and not bool(state.last_step_skipped)
+    assert int(state.num_skipped_steps) == 0
+
+
+@pytest.mark.parametrize("inner", ["sgd_momentum", "adam", "clipped_adamw"])
+def test_trajectory_and_params_match_jmp_and_optax_step_for_step(inner):
+    with adam():
+        tx = {"sgd_momentum": lambda: optax.sgd(0.05, momentum=0.9),
+              "adam": lambda: optax.adam(1e-2),
+              "clipped_adamw": lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2))}[inner]()
+        poison = [False, False, True, False, False, False, True, True, False, False, False, False]
+        opt = mp.LossScaleOptimizer(tx, initial_scale=2.0**10, dynamic_growth_steps=3)
+        step = make_step(opt)
+        params, state = params_tree(), opt.init(params_tree())
+
+        @jax.jit
+        def by_hand(params, opt_state, scale, poison):
+            grads = jax.grad(lambda p: scale.scale(loss_fn(p, poison)))(params)
+            grads = scale.unscale(grads)
+            finite = jmp.all_finite(grads)
+            updates, new_opt_state = tx.update(grads, opt_state, params)
+            new_params = optax.apply_updates(params, updates)
+            params, opt_state = jmp.select_tree(finite, (new_params, new_opt_state), (params, opt_state))
+            return params, opt_state, scale.adjust(finite)
+
+        ref_params, ref_state = params_tree(), tx.init(params_tree())
+        ref_scale = jmp.DynamicLossScale(jnp.asarray(2.0**10, jnp.float32), period=3)
+        for p in poison:
+            params, state = step(params, state, p)
+            ref_params, ref_state, ref_scale = by_hand(ref_params, ref_state, ref_scale, p)
+            assert float(state.loss_scale) == float(ref_scale.loss_scale)
+            assert int(state.counter) == int(ref_scale.counter)
+            assert bool(state.last_step_skipped) == p
+            for a, b in zip(jax.tree_util.tree_leaves((params, state.inner_state)),
+                            jax.tree_util.tree_leaves((ref_params, ref_state))):
+                # Bit for bit, but for XLA fusing the global norm of clipping its own way in
+                # each program (an ulp now and then; without jit the two are bit for bit).
+                tol = 1e-5 if inner == "clipped_adamw" else 0
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=tol / 100, rtol=tol)
+        assert int(state.num_skipped_steps) == sum(poison)
+
+
+def test_a_skipped_step_leaves_params_inner_state_and_its_count_alone():
+    with adam():
+        opt = mp.LossScaleOptimizer(optax.adam(1e-2))
+        step = make_step(opt)
+        params, state = step(params_tree(), opt.init(params_tree()), False)
+        after, new = step(params, state, True)
+    for a, b in zip(jax.tree_util.tree_leaves((params, state.inner_state)),
+                    jax.tree_util.tree_leaves((after, new.inner_state))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert int(new.inner_state[0].count) == 1
+    assert bool(new.last_step_skipped) and int(new.num_skipped_steps) == 1
+    assert float(new.loss_scale) == 2.0**14 and int(new.counter) == 0
+
+
+def test_200_overflows_leave_the_weights_and_the_scale_at_its_floor():
+    opt = mp.LossScaleOptimizer(optax.sgd(0.1))
+    step = make_step(opt)
+    params, state = params_tree(), opt.init(params_tree())
+    for _ in range(200):
+        params, state = step(params, state, True)
+    assert float(state.loss_scale) == 1.0 and int(state.num_skipped_steps) == 200
+    for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(params_tree())):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    params, state = step(params, state, False)
+    assert all(bool(jnp.isfinite(p).all()) for p in jax.tree_util.tree_leaves(params))
+    assert not bool(state.last_step_skipped)
+
+
+def test_the_scale_is_bounded_above():
+    opt = mp.LossScaleOptimizer(optax.sgd(0.0), initial_scale=2.0**23, dynamic_growth_steps=1,
+                                max_scale=2.0**24)
+    step = make_step(opt)
+    params, state = params_tree(), opt.init(params_tree())
+    for _ in range(3):
+        params, state = step(params, state, False)
+    assert float(state.loss_scale) == 2.0**24
+
+
+def test_a_jitted_step_makes_no_host_round_trip():
+    opt = mp.LossScaleOptimizer(optax.sgd(0.1, momentum=0.9))
+    step = make_step(opt)
+    params, state = jax.device_put((params_tree(), opt.init(params_tree())))
+    poison = jax.device_put(jnp.asarray(False))
+    step(params, state, poison)  # compile
+    with jax.transfer_guard("disallow"):
+        for _ in range(3):
+            params, state = step(params, state, poison)
+
+
+def test_works_with_nnx_optimizer():
+    nnx = require_module("flax.nnx", "jax")
+    model = mp.apply_policy(nnx.Linear(6, 3, rngs=nnx.Rngs(0)), "mixed_float16")
+    optimizer = nnx.Optimizer(model, mp.LossScaleOptimizer(optax.sgd(0.1)), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, poison):
+        def scaled(m):
+            pred = m(X).astype(jnp.float32)
+            loss = ((pred - Y) ** 2).mean() * jnp.where(poison, jnp.inf, 1.0).astype(jnp.float32)
+            return optimizer.tx.scale_loss(loss, optimizer.opt_state)
+        optimizer.update(model, nnx.grad(scaled)(model))
+
+    before = np.asarray(model.kernel.get_value())
+    step(model, optimizer, True)
+    np.testing.assert_array_equal(np.asarray(model.kernel.get_value()), before)
+    assert int(optimizer.opt_state.num_skipped_steps.get_value()) == 1
+    step(model, optimizer, False)
+    assert not np.array_equal(np.asarray(model.kernel.get_value()), before)
+    assert model.kernel.get_value().dtype == jnp.float32
+
+
+def test_static_and_no_loss_scale():
+    static = mp.LossScaleOptimizer(optax.sgd(0.1), loss_scale=mp.StaticLossScale(64.0))
+    step = make_step(static)
+    params, state = step(params_tree(), static.init(params_tree()), True)
+    assert float(state.loss_scale) == 64.0 and bool(state.last_step_skipped)
+    none = mp.LossScaleOptimizer(optax.sgd(0.1), loss_scale=mp.NoLossScale())
+    state = none.init(params_tree())
+    assert float(none.scale_loss(jnp.float32(3.0), state)) == 3.0
+    params, state = make_step(none)(params_tree(), state, False)
+    assert int(state.num_skipped_steps) == 0
+
+
+def test_clear_errors():
+    with pytest.raises(ValueError, match="float16 value; the scale is kept in float32"):
+        mp.LossScaleOptimizer(optax.sgd(0.1), initial_scale=jnp.float16(1024))
+    with pytest.raises(ValueError, match="float16 value"):
+        mp.DynamicLossScale(loss_scale=np.float16(8))
+    with pytest.raises(TypeError, match=r"optax.*adam builds an optimizer: call it first.*adam\(1e-3\)"):
+        mp.LossScaleOptimizer(optax.adam)
+    with pytest.raises(TypeError, match="no installed mixedpolicy adapter handles.*optax GradientTransformation"):
+        mp.LossScaleOptimizer({"lr": 0.1})
+    with pytest.raises(TypeError, match="learning_rate.*belong to the inner optimizer"):
+        mp.LossScaleOptimizer(optax.sgd(0.1), learning_rate=0.1)
+    with pytest.raises(TypeError, match="axis_name=3"):
+        mp.LossScaleOptimizer(optax.sgd(0.1), axis_name=3)
+    opt = mp.LossScaleOptimizer(optax.sgd(0.1))
+    with pytest.raises(TypeError, match="already scales the loss"):
+        mp.LossScaleOptimizer(opt)
+    with pytest.raises(TypeError, match="expected the LossScaleState"):
+        opt.scale_loss(jnp.float32(1.0), optax.sgd(0.1).init(params_tree()))
+
+
+_REPLICAS = textwrap.dedent("""
+    import os
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    os.environ["JAX_NUMPY_DTYPE_PROMOTION"] = "strict"
+    import functools
+    import jax, jax.numpy as jnp, numpy as np, optax
+    from jax.sharding import Mesh, PartitionSpec as P
+    import mixedpolicy as mp
+
+    assert jax.device_count() == 2, jax.devices()
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 4, 3)), jnp.float32)
+    params = {"w": jnp.ones((3,), jnp.float32)}
+
+    def local_step(opt, params, state, x, poison):
+        def loss(p):
+            l = ((x @ p["w"]) ** 2).mean() * jnp.where(poison, jnp.inf, 1.0).astype(jnp.float32)
+            return opt.scale_loss(l, state)
+        grads = jax.grad(loss)(params)  # deliberately not averaged: only the flag is shared
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    # Replica 1 overflows, replica 0 does not: both must skip and keep equal scales.
+    poison = jnp.asarray([False, True])
+    for name in ("pmap", "shard_map"):
+        opt = mp.LossScaleOptimizer(optax.sgd(0.1), axis_name="r")
+        state = opt.init(params)
+        rep = lambda t: jax.tree_util.tree_map(lambda a: jnp.stack([a, a]), t)
+        if name == "pmap":
+            step = jax.pmap(functools.partial(local_step, opt), axis_name="r")
+            p, s = step(rep(params), rep(state), x, poison)
+        else:
+            mesh = Mesh(np.array(jax.devices()), ("r",))
+            step = jax.jit(jax.shard_map(
+                lambda p, s, x, z: jax.tree_util.tree_map(lambda a: a[None], local_step(
+                    opt, *jax.tree_util.tree_map(lambda a: a[0], (p, s, x, z)))),
+                mesh=mesh, in_specs=P("r"), out_specs=P("r")))
+            p, s = step(rep(params), rep(state), x, poison)
+        assert np.asarray(s.last_step_skipped).tolist() == [True, True], (name, s)
+        assert np.asarray(s.loss_scale).tolist() == [2.0**14] * 2, (name, s)
+        np.testing.assert_array_equal(np.asarray(p["w"]), np.ones((2, 3), np.float32))
+        # without axis_name, replica 0 would have stepped on its own
+        alone = mp.LossScaleOptimizer(optax.sgd(0.1))
+        q, t = jax.pmap(functools.partial(local_step, alone))(rep(params), rep(alone.init(params)), x, poison)
+        assert np.asarray(t.last_step_skipped).tolist() == [False, True]
+        print(name, "ok")
+""")
+
+
+def test_replicas_skip_together_under_pmap_and_shard_map():
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    result = subprocess.run([sys.executable, "-c", _REPLICAS], capture_output=True, text=True,
+                            env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "pmap ok" in result.stdout and "shard_map ok" in result.stdout

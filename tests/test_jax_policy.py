@@ -1,0 +1,299 @@
+"""Policies on JAX: plain functions of pytrees, Flax NNX modules, Flax linen modules."""
+
+import functools
+import warnings
+
+import numpy as np
+import pytest
+
+from conftest import require_module
+
+jax = require_module("jax")
+jnp = jax.numpy
+flax = require_module("flax", "jax")
+jmp = require_module("jmp", "jax")
+from flax import nnx  # noqa: E402
+import flax.linen as nn  # noqa: E402
+
+import mixedpolicy as mp  # noqa: E402
+
+X = np.random.default_rng(0).normal(size=(8, 6)).astype(np.float32)
+
+
+def params_tree():
+    rng = np.random.default_rng(1)
+    return {"w1": jnp.asarray(rng.normal(size=(6, 16)), jnp.float32), "b1": jnp.zeros(16, jnp.float32),
+            "w2": jnp.asarray(rng.normal(size=(16, 3)), jnp.float32), "b2": jnp.zeros(3, jnp.float32)}
+
+
+def mlp(params, x):
+    h = jnp.tanh(x @ params["w1"] + params["b1"])
+    return h @ params["w2"] + params["b2"]
+
+
+def test_jax_runs_with_strict_dtype_promotion():
+    assert jax.config.jax_numpy_dtype_promotion == "strict"
+
+
+# -- plain functions -----------------------------------------------------------
+def test_function_casts_params_and_inputs_and_returns_the_output_dtype():
+    f = mp.apply_policy(mlp, "params=float32,compute=bfloat16,output=float32")
+    out = jax.jit(f)(params_tree(), X)
+    assert out.dtype == jnp.float32
+    grads = jax.grad(lambda p: f(p, X).sum())(params_tree())
+    assert all(g.dtype == jnp.float32 for g in jax.tree_util.tree_leaves(grads))
+
+
+def test_function_matches_jmp_bit_for_bit():
+    policy = "p=f32,c=f16,o=f32"
+    ours = jax.jit(mp.apply_policy(mlp, policy))(params_tree(), X)
+    ref_policy = mp.Policy(policy).to_jmp()
+
+    @jax.jit
+    def by_hand(params, x):
+        params, x = ref_policy.cast_to_compute((params, x))
+        return ref_policy.cast_to_output(mlp(params, x))
+
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(by_hand(params_tree(), X)))
+
+
+def test_float32_function_is_plain_jax_bit_for_bit():
+    ours = jax.jit(mp.apply_policy(mlp, "float32"))(params_tree(), X)
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(jax.jit(mlp)(params_tree(), X)))
+
+
+def test_integer_and_boolean_inputs_are_never_cast():
+    seen = {}
+
+    def f(params, ids, mask):
+        seen.update(ids=ids.dtype, mask=mask.dtype, w=params.dtype)
+        return params[ids] * mask.astype(params.dtype)
+
+    mp.apply_policy(f, "mixed_bfloat16")(jnp.ones(4, jnp.float32), jnp.arange(4), jnp.ones(4, bool))
+    assert seen == {"ids": jnp.int32, "mask": jnp.bool_, "w": jnp.bfloat16}
+
+
+def test_a_pytree_with_a_non_array_leaf_is_an_error_naming_it():
+    f = mp.apply_policy(mlp, "mixed_bfloat16")
+    params = dict(params_tree(), note="first run")
+    with pytest.raises(TypeError, match=r"\['note'\] is a str .*functools.partial"):
+        f(params, X)
+    with pytest.raises(TypeError, match=r"leaf at \[1\] is a object"):
+        mp.Policy("mixed_bfloat16").cast_to_compute([jnp.ones(2), object()])
+    # Python numbers are fine: they take the dtype of the arrays they meet.
+    assert mp.apply_policy(lambda p, s: p * s, "mixed_bfloat16")(jnp.ones(2), 2.0).dtype == jnp.bfloat16
+
+
+# -- Flax NNX ------------------------------------------------------------------
+class Block(nnx.Module):
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(16, 16, rngs=rngs)
+        self.norm = nnx.LayerNorm(16, rngs=rngs)
+
+    def __call__(self, x):
+        return self.norm(jax.nn.relu(self.linear(x)))
+
+
+class Net(nnx.Module):
+    def __init__(self, rngs, param_dtype=jnp.float32):
+        self.embed = nnx.Linear(6, 16, param_dtype=param_dtype, rngs=rngs)
+        self.blocks = nnx.List([Block(rngs) for _ in range(2)])
+        self.head = nnx.Linear(16, 3, rngs=rngs)
+
+    def __call__(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def net():
+    return Net(nnx.Rngs(0))
+
+
+def rows(model):
+    return {r.path: r for r in mp.describe(model)}
+
+
+def test_nnx_layers_compute_in_the_policy_and_keep_float32_params():
+    model = mp.apply_policy(net(), "mixed_bfloat16")
+    table = rows(model)
+    assert table["embed"].compute_dtype == "bfloat16"
+    assert table["blocks.0.norm"].compute_dtype == "float32"
+    assert table["blocks.0.norm"].source == "built-in rule: normalization"
+    assert model.embed.dtype == jnp.bfloat16 and model.blocks[0].norm.dtype == jnp.float32
+    params = nnx.state(model, nnx.Param)
+    assert {leaf.dtype for leaf in jax.tree_util.tree_leaves(params)} == {jnp.dtype("float32")}
+    assert model(X).dtype == jnp.bfloat16
+    # The norm computes in float32 and hands on the compute dtype.
+    assert model.blocks[0](jnp.ones((2, 16), jnp.bfloat16)).dtype == jnp.bfloat16
+
+
+def test_nnx_policy_is_what_hand_written_flax_dtypes_do():
+    hand = net()
+    for module in (hand.embed, hand.head, *(b.linear for b in hand.blocks)):
+        module.dtype = jnp.bfloat16
+    for b in hand.blocks:
+        b.norm.dtype = jnp.float32
+    # The norm hands on the compute dtype (as in Keras); the next layer casts to it anyway.
+    ours = mp.apply_policy(net(), "mixed_bfloat16")
+
+    @nnx.jit
+    def run(model, x):
+        return model(x).astype(jnp.float32)
+
+    np.testing.assert_allclose(np.asarray(run(ours, X)), np.asarray(run(hand, X)), rtol=0, atol=0)
+
+
+def test_nnx_float32_policy_is_plain_flax_bit_for_bit():
+    ours = mp.apply_policy(net(), "float32")
+    np.testing.assert_array_equal(np.asarray(nnx.jit(lambda m, x: m(x))(ours, X)),
+                                  np.asarray(nnx.jit(lambda m, x: m(x))(net(), X)))
+
+
+def test_nnx_overrides_by_path_glob_class_and_inheritance():
+    model = mp.apply_policy(net(), mp.PolicyMap("mixed_float16", {
+        "head": "float32", "blocks.*.linear": "mixed_bfloat16", "blocks.1": "bfloat16",
+        "embed": "bfloat16"}))
+    table = rows(model)
+    assert table["head"].policy == mp.Policy("float32") and table["head"].source == "map key 'head'"
+    assert table["blocks.0.linear"].source == "map key 'blocks.*.linear'"
+    assert table["blocks.1"].policy == mp.Policy("bfloat16")
+    assert table["blocks.1.linear"].policy == mp.Policy("mixed_bfloat16")  # its own key wins
+    assert table["blocks.1.norm"].source == "built-in rule: normalization"
+    assert table["blocks.1.norm"].policy.variable_dtype == "float32"
+    assert table["blocks.0.norm"].policy.compute_dtype == "float32"
+    # a pure bfloat16 layer stores its parameters in bfloat16
+    assert model.embed.kernel.get_value().dtype == jnp.bfloat16
+    assert model.blocks[1].linear.kernel.get_value().dtype == jnp.float32
+    by_class = rows(mp.apply_policy(net(), "mixed_float16", {nnx.LayerNorm: "mixed_float16"}))
+    assert by_class["blocks.0.norm"].source == "map key flax.nnx.nn.normalization.LayerNorm"
+    assert by_class["blocks.0.norm"].compute_dtype == "float16"
+    inherited = rows(mp.apply_policy(net(), "mixed_float16", {"blocks.0": "float32"}))
+    assert inherited["blocks.0.linear"].source == "map key 'blocks.0' (inherited from 'blocks.0')"
+
+
+def test_nnx_output_dtype_is_cast_where_it_differs_from_compute():
+    model = mp.apply_policy(net(), "p=f32,c=bf16,o=f32")
+    assert model(X).dtype == jnp.float32
+    assert model.blocks[0].linear(jnp.ones((1, 16))).dtype == jnp.float32
+    assert type(model.embed).__name__ == "Linear" and isinstance(model.embed, nnx.Linear)
+
+
+def test_nnx_policy_survives_jit_split_merge_and_training():
+    import optax
+
+    model = mp.apply_policy(net(), "mixed_bfloat16", {"head": "float32"})
+    graphdef, state = nnx.split(model)
+    again = nnx.merge(graphdef, state)
+    assert rows(again)["head"].source == "map key 'head'" and again(X).dtype == jnp.float32
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, x):
+        loss, grads = nnx.value_and_grad(lambda m: (m(x) ** 2).mean())(model)
+        optimizer.update(model, grads)
+        return loss
+
+    first = step(model, optimizer, X)
+    assert step(model, optimizer, X) < first
+    assert model.embed.kernel.get_value().dtype == jnp.float32
+
+
+def test_nnx_remove_policy_restores_everything():
+    model = net()
+    before = nnx.state(model)
+    mp.apply_policy(model, "bfloat16", {"head": "p=f32,c=bf16,o=f32"})
+    assert model.embed.kernel.get_value().dtype == jnp.bfloat16
+    mp.remove_policy(model)
+    after = nnx.state(model)
+    for a, b in zip(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(after)):
+        assert a.dtype == b.dtype
+    assert model.embed.dtype is None and model.embed.param_dtype == jnp.float32
+    assert type(model.head) is nnx.Linear
+    assert {r.source for r in mp.describe(model)} == {"no policy applied"}
+
+
+def test_nnx_applying_twice_replaces_the_first_policy():
+    model = mp.apply_policy(net(), "bfloat16")
+    mp.apply_policy(model, "mixed_float16")
+    assert model.embed.kernel.get_value().dtype == jnp.float32 and model.embed.dtype == jnp.float16
+
+
+def test_nnx_half_master_weights_are_refused():
+    model = Net(nnx.Rngs(0), param_dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"'embed.kernel' is already bfloat16.*param_dtype"):
+        mp.apply_policy(model, "mixed_bfloat16")
+    assert model.embed.dtype is None  # nothing was changed
+    mp.apply_policy(model, "bfloat16")  # a pure policy is what the user meant
+
+
+def test_nnx_unmatched_key_warns_with_nearest_paths():
+    with pytest.warns(UserWarning, match=r"'blocks.0.lienar' matches no layer path.*'blocks.0.linear'"):
+        mp.apply_policy(net(), "mixed_bfloat16", {"blocks.0.lienar": "float32"})
+
+
+# -- Flax linen ----------------------------------------------------------------
+class LinenNet(nn.Module):
+    dtype: object = None  # set: the hand-written mixed version, with a float32 norm and head
+
+    @nn.compact
+    def __call__(self, x):
+        x = jax.nn.relu(nn.Dense(16, dtype=self.dtype)(x))
+        if self.dtype is None:
+            x = nn.LayerNorm()(x)
+            return nn.Dense(3, name="head")(x)
+        x = nn.LayerNorm(dtype=jnp.float32)(x.astype(jnp.float32)).astype(self.dtype)
+        return nn.Dense(3, dtype=jnp.float32, name="head")(x)
+
+
+def test_linen_apply_matches_hand_written_dtypes():
+    ours = mp.apply_policy(LinenNet(), "mixed_bfloat16", {"head": "float32"})
+    variables = ours.init(jax.random.key(0), X)
+    assert {leaf.dtype for leaf in jax.tree_util.tree_leaves(variables)} == {jnp.dtype("float32")}
+    out = jax.jit(ours.apply)(variables, X)
+    hand = jax.jit(LinenNet(dtype=jnp.bfloat16).apply)(variables, X)
+    assert out.dtype == hand.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(hand))
+    grads = jax.grad(lambda v: ours.apply(v, X).sum())(variables)
+    assert {leaf.dtype for leaf in jax.tree_util.tree_leaves(grads)} == {jnp.dtype("float32")}
+
+
+def test_linen_float32_policy_is_plain_flax_bit_for_bit():
+    variables = LinenNet().init(jax.random.key(0), X)
+    ours = mp.apply_policy(LinenNet(), "float32")
+    np.testing.assert_array_equal(np.asarray(jax.jit(ours.apply)(variables, X)),
+                                  np.asarray(jax.jit(LinenNet().apply)(variables, X)))
+
+
+def test_linen_describe_overrides_and_pure_policy_params():
+    ours = mp.apply_policy(LinenNet(), "bfloat16", {"Dense_0": "mixed_float16"})
+    with pytest.raises(ValueError, match="one init or apply call"):
+        mp.describe(ours)
+    variables = ours.init(jax.random.key(0), X)
+    table = rows(ours)
+    assert list(table) == ["", "Dense_0", "LayerNorm_0", "head"]
+    assert table["Dense_0"].policy == mp.Policy("mixed_float16")
+    assert table["LayerNorm_0"].policy.variable_dtype == "float32"  # the norm rule
+    assert variables["params"]["head"]["kernel"].dtype == jnp.bfloat16
+    assert variables["params"]["Dense_0"]["kernel"].dtype == jnp.float32
+    assert mp.remove_policy(ours) is ours.module
+    with pytest.raises(TypeError, match="bare linen module"):
+        mp.describe(LinenNet())
+
+
+def test_linen_unmatched_key_warns_once_with_nearest_paths():
+    ours = mp.apply_policy(LinenNet(), "mixed_bfloat16", {"haed": "float32"})
+    with pytest.warns(UserWarning, match=r"'haed' matches no layer path.*'head'"):
+        variables = ours.init(jax.random.key(0), X)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ours.apply(variables, X)
+
+
+def test_functools_partial_binds_non_array_arguments():
+    def f(params, x, activation):
+        return activation(x @ params)
+
+    g = mp.apply_policy(functools.partial(f, activation=jnp.tanh), "mixed_bfloat16")
+    assert g(jnp.ones((6, 2)), X).dtype == jnp.bfloat16
