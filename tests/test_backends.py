@@ -62,7 +62,11 @@ def test_array_ops_on_every_backend(backend):
     assert backend.is_array(x) and not backend.is_array([1.0, 2.0])
     assert backend.floating_dtype(x) == "float32"
     assert backend.floating_dtype(backend.cast(x, "float16")) == "float16"
-    assert backend.floating_dtype(backend.cast(x, "float64")) == "float64"
+    if backend.name == "jax" and not __import__("jax").config.jax_enable_x64:
+        with pytest.raises(ValueError, match="jax_enable_x64"):
+            backend.cast(x, "float64")
+    else:
+        assert backend.floating_dtype(backend.cast(x, "float64")) == "float64"
     cond = backend.asarray([True, False], "bool")
     picked = backend.where(cond, x, backend.full_like(x, 7.0))
     assert np.asarray(picked).tolist() == [1.0, 7.0]

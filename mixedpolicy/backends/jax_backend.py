@@ -41,13 +41,19 @@ def dtype_name(dtype: Any) -> str | None:
 
 
 def jnp_dtype(name: str) -> Any:
+    """The jnp dtype of a plain name; float64 only where JAX has 64-bit types enabled."""
+    if name == "float64" and not jax.config.jax_enable_x64:
+        raise ValueError(
+            "Received a float64 policy, but JAX runs with 64-bit types disabled, so it would "
+            "silently compute in float32. Enable them first: "
+            "jax.config.update('jax_enable_x64', True), or JAX_ENABLE_X64=1.")
     return _JNP_DTYPES[name]
 
 
 def cast_leaf(x: Any, dtype: str) -> Any:
     """Casts one floating array (jax or numpy) to `dtype`; anything else passes unchanged."""
     if isinstance(x, (jax.Array, np.ndarray, np.generic)) and dtype_name(x.dtype) not in (None, dtype):
-        return jnp.asarray(x).astype(_JNP_DTYPES[dtype])
+        return jnp.asarray(x).astype(jnp_dtype(dtype))
     return x
 
 
@@ -70,7 +76,7 @@ class JaxAdapter(Adapter):
         return jax.tree_util.tree_map(fn, tree)
 
     def asarray(self, value: Any, dtype: str, like: Any = None) -> Any:
-        return jnp.asarray(value, dtype=_JNP_DTYPES[dtype])
+        return jnp.asarray(value, dtype=jnp_dtype(dtype))
 
     def floating_dtype(self, x: Any) -> str | None:
         return dtype_name(x.dtype) if isinstance(x, jax.Array) else None
