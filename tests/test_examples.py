@@ -57,15 +57,33 @@ def test_guide_policy_table_is_true():
             assert mp.Policy(name).name == canonical, name
 
 
-def test_torch_overhead_benchmark_runs_and_reports_each_policy():
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_overhead_benchmark_runs_and_reports_each_policy(framework):
+    import importlib
+
     from conftest import require_module
 
-    require_module("torch")
+    require_module(framework)
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        import torch_overhead
+        bench = importlib.import_module(f"{framework}_overhead")
     finally:
         sys.path.pop(0)
-    ratios = torch_overhead.main(["--steps", "2", "--repeats", "3", "--width", "16", "--batch", "8"])
+    ratios = bench.main(["--steps", "2", "--repeats", "3", "--width", "16", "--batch", "8"])
     assert set(ratios) == {"float32", "mixed_bfloat16", "mixed_float16"}
     assert all(r > 0 for r in ratios.values())
+
+
+def test_jax_example_trains_every_policy_near_float32():
+    from conftest import require_module
+
+    require_module("flax", "jax")
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import jax_mlp
+    finally:
+        sys.path.pop(0)
+    base, _, _ = jax_mlp.train("float32", epochs=4)
+    acc, skipped, scale = jax_mlp.train("mixed_float16", epochs=4)
+    assert base > 0.9 and abs(acc - base) <= 0.03
+    assert skipped >= 0 and 1.0 <= scale <= 2.0**24

@@ -86,6 +86,8 @@ class LossScaleTransformation(optax.GradientTransformationExtraArgs):
                 f"Received a state of type {type(state).__name__}; expected the "
                 f"LossScaleState that this LossScaleOptimizer's init/update returned. If it "
                 f"sits inside optax.chain, pass that element of the chain's state.")
+        if isinstance(self.update.loss_scale, NoLossScale):
+            return loss
         return jnp.asarray(loss).astype(jnp.float32) * _value(state.loss_scale)
 
 
@@ -134,4 +136,5 @@ def loss_scale_transformation(inner: Any, config: LossScale, axis_name: Any = No
             jnp.asarray(getattr(scale, "counter", state.counter), jnp.int32), skipped,
             state.num_skipped_steps + skipped.astype(jnp.int32))
 
+    update.loss_scale = config  # what scale_loss needs to know of the settings
     return LossScaleTransformation(init, update)
