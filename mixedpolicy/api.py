@@ -11,15 +11,34 @@ from mixedpolicy.loss_scale import DynamicLossScale, LossScale, _check_scale
 from mixedpolicy.policy_map import as_policy_map
 
 
+_KERAS_2_MODULES = ("tf_keras", "tensorflow.python.keras", "keras.src.legacy", "tensorflow.keras.")
+
+
+def _no_adapter(obj: Any, role: str, expected: str = "") -> TypeError:
+    """The error for an object no adapter owns: its type, what is supported, and the fix."""
+    cls = type(obj)
+    where = f"{cls.__module__}.{cls.__qualname__}"
+    if cls.__module__.startswith(_KERAS_2_MODULES):
+        return TypeError(
+            f"Received a Keras 2 object ({where}); mixedpolicy supports Keras 3 (`import keras` "
+            f"with keras>=3). Build the {role} with Keras 3, or use tf_keras's own "
+            f"mixed_precision API with Keras 2.")
+    hint = ""
+    if role == "optimizer" and callable(obj) and hasattr(obj, "__qualname__"):
+        hint = (f" {obj.__module__}.{obj.__qualname__} builds an optimizer: call it first, for "
+                f"example LossScaleOptimizer({obj.__qualname__}(1e-3)).")
+    elif role == "model":
+        hint = " If the model's framework is installed but not imported yet, import it first."
+    return TypeError(f"Received {'a model' if role == 'model' else 'an optimizer'} of type {where}, "
+                     f"which no installed mixedpolicy adapter handles. Expected {expected}one of: "
+                     f"{backends.supported(role)}.{hint}")
+
+
 def _model_adapter(model: Any, expected: str = "") -> Any:
     """The adapter that owns `model`, or a TypeError naming its type and the supported ones."""
     adapter = backends.adapter_for(model, "model")
     if adapter is None:
-        raise TypeError(
-            f"Received a model of type {type(model).__module__}.{type(model).__qualname__}, "
-            f"which no installed mixedpolicy adapter handles. Expected {expected}one of: "
-            f"{backends.supported('model')}. If the model's framework is installed but not "
-            f"imported yet, import it first.")
+        raise _no_adapter(model, "model", expected)
     return adapter
 
 
@@ -132,14 +151,7 @@ class LossScaleOptimizer(metaclass=_FactoryMeta):
                             f"a DynamicLossScale, StaticLossScale or NoLossScale.")
         adapter = backends.adapter_for(inner, "optimizer")
         if adapter is None:
-            hint = ""
-            if callable(inner) and hasattr(inner, "__qualname__"):
-                hint = (f" {inner.__module__}.{inner.__qualname__} builds an optimizer: call it "
-                        f"first, for example LossScaleOptimizer({inner.__qualname__}(1e-3)).")
-            raise TypeError(
-                f"Received an optimizer of type {type(inner).__module__}."
-                f"{type(inner).__qualname__}, which no installed mixedpolicy adapter handles. "
-                f"Expected one of: {backends.supported('optimizer')}.{hint}")
+            raise _no_adapter(inner, "optimizer")
         wrapper = adapter.wrap_optimizer(inner, loss_scale, axis_name)
         if not isinstance(wrapper, _FactoryMeta._wrapper_types):
             _FactoryMeta._wrapper_types += (type(wrapper),)

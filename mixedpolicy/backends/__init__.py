@@ -28,13 +28,20 @@ class _Entry(NamedTuple):
 # torch and tensorflow because a Keras 3 layer on the torch backend is also a
 # torch.nn.Module. numpy comes last: other frameworks accept numpy leaves too.
 _ENTRIES: list[_Entry] = [
+    _Entry("keras", "keras", "mixedpolicy.backends.keras_backend:KerasAdapter",
+           models="a Keras 3 layer or model",
+           optimizers="a Keras 3 optimizer (any backend; TensorFlow's optimizers are Keras's)"),
     _Entry("torch", "torch", "mixedpolicy.backends.torch_backend:TorchAdapter",
            models="a torch.nn.Module", optimizers="a torch.optim.Optimizer (or a list of them)"),
+    _Entry("tensorflow", "tensorflow", "mixedpolicy.backends.tf_backend:TensorFlowAdapter"),
     _Entry("jax", "jax", "mixedpolicy.backends.jax_backend:JaxAdapter",
            models="a Flax NNX or linen module",
            optimizers="an optax GradientTransformation"),
     _Entry("numpy", "numpy", "mixedpolicy.backends.numpy_backend:NumpyAdapter"),
 ]
+
+# Frameworks with a global dtype policy of their own, kept in step with mixedpolicy's.
+_GLOBAL_POLICY_MODULES = ("keras",)
 
 _lock = threading.Lock()
 _loaded: dict[str, Adapter] = {}
@@ -130,6 +137,10 @@ def cast_tree(tree: Any, dtype: str) -> Any:
 
 
 def global_policy_changed(policy: Any) -> None:
-    """Tells every imported framework with a global dtype policy of its own."""
+    """Tells every framework with a global dtype policy of its own, now or when it is imported."""
+    from mixedpolicy.backends.import_hook import notify_on_import
+
     for adapter in _live_adapters():
         adapter.sync_global_policy(policy)
+    for module in _GLOBAL_POLICY_MODULES:
+        notify_on_import(module)

@@ -1,0 +1,62 @@
+"""Keeps a framework with a global dtype policy of its own (Keras) in step when it is imported late.
+
+`set_global_policy` tells every framework already imported. One not imported yet
+is not imported for it: a finder on ``sys.meta_path`` waits for ``import keras``
+and, right after the module has run, hands it the global policy in force then.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import sys
+import threading
+from typing import Any
+
+_lock = threading.Lock()
+
+
+class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Wraps the real loader of one top-level module and calls back once it has run."""
+
+    def __init__(self, module_name: str):
+        self.module_name = module_name
+        self._loader = None
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != self.module_name or self._loader is not None:
+            return None
+        for finder in list(sys.meta_path):
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+                    return spec
+                self._loader, spec.loader = spec.loader, self
+                return spec
+        return None
+
+    def create_module(self, spec: Any) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        try:
+            self._loader.exec_module(module)
+        finally:
+            with _lock:
+                if self in sys.meta_path:
+                    sys.meta_path.remove(self)
+        from mixedpolicy import backends
+
+        # the global policy itself, not a policy_scope of the importing thread
+        backends.global_policy_changed(sys.modules["mixedpolicy.global_policy"]._global)
+
+
+def notify_on_import(module_name: str) -> None:
+    """Passes the global policy to `module_name`'s adapter once that module is imported (once)."""
+    with _lock:
+        if module_name in sys.modules:
+            return
+        if any(isinstance(f, _AfterImport) and f.module_name == module_name for f in sys.meta_path):
+            return
+        sys.meta_path.insert(0, _AfterImport(module_name))

@@ -1,0 +1,239 @@
+"""Keras 3 adapter: the global policy, per-layer ``DTypePolicy``s, and a bounded loss-scale optimizer.
+
+- `sync_global_policy` mirrors mixedpolicy's global policy into
+  ``keras.config.set_dtype_policy`` (`mixedpolicy.backends.import_hook` does it when
+  Keras is imported after ``set_global_policy``, without importing Keras otherwise);
+- `apply_policy` resolves each layer's policy by its ``layer.path``, a glob or its
+  class and sets ``layer.dtype_policy``: before the model is built, or after it
+  (mixed and float32 policies keep float32 variables, so no variable changes);
+- normalisation layers under a half-precision policy get ``"float32"``: statistics,
+  scale and output in float32, and the next layer casts back to its compute dtype;
+- `describe` reads each layer's ``dtype_policy`` back, so it shows what Keras runs.
+
+Keras layers output their compute dtype; a policy with another output dtype
+(jmp-style ``o=f32``) has no Keras equivalent and is refused with the fix.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any, Callable, Iterable
+
+import keras
+
+from mixedpolicy.backends.base import Adapter
+from mixedpolicy.describe import LayerPolicy
+from mixedpolicy.policy import Policy
+from mixedpolicy.policy_map import NORMALIZATION, LayerInfo
+
+_STATE = "_mixedpolicy"
+_NORM_NAMES = ("BatchNormalization", "LayerNormalization", "GroupNormalization",
+               "RMSNormalization", "UnitNormalization", "SpectralNormalization")
+_NORM_TYPES = tuple(getattr(keras.layers, n) for n in _NORM_NAMES if hasattr(keras.layers, n))
+
+
+def keras_name(policy: Policy) -> str | None:
+    """The Keras DTypePolicy name with the same variable and compute dtypes, or None."""
+    v, c = policy.variable_dtype, policy.compute_dtype
+    if v == c:
+        return c
+    if v == "float32" and c in ("float16", "bfloat16"):
+        return f"mixed_{c}"
+    return None
+
+
+def _keras_policy(policy: Policy, path: str) -> str:
+    name = keras_name(policy)
+    if name is None or policy.output_dtype != policy.compute_dtype:
+        raise ValueError(
+            f"Received the policy {policy.name} for Keras layer {path!r}: Keras layers output "
+            f"their compute dtype and keep variables in float32 or in their compute dtype, so "
+            f"this policy has no Keras equivalent. Use one of float32, float16, bfloat16, "
+            f"mixed_float16, mixed_bfloat16 (add a float32 layer where you need float32 outputs).")
+    return name
+
+
+def _layers(model: Any) -> list[tuple[Any, list[LayerInfo]]]:
+    """(layer, chain of LayerInfo from the root) for every layer, parents first."""
+    out = []
+
+    def visit(layer: Any, chain: list[LayerInfo]) -> None:
+        if isinstance(layer, keras.layers.InputLayer):
+            return
+        kind = NORMALIZATION if isinstance(layer, _NORM_TYPES) else None
+        # Keras assigns paths when a model is built; before that, the same path
+        # from the layer names (parent's path / name).
+        path = layer.path or (f"{chain[-1].path}/{layer.name}" if chain else layer.name)
+        chain = chain + [LayerInfo(path, type(layer), kind)]
+        out.append((layer, chain))
+        for child in layer._flatten_layers(include_self=False, recursive=False):
+            visit(child, chain)
+
+    visit(model, [])
+    return out
+
+
+class KerasAdapter(Adapter):
+    name = "keras"
+    module = "keras"
+
+    # Keras tensors are the backend's own (jax, torch or tensorflow arrays), held by
+    # that backend's adapter; Keras itself holds no array type.
+    def is_array(self, x: Any) -> bool:
+        return False
+
+    def leaves(self, tree: Any) -> Iterable[Any]:
+        return keras.tree.flatten(tree)
+
+    def tree_map(self, fn: Callable[[Any], Any], tree: Any) -> Any:
+        return keras.tree.map_structure(fn, tree)
+
+    def asarray(self, value: Any, dtype: str, like: Any = None) -> Any:
+        return keras.ops.convert_to_tensor(value, dtype=dtype)
+
+    def floating_dtype(self, x: Any) -> str | None:
+        dtype = keras.backend.standardize_dtype(x.dtype) if hasattr(x, "dtype") else None
+        return dtype if dtype in ("float16", "bfloat16", "float32", "float64") else None
+
+    def cast(self, x: Any, dtype: str) -> Any:
+        return keras.ops.cast(x, dtype) if self.floating_dtype(x) not in (None, dtype) else x
+
+    def all_finite(self, tree: Any) -> Any:
+        flags = [keras.ops.all(keras.ops.isfinite(x)) for x in keras.tree.flatten(tree)
+                 if self.floating_dtype(x) is not None]
+        return keras.ops.all(keras.ops.stack(flags)) if flags else keras.ops.convert_to_tensor(True)
+
+    def where(self, cond: Any, a: Any, b: Any) -> Any:
+        return keras.ops.where(cond, a, b)
+
+    def zeros_like(self, x: Any) -> Any:
+        return keras.ops.zeros_like(x)
+
+    def full_like(self, x: Any, value: float) -> Any:
+        return keras.ops.full_like(x, value)
+
+    # -- models and optimizers ------------------------------------------------
+    def role_of(self, obj: Any) -> str | None:
+        if isinstance(obj, keras.Layer):
+            return "model"
+        if isinstance(obj, keras.optimizers.Optimizer):
+            return "optimizer"
+        return None
+
+    def apply_policy(self, model: Any, policy_map: Any) -> Any:
+        layers = _layers(model)
+        policy_map.warn_unmatched(chain[-1] for _, chain in layers)
+        plan = []
+        for layer, chain in layers:
+            resolution = policy_map.resolve(chain)
+            policy = resolution.policy
+            if chain[-1].kind == NORMALIZATION and "built-in rule" in resolution.source:
+                policy = Policy("float32")  # statistics, scale and output in float32
+            name = _keras_policy(policy, chain[-1].path)
+            own_variables = layer._trainable_variables + layer._non_trainable_variables
+            if own_variables and keras.DTypePolicy(name).variable_dtype != layer.dtype_policy.variable_dtype:
+                raise ValueError(
+                    f"Received the policy {name} for the built layer {chain[-1].path!r}, whose "
+                    f"variables are {layer.dtype_policy.variable_dtype}: Keras cannot change the "
+                    f"dtype of existing variables. Apply the policy before the model is built "
+                    f"(before its first call or model.build), or choose a policy with "
+                    f"{layer.dtype_policy.variable_dtype} variables.")
+            plan.append((layer, name, resolution.source))
+        remove_policy(model)
+        for layer, name, source in plan:
+            object.__setattr__(layer, _STATE, (layer.dtype_policy, source))
+            layer.dtype_policy = keras.DTypePolicy(name)
+        if any(name in ("float16", "mixed_float16") for _, name, _ in plan):
+            use_bounded_loss_scale_in_compile()
+            if isinstance(model, keras.Model) and model.dtype_policy.name != "mixed_float16":
+                # Keras wraps only when the model itself is mixed_float16; a map with
+                # float16 layers anywhere needs the loss scale too.
+                object.__setattr__(model, "compile", _compile_with_loss_scale(model))
+        return model
+
+    def remove_policy(self, model: Any) -> Any:
+        return remove_policy(model)
+
+    def describe(self, model: Any) -> list:
+        rows = []
+        for layer, chain in _layers(model):
+            state = layer.__dict__.get(_STATE)
+            source = state[1] if state is not None else "no policy applied"
+            policy = Policy(layer.dtype_policy.name)
+            rows.append(LayerPolicy(chain[-1].path, type(layer).__name__, policy, source))
+        return rows
+
+    def wrap_optimizer(self, optimizer: Any, loss_scale: Any, axis_name: Any = None) -> Any:
+        if axis_name is not None:
+            raise TypeError(f"Received axis_name={axis_name!r} for a Keras optimizer; axis_name "
+                            f"names a JAX replica axis. Keras agrees across replicas by itself.")
+        from mixedpolicy.backends.keras_optimizer import LossScaleOptimizer
+
+        return LossScaleOptimizer(optimizer, loss_scale=loss_scale)
+
+    def sync_global_policy(self, policy: Any) -> None:
+        sync_global_policy(policy)
+
+
+def _compile_with_loss_scale(model: Any) -> Callable:
+    compile_ = type(model).compile
+
+    def compile(*args: Any, optimizer: Any = "rmsprop", **kwargs: Any) -> Any:
+        from mixedpolicy.backends.keras_optimizer import LossScaleOptimizer
+
+        if args:
+            optimizer, args = args[0], args[1:]
+        optimizer = keras.optimizers.get(optimizer)
+        if kwargs.get("auto_scale_loss", True) and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            optimizer = LossScaleOptimizer(optimizer, name="loss_scale_optimizer")
+        return compile_(model, optimizer, *args, **kwargs)
+
+    compile.__doc__ = compile_.__doc__
+    return compile
+
+
+def remove_policy(model: Any) -> Any:
+    model.__dict__.pop("compile", None)
+    for layer, _ in _layers(model):
+        state = layer.__dict__.pop(_STATE, None)
+        if state is not None:
+            layer.dtype_policy = state[0]
+    return model
+
+
+def sync_global_policy(policy: Policy) -> None:
+    """Makes `policy` Keras's global dtype policy (the nearest one Keras can express)."""
+    name = keras_name(policy)
+    if name is None:
+        warnings.warn(f"The global policy {policy.name} has no Keras equivalent; Keras layers "
+                      f"built from now on keep Keras's policy {keras.config.dtype_policy().name}.",
+                      UserWarning, stacklevel=4)
+        return
+    if policy.output_dtype != policy.compute_dtype:
+        warnings.warn(f"The global policy {policy.name} asks for {policy.output_dtype} outputs; "
+                      f"Keras layers output their compute dtype, so Keras follows {name}.",
+                      UserWarning, stacklevel=4)
+    keras.config.set_dtype_policy(name)
+    if name in ("float16", "mixed_float16"):
+        use_bounded_loss_scale_in_compile()
+
+
+_patch_lock = threading.Lock()
+
+
+def use_bounded_loss_scale_in_compile() -> None:
+    """Makes ``model.compile`` under a float16 policy wrap with mixedpolicy's loss-scale optimizer.
+
+    Keras's ``compile`` wraps a plain optimizer in its own ``LossScaleOptimizer`` when
+    the model's policy is ``mixed_float16``; that one has no floor on its scale. The
+    name it uses is pointed at mixedpolicy's subclass, which keeps every behaviour of
+    Keras's and adds the bounds and the skip counters.
+    """
+    from keras.src.trainers import trainer
+
+    from mixedpolicy.backends.keras_optimizer import LossScaleOptimizer
+
+    with _patch_lock:
+        if trainer.LossScaleOptimizer is not LossScaleOptimizer:
+            trainer.LossScaleOptimizer = LossScaleOptimizer

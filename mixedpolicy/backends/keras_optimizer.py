@@ -1,0 +1,201 @@
+"""`LossScaleOptimizer` for Keras 3: Keras's own, with a bounded scale and visible skips.
+
+A subclass of ``keras.optimizers.LossScaleOptimizer`` that keeps its interface,
+its variables (``dynamic_scale``, ``step_counter``) and its behaviour in
+``model.fit`` and custom loops on the jax, torch and tensorflow backends, and
+changes what made Keras's unsafe:
+
+- the scale moves by the shared `mixedpolicy.DynamicLossScale` algorithm, bounded
+  to ``[min_scale, max_scale]``: Keras's halves without a floor, reaches 0 after
+  about 150 overflows, and the next finite step turns the weights into -inf;
+- a skipped step is counted: ``last_step_skipped`` and ``num_skipped_steps`` are
+  optimizer variables (saved and restored with the model, like the scale);
+- ``apply`` in eager JAX code decides in Python instead of tracing a
+  ``jax.lax.cond`` over stateful updates (Keras's fails there with an
+  ``UnexpectedTracerError``);
+- under ``tf.distribute`` the finiteness flag is all-reduced over the replicas, so
+  one replica's overflow makes every replica skip;
+- the scaled loss is computed in float32.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+from keras import ops
+
+from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale
+
+
+def _is_concrete(x: Any) -> bool:
+    """Can `x` be read on the host now (eager), rather than being traced into a graph?"""
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        return not isinstance(x, jax.core.Tracer)
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        return tf.executing_eagerly()
+    return True
+
+
+@keras.saving.register_keras_serializable(package="mixedpolicy")
+class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+    """Keras's ``LossScaleOptimizer`` with a bounded scale and skip counters.
+
+    Made by `mixedpolicy.LossScaleOptimizer` from a Keras 3 optimizer, and by
+    ``model.compile`` under a float16 policy set through mixedpolicy.
+
+    Args:
+      inner_optimizer: the Keras optimizer to wrap.
+      initial_scale, dynamic_growth_steps, growth_factor, backoff_factor, min_scale,
+        max_scale: as for `mixedpolicy.DynamicLossScale`.
+      dynamic: False keeps the scale at `initial_scale` (steps are still skipped).
+      loss_scale: a `DynamicLossScale` or `StaticLossScale` instead of the settings.
+    """
+
+    def __init__(self, inner_optimizer: Any, initial_scale: float = 2.0**15,
+                 dynamic_growth_steps: int = 2000, *, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, min_scale: float = 1.0, max_scale: float = 2.0**24,
+                 dynamic: bool = True, loss_scale: LossScale | None = None, name: str | None = None,
+                 **kwargs: Any):
+        if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
+            raise TypeError(f"Received inner_optimizer of type {type(inner_optimizer).__name__}; "
+                            f"expected a Keras 3 optimizer such as keras.optimizers.Adam().")
+        if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
+            raise TypeError("Received a LossScaleOptimizer to wrap; it already scales the loss. "
+                            "Wrap the inner optimizer once.")
+        if loss_scale is None:
+            loss_scale = DynamicLossScale(
+                loss_scale=initial_scale, dynamic_growth_steps=dynamic_growth_steps,
+                growth_factor=growth_factor, backoff_factor=backoff_factor,
+                min_scale=min_scale, max_scale=max_scale) if dynamic else StaticLossScale(initial_scale)
+        if isinstance(loss_scale, NoLossScale) or not isinstance(loss_scale, LossScale):
+            raise TypeError(f"Received loss_scale={loss_scale!r}; a Keras LossScaleOptimizer takes "
+                            f"a DynamicLossScale or a StaticLossScale. Without loss scaling, use "
+                            f"the inner optimizer as it is.")
+        steps = getattr(loss_scale, "dynamic_growth_steps", dynamic_growth_steps)
+        super().__init__(inner_optimizer, initial_scale=float(loss_scale.loss_scale),
+                         dynamic_growth_steps=steps, name=name, **kwargs)
+        self._config = loss_scale
+
+    def build(self, var_list: Any) -> None:
+        self._num_skipped = self.add_variable(shape=(), dtype="int32", initializer="zeros",
+                                              aggregation="none", name="num_skipped_steps")
+        self._last_skipped = self.add_variable(shape=(), dtype="int32", initializer="zeros",
+                                               aggregation="none", name="last_step_skipped")
+        super().build(var_list)
+
+    # -- what users read -----------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        """The current scale (reading it syncs with the device)."""
+        return float(ops.convert_to_numpy(self.dynamic_scale)) if self.built else float(self.initial_scale)
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last step was skipped for a non-finite gradient."""
+        return self.built and bool(ops.convert_to_numpy(self._last_skipped))
+
+    @property
+    def num_skipped_steps(self) -> int:
+        """How many steps were skipped so far."""
+        return int(ops.convert_to_numpy(self._num_skipped)) if self.built else 0
+
+    def scale_loss(self, loss: Any) -> Any:
+        """Returns ``loss * loss_scale`` in float32; differentiate this."""
+        scale = self.dynamic_scale if self.built else self.initial_scale
+        return ops.multiply(ops.cast(loss, "float32"), scale)
+
+    # -- the step ------------------------------------------------------------
+    def check_finite(self, grads: Any) -> Any:
+        finite = super().check_finite(grads)
+        if keras.backend.backend() == "tensorflow":
+            import tensorflow as tf
+
+            context = tf.distribute.get_replica_context()
+            if context is not None and context.num_replicas_in_sync > 1:
+                bad = context.all_reduce("sum", tf.cast(tf.logical_not(finite), tf.float32))
+                finite = tf.equal(bad, 0.0)
+        return finite
+
+    def _unscale(self, grads: Any, trainable_variables: Any) -> list:
+        """Divides by the scale in float32 (float64 for float64 gradients); each keeps its dtype."""
+        def unscale(g):
+            wide = "float64" if keras.backend.standardize_dtype(g.dtype) == "float64" else "float32"
+            return ops.cast(ops.divide(ops.cast(g, wide), ops.cast(self.dynamic_scale, wide)), g.dtype)
+
+        return [g if g is None or self._overwrite_variable_with_gradient(v) else unscale(g)
+                for g, v in zip(grads, trainable_variables)]
+
+    def _update_scale(self, finite: Any) -> None:
+        """Assigns the next scale, growth counter and skip counters (no branch)."""
+        if isinstance(self._config, DynamicLossScale):
+            state = self._config._evolve(loss_scale=self.dynamic_scale.value,
+                                         counter=self.step_counter.value)
+            state = state.adjust(finite)
+            self.dynamic_scale.assign(state.loss_scale)
+            self.step_counter.assign(ops.cast(state.counter, self.step_counter.dtype))
+        skipped = ops.cast(ops.logical_not(finite), "int32")
+        self._last_skipped.assign(skipped)
+        self._num_skipped.assign(ops.add(self._num_skipped, skipped))
+
+    def stateless_apply(self, optimizer_variables: Any, grads: Any, trainable_variables: Any) -> Any:
+        if not self.built:
+            raise ValueError(f"To call `stateless_apply`, {type(self).__name__} must be built: "
+                             f"call optimizer.build(trainable_variables) first.")
+        mapping = list(zip(self.variables, optimizer_variables))
+        own = len(self._variables)
+        old_trainable, old_inner = list(trainable_variables), list(optimizer_variables[own:])
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            finite = self.check_finite(grads)
+            concrete = _is_concrete(finite)
+            if concrete and not bool(ops.convert_to_numpy(finite)):
+                new_trainable, new_inner = old_trainable, old_inner
+            else:
+                unscaled = self._unscale(grads, self._trainable_variables)
+                new_trainable, new_inner = self.inner_optimizer.stateless_apply(
+                    self.inner_optimizer.variables, unscaled, trainable_variables)
+                if not concrete:  # traced (jax.jit): select, as a branch cannot assign
+                    new_trainable = [ops.where(finite, n, o) for n, o in zip(new_trainable, old_trainable)]
+                    new_inner = [ops.where(finite, n, o) for n, o in zip(new_inner, old_inner)]
+            self._update_scale(finite)
+        new_own = [scope.get_current_value(v) for v in self._variables]
+        return new_trainable, new_own + new_inner
+
+    def _common_apply(self, grads: Any, trainable_variables: Any = None) -> None:
+        finite = self.check_finite(grads)
+        tvs = trainable_variables or self._trainable_variables
+
+        def apply_inner():
+            self.inner_optimizer.apply(self._unscale(grads, tvs), trainable_variables=trainable_variables)
+
+        if _is_concrete(finite):
+            if bool(ops.convert_to_numpy(finite)):
+                apply_inner()
+        else:
+            ops.cond(finite, apply_inner, lambda: None)
+        self._update_scale(finite)
+
+    def _stateful_handle_finite_grads(self, grads: Any, trainable_variables: Any) -> None:
+        # Keras's merge_call path under tf.distribute calls this per replica.
+        tvs = trainable_variables or self._trainable_variables
+        self.inner_optimizer.apply(self._unscale(grads, tvs), trainable_variables=trainable_variables)
+        self._update_scale(ops.convert_to_tensor(True))
+
+    def _stateful_handle_non_finite_grads(self) -> None:
+        self._update_scale(ops.convert_to_tensor(False))
+
+    # -- saving --------------------------------------------------------------
+    def get_config(self) -> dict:
+        config = super().get_config()
+        dynamic = isinstance(self._config, DynamicLossScale)
+        config.update(dynamic=dynamic)
+        if dynamic:
+            config.update(growth_factor=self._config.growth_factor,
+                          backoff_factor=self._config.backoff_factor,
+                          min_scale=self._config.min_scale, max_scale=self._config.max_scale)
+        return config
