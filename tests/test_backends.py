@@ -54,12 +54,13 @@ def test_cast_tree_leaves_integers_and_structure(backend):
     assert backend.floating_dtype(out["n"]) is None and backend.floating_dtype(out["mask"]) is None
     assert np.asarray(out["n"]).dtype == np.int32 and np.asarray(out["mask"]).dtype == np.bool_
     assert out["none"] is None
-    assert backends.adapter_for_tree(tree).name == backend.name
+    if backend.owns_arrays:
+        assert backends.adapter_for_tree(tree).name == backend.name
 
 
 def test_array_ops_on_every_backend(backend):
     x = backend.asarray([1.0, 2.0], "float32")
-    assert backend.is_array(x) and not backend.is_array([1.0, 2.0])
+    assert backend.is_array(x) is backend.owns_arrays and not backend.is_array([1.0, 2.0])
     assert backend.floating_dtype(x) == "float32"
     assert backend.floating_dtype(backend.cast(x, "float16")) == "float16"
     if backend.name == "jax" and not __import__("jax").config.jax_enable_x64:

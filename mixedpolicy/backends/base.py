@@ -21,6 +21,10 @@ class Adapter(abc.ABC):
     #: The top-level module that must already be in ``sys.modules`` before an object
     #: is tested against this adapter; mixedpolicy never imports a framework to check.
     module: ClassVar[str]
+    #: False for an adapter whose framework computes on another framework's arrays
+    #: (Keras on its backend's): its array operations work on those, and the registry
+    #: leaves them to their own framework's adapter.
+    owns_arrays: ClassVar[bool] = True
 
     # -- arrays ---------------------------------------------------------------
     @abc.abstractmethod

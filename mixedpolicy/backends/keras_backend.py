@@ -77,6 +77,7 @@ def _layers(model: Any) -> list[tuple[Any, list[LayerInfo]]]:
 class KerasAdapter(Adapter):
     name = "keras"
     module = "keras"
+    owns_arrays = False
 
     # Keras tensors are the backend's own (jax, torch or tensorflow arrays), held by
     # that backend's adapter; Keras itself holds no array type.
