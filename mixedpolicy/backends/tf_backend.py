@@ -1,20 +1,40 @@
-"""TensorFlow adapter: tensors and nested structures, for loss scales kept in TF tensors.
+"""TensorFlow adapter: tensors, and policies on raw ``tf.Module`` models.
 
-The TensorFlow optimizers of TF 2.16 and later are Keras 3 optimizers; they are
-wrapped by the Keras adapter (`mixedpolicy.backends.keras_optimizer`), whose loss
-scale runs on this adapter's array operations when Keras runs on TensorFlow.
-Policies on raw ``tf.Module`` models are not supported yet: `role_of` claims no
-model, so `apply_policy` on one names the supported kinds.
+A ``tf.Module`` has no dtype of its own: its code reads its variables and does the
+math. `apply_policy` resolves each module's policy (its attribute path such as
+``"encoder.layers.0"``, its class) and, where a module must compute in another
+dtype than its variables or its parent, swaps its class for a subclass (same name,
+``isinstance`` holds) whose ``__call__``:
+
+- casts floating tensor inputs to the compute dtype;
+- for the call, shows the module's own floating variables cast to the compute
+  dtype (``tf.cast`` of the variable, so gradients reach the float32 variable);
+- casts floating outputs to the output dtype where it differs from the compute dtype.
+
+This runs at trace time under ``tf.function`` and ``jit_compile=True``. Pure
+policies (``bfloat16``) replace the variables with ones in that dtype;
+`remove_policy` restores the originals (with their trained values). A float32
+model is left as plain TensorFlow.
+
+The TensorFlow optimizers of TF 2.16 and later are Keras 3 optimizers; the Keras
+adapter wraps them (`mixedpolicy.backends.keras_optimizer`), and their loss scale
+runs on this adapter's array operations.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+import threading
+from typing import Any, Callable, Iterable, NamedTuple
 
 import tensorflow as tf
 
 from mixedpolicy._dtypes import FLOATING_DTYPES
 from mixedpolicy.backends.base import Adapter
+from mixedpolicy.describe import LayerPolicy
+from mixedpolicy.policy import Policy
+from mixedpolicy.policy_map import LayerInfo, PolicyMap
+
+_STATE = "_mixedpolicy"
 
 _TF_DTYPES = {name: tf.as_dtype(name) for name in FLOATING_DTYPES}
 _TF_DTYPES.update(bool=tf.bool, int32=tf.int32, int64=tf.int64)
@@ -66,20 +86,143 @@ class TensorFlowAdapter(Adapter):
         return tf.fill(tf.shape(x), tf.cast(value, x.dtype))
 
     def role_of(self, obj: Any) -> str | None:
-        return None
-
-    def _no_models(self, what: str) -> TypeError:
-        return TypeError(f"mixedpolicy cannot {what} a raw TensorFlow object yet; build the "
-                         f"model from Keras 3 layers (the keras adapter) instead.")
+        return "model" if isinstance(obj, tf.Module) else None
 
     def apply_policy(self, model: Any, policy_map: Any) -> Any:
-        raise self._no_models("apply a policy to")
+        return apply_policy(model, policy_map)
 
     def remove_policy(self, model: Any) -> Any:
-        raise self._no_models("remove a policy from")
+        return remove_policy(model)
 
     def describe(self, model: Any) -> list:
-        raise self._no_models("describe")
+        rows = []
+        for path, module in _modules(model):
+            state = module.__dict__.get(_STATE)
+            if state is not None:
+                policy, source, cls = state.policy, state.source, state.cls
+            else:
+                dtypes = {_NAMES.get(v.dtype) for v in _own_variables(module).values()} - {None}
+                policy = Policy(dtypes.pop() if len(dtypes) == 1 else "float32")
+                source, cls = "no policy applied", type(module)
+            rows.append(LayerPolicy(path, cls.__name__, policy, source))
+        return rows
 
     def wrap_optimizer(self, optimizer: Any, loss_scale: Any, axis_name: Any = None) -> Any:
-        raise self._no_models("wrap an optimizer of")
+        raise TypeError("TensorFlow's optimizers are Keras optimizers; the keras adapter wraps them.")
+
+
+class _Applied(NamedTuple):
+    policy: Policy
+    source: str
+    cls: type                  # the class before a swap
+    cast: tuple                # names of own variables shown in the compute dtype
+    replaced: dict             # name -> original variable, for pure policies
+
+
+def _modules(model: tf.Module) -> list[tuple[str, tf.Module]]:
+    """(dotted attribute path, module) for the model and its submodules, parents first."""
+    found = model._flatten(predicate=lambda m: isinstance(m, tf.Module), with_path=True)
+    subs = sorted(((".".join(str(k) for k in path), m) for path, m in found),
+                  key=lambda item: item[0].count(".") if item[0] else -1)
+    seen, out = set(), []
+    for path, module in [("", model)] + subs:
+        if id(module) not in seen:  # a module reachable twice keeps its first path
+            seen.add(id(module))
+            out.append((path, module))
+    return out
+
+
+def _own_variables(module: tf.Module) -> dict[str, tf.Variable]:
+    """The floating variables held directly as attributes of `module`."""
+    return {name: value for name, value in vars(module).items()
+            if isinstance(value, tf.Variable) and value.dtype.is_floating and name != _STATE}
+
+
+_classes: dict[type, type] = {}
+_classes_lock = threading.Lock()
+
+
+def _policy_class(cls: type) -> type:
+    with _classes_lock:
+        sub = _classes.get(cls)
+        if sub is None:
+            def __call__(self, *args, **kwargs):
+                state = self.__dict__[_STATE]
+                compute = _TF_DTYPES[state.policy.compute_dtype]
+                args, kwargs = _cast_floating((args, kwargs), compute)
+                originals = {name: self.__dict__[name] for name in state.cast}
+                for name, var in originals.items():
+                    self.__dict__[name] = tf.cast(var, compute)  # untracked, for this call only
+                try:
+                    out = super(sub, self).__call__(*args, **kwargs)
+                finally:
+                    self.__dict__.update(originals)
+                if state.policy.output_dtype != state.policy.compute_dtype:
+                    out = _cast_floating(out, _TF_DTYPES[state.policy.output_dtype])
+                return out
+
+            sub = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
+                                              "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
+            _classes[cls] = sub
+    return sub
+
+
+def _cast_floating(tree: Any, dtype: Any) -> Any:
+    def leaf(x):
+        if isinstance(x, (tf.Tensor, tf.Variable)) and x.dtype.is_floating and x.dtype != dtype:
+            return tf.cast(x, dtype)
+        return x
+    return tf.nest.map_structure(leaf, tree)
+
+
+def apply_policy(model: tf.Module, policy_map: PolicyMap) -> tf.Module:
+    remove_policy(model)
+    modules = _modules(model)
+    chains: dict[str, list[LayerInfo]] = {}
+    plan = []
+    for path, module in modules:
+        parent = path.rpartition(".")[0] if path else None
+        chains[path] = (chains.get(parent, []) if parent is not None else []) + [LayerInfo(path, type(module))]
+        resolution = policy_map.resolve(chains[path])
+        policy = resolution.policy
+        for name, var in _own_variables(module).items():
+            dtype = _NAMES.get(var.dtype)
+            if dtype in ("float16", "bfloat16") and policy.variable_dtype == "float32" \
+                    and policy.compute_dtype != policy.variable_dtype:
+                raise ValueError(
+                    f"Received a module whose variable {path + '.' + name if path else name!r} is "
+                    f"already {dtype}, but the policy {policy.name} keeps variables in float32: "
+                    f"applying it would silently train half-precision master weights. Create the "
+                    f"variables in float32, or use the pure policy {dtype!r}.")
+        plan.append((path, module, resolution, parent))
+    policy_map.warn_unmatched(chains[path][-1] for path, _ in modules)
+    policies = {path: resolution.policy for path, _, resolution, _ in plan}
+    for path, module, resolution, parent in plan:
+        policy = resolution.policy
+        target = _TF_DTYPES[policy.variable_dtype]
+        replaced = {}
+        for name, var in _own_variables(module).items():
+            if var.dtype != target:
+                replaced[name] = var
+                setattr(module, name, tf.Variable(tf.cast(var, target), trainable=var.trainable,
+                                                  name=var.name.split(":")[0]))
+        cast = tuple(name for name in _own_variables(module)
+                     if policy.compute_dtype != policy.variable_dtype)
+        differs = policies.get(parent) != policy if parent is not None else policy != Policy("float32")
+        cls = type(module)
+        if cast or differs:
+            module.__class__ = _policy_class(cls)
+        module.__dict__[_STATE] = _Applied(policy, resolution.source, cls, cast, replaced)
+    return model
+
+
+def remove_policy(model: tf.Module) -> tf.Module:
+    for _, module in _modules(model):
+        state = module.__dict__.pop(_STATE, None)
+        if state is None:
+            continue
+        module.__class__ = state.cls
+        for name, original in state.replaced.items():
+            original.assign(tf.cast(getattr(module, name), original.dtype))
+            setattr(module, name, original)
+    return model
