@@ -13,7 +13,6 @@ not the absolute time, is what measures mixedpolicy.
 """
 
 import argparse
-import statistics
 import time
 
 import jax
@@ -21,6 +20,7 @@ import jax.numpy as jnp
 import jmp
 import numpy as np
 import optax
+from _interleave import HEADER, interleave
 
 import mixedpolicy as mp
 
@@ -124,24 +124,14 @@ def main(argv=None):
     args = parser.parse_args(argv)
     print(f"jax {jax.__version__}, device {jax.devices()[0].device_kind}, model MLP 64-{args.width}-"
           f"{args.width}-10, batch {args.batch}, {args.steps} steps x {args.repeats} repeats, interleaved")
-    print(f"{'policy':16s} {'ours ms':>9s} {'native ms':>10s} {'ratio':>7s} {'ratio min..max':>16s}")
+    print(f"{'policy':16s} {HEADER}")
     results = {}
     for policy in args.policies.split(","):
         a, b = Runner(*ours(policy, args.width, args.batch)), Runner(*native(policy, args.width, args.batch))
         a.run(3), b.run(3)  # compile and warm up
-        ta, tb, ratios = [], [], []
-        for i in range(args.repeats):
-            if i % 2 == 0:
-                t_ours, t_native = a.run(args.steps), b.run(args.steps)
-            else:
-                t_native, t_ours = b.run(args.steps), a.run(args.steps)
-            ta.append(t_ours)
-            tb.append(t_native)
-            ratios.append(t_ours / t_native)
-        ratio = statistics.median(ratios)
-        results[policy] = ratio
-        print(f"{policy:16s} {statistics.median(ta) * 1e3:9.3f} {statistics.median(tb) * 1e3:10.3f} "
-              f"{ratio:7.3f} {min(ratios):7.3f}..{max(ratios):.3f}")
+        comparison = interleave(lambda: a.run(args.steps), lambda: b.run(args.steps), args.repeats)
+        results[policy] = comparison.ratio
+        print(comparison.row(f"{policy:16s}"))
     return results
 
 

@@ -9,10 +9,10 @@ the ratio, not the absolute time, is what measures mixedpolicy.
 """
 
 import argparse
-import statistics
 import time
 
 import torch
+from _interleave import HEADER, interleave
 
 import mixedpolicy as mp
 
@@ -83,24 +83,17 @@ def main(argv=None):
         torch.backends.cuda.matmul.allow_tf32 = False
     print(f"torch {torch.__version__}, device {args.device}, model MLP 64-{args.width}-{args.width}-10, "
           f"batch {args.batch}, {args.steps} steps x {args.repeats} repeats, interleaved")
-    print(f"{'policy':16s} {'ours ms':>9s} {'native ms':>10s} {'ratio':>7s} {'ratio min..max':>16s}")
+    print(f"{'policy':16s} {HEADER}")
     results = {}
     for policy in args.policies.split(","):
         a = ours(policy, args.device, args.width, args.batch)
         b = native(policy, args.device, args.width, args.batch)
         for _ in range(3):
             a(), b()  # warm-up
-        ta, tb, ratios = [], [], []
-        for i in range(args.repeats):
-            pair = (timed(a, args.steps, args.device), timed(b, args.steps, args.device)) if i % 2 == 0 else \
-                tuple(reversed((timed(b, args.steps, args.device), timed(a, args.steps, args.device))))
-            ta.append(pair[0])
-            tb.append(pair[1])
-            ratios.append(pair[0] / pair[1])
-        ratio = statistics.median(ratios)
-        results[policy] = ratio
-        print(f"{policy:16s} {statistics.median(ta) * 1e3:9.3f} {statistics.median(tb) * 1e3:10.3f} "
-              f"{ratio:7.3f} {min(ratios):7.3f}..{max(ratios):.3f}")
+        comparison = interleave(lambda: timed(a, args.steps, args.device),
+                                lambda: timed(b, args.steps, args.device), args.repeats)
+        results[policy] = comparison.ratio
+        print(comparison.row(f"{policy:16s}"))
     return results
 
 

@@ -20,6 +20,9 @@ import mixedpolicy as mp
 # set before Keras is imported: Keras is not imported for it, and follows once it is
 mp.set_global_policy("mixed_float16")
 assert "keras" not in sys.modules
+import importlib.util
+assert importlib.util.find_spec("keras") is not None  # a mere lookup does not disarm the hook
+assert "keras" not in sys.modules
 import keras
 assert keras.config.dtype_policy().name == "mixed_float16", keras.config.dtype_policy()
 assert keras.layers.Dense(2).dtype_policy.name == "mixed_float16"
@@ -130,6 +133,9 @@ g = make("global_net")
 assert g.dtype_policy.name == "mixed_float16"
 g.compile(keras.optimizers.SGD(0.1), loss="mse")
 assert isinstance(g.optimizer, LossScaleOptimizer), type(g.optimizer)
+# Keras's own, passed explicitly, is kept as it is
+g.compile(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+assert type(g.optimizer) is keras.optimizers.LossScaleOptimizer
 mp.set_global_policy(None)
 print("ok")
 """

@@ -15,37 +15,40 @@ from typing import Any
 _lock = threading.Lock()
 
 
-class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Wraps the real loader of one top-level module and calls back once it has run."""
+class _Finder(importlib.abc.MetaPathFinder):
+    """Finds `module_name` through the other finders and wraps its loader."""
 
     def __init__(self, module_name: str):
         self.module_name = module_name
-        self._loader = None
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname != self.module_name or self._loader is not None:
+        if fullname != self.module_name:
             return None
         for finder in list(sys.meta_path):
             if finder is self or not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None:
-                if spec.loader is None or not hasattr(spec.loader, "exec_module"):
-                    return spec
-                self._loader, spec.loader = spec.loader, self
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _Loader(spec.loader, self)
                 return spec
         return None
+
+
+class _Loader(importlib.abc.Loader):
+    """Runs the real loader, then removes the finder and passes on the global policy."""
+
+    def __init__(self, loader: Any, finder: _Finder):
+        self._loader, self._finder = loader, finder
 
     def create_module(self, spec: Any) -> Any:
         return self._loader.create_module(spec)
 
     def exec_module(self, module: Any) -> None:
-        try:
-            self._loader.exec_module(module)
-        finally:
-            with _lock:
-                if self in sys.meta_path:
-                    sys.meta_path.remove(self)
+        self._loader.exec_module(module)
+        with _lock:
+            if self._finder in sys.meta_path:
+                sys.meta_path.remove(self._finder)
         from mixedpolicy import backends
 
         # the global policy itself, not a policy_scope of the importing thread
@@ -57,6 +60,6 @@ def notify_on_import(module_name: str) -> None:
     with _lock:
         if module_name in sys.modules:
             return
-        if any(isinstance(f, _AfterImport) and f.module_name == module_name for f in sys.meta_path):
+        if any(isinstance(f, _Finder) and f.module_name == module_name for f in sys.meta_path):
             return
-        sys.meta_path.insert(0, _AfterImport(module_name))
+        sys.meta_path.insert(0, _Finder(module_name))

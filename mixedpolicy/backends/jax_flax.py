@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 
 import jax
 
+from mixedpolicy.backends._subclass import policy_subclass
 from mixedpolicy.backends.jax_backend import cast_leaf, dtype_name, jnp_dtype
 from mixedpolicy.describe import LayerPolicy
 from mixedpolicy.policy import Policy
@@ -114,25 +115,11 @@ class _Applied(NamedTuple):
 
 
 _MISSING = "<missing>"
-_subclasses: dict[type, type] = {}
-_subclasses_lock = threading.Lock()
 
 
-def _output_cast_class(cls: type) -> type:
-    """A subclass of `cls` whose ``__call__`` casts floating outputs to the policy's output dtype."""
-    with _subclasses_lock:
-        sub = _subclasses.get(cls)
-        if sub is None:
-            def __call__(self, *args, **kwargs):
-                out = super(sub, self).__call__(*args, **kwargs)
-                return _cast_tree(out, getattr(self, _STATE).policy.output_dtype)
-
-            sub = type(cls.__name__, (cls,), {
-                "__call__": __call__, "__module__": cls.__module__,
-                "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
-            sub._mixedpolicy_base = cls
-            _subclasses[cls] = sub
-    return sub
+def _cast_outputs(module: Any, call_super: Any, args: tuple, kwargs: dict) -> Any:
+    """``__call__`` of a swapped NNX class: floating outputs leave in the output dtype."""
+    return _cast_tree(call_super(*args, **kwargs), getattr(module, _STATE).policy.output_dtype)
 
 
 def _nnx_modules(model: Any) -> list[tuple[str, Any]]:
@@ -188,7 +175,7 @@ def _nnx_apply(model: Any, policy_map: PolicyMap) -> Any:
         parent = path.rpartition(".")[0] if path else None
         region = parent is None or policies[parent] != policy or before_dtype is not _MISSING
         if region and policy.output_dtype != policy.compute_dtype:
-            module.__class__ = _output_cast_class(cls)
+            module.__class__ = policy_subclass("jax", cls, _cast_outputs)
         setattr(module, _STATE, _Applied(policy, resolution.source, before_dtype, before_param,
                                          cls, tuple(cast)))
     return model

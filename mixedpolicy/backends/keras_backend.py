@@ -233,8 +233,21 @@ def use_bounded_loss_scale_in_compile() -> None:
     """
     from keras.src.trainers import trainer
 
-    from mixedpolicy.backends.keras_optimizer import LossScaleOptimizer
-
     with _patch_lock:
-        if trainer.LossScaleOptimizer is not LossScaleOptimizer:
-            trainer.LossScaleOptimizer = LossScaleOptimizer
+        trainer.LossScaleOptimizer = _WrapInCompile
+
+
+class _WrapInCompileMeta(type):
+    # compile asks "is it a LossScaleOptimizer already?" (any, Keras's own included)
+    # and, if not, calls the name to wrap the plain optimizer: mixedpolicy's then.
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, keras.optimizers.LossScaleOptimizer)
+
+    def __call__(cls, optimizer: Any, **kwargs: Any) -> Any:
+        from mixedpolicy.backends.keras_optimizer import LossScaleOptimizer
+
+        return LossScaleOptimizer(optimizer, **kwargs)
+
+
+class _WrapInCompile(metaclass=_WrapInCompileMeta):
+    """What ``model.compile`` calls ``LossScaleOptimizer`` once mixedpolicy has a float16 policy."""

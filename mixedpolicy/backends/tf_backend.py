@@ -23,12 +23,12 @@ runs on this adapter's array operations.
 
 from __future__ import annotations
 
-import threading
 from typing import Any, Callable, Iterable, NamedTuple
 
 import tensorflow as tf
 
 from mixedpolicy._dtypes import FLOATING_DTYPES
+from mixedpolicy.backends._subclass import policy_subclass
 from mixedpolicy.backends.base import Adapter
 from mixedpolicy.describe import LayerPolicy
 from mixedpolicy.policy import Policy
@@ -138,33 +138,21 @@ def _own_variables(module: tf.Module) -> dict[str, tf.Variable]:
             if isinstance(value, tf.Variable) and value.dtype.is_floating and name != _STATE}
 
 
-_classes: dict[type, type] = {}
-_classes_lock = threading.Lock()
-
-
-def _policy_class(cls: type) -> type:
-    with _classes_lock:
-        sub = _classes.get(cls)
-        if sub is None:
-            def __call__(self, *args, **kwargs):
-                state = self.__dict__[_STATE]
-                compute = _TF_DTYPES[state.policy.compute_dtype]
-                args, kwargs = _cast_floating((args, kwargs), compute)
-                originals = {name: self.__dict__[name] for name in state.cast}
-                for name, var in originals.items():
-                    self.__dict__[name] = tf.cast(var, compute)  # untracked, for this call only
-                try:
-                    out = super(sub, self).__call__(*args, **kwargs)
-                finally:
-                    self.__dict__.update(originals)
-                if state.policy.output_dtype != state.policy.compute_dtype:
-                    out = _cast_floating(out, _TF_DTYPES[state.policy.output_dtype])
-                return out
-
-            sub = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
-                                              "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
-            _classes[cls] = sub
-    return sub
+def _call_under_policy(module: tf.Module, call_super: Any, args: tuple, kwargs: dict) -> Any:
+    """``__call__`` of a swapped tf.Module class (see the module docstring)."""
+    state = module.__dict__[_STATE]
+    compute = _TF_DTYPES[state.policy.compute_dtype]
+    args, kwargs = _cast_floating((args, kwargs), compute)
+    originals = {name: module.__dict__[name] for name in state.cast}
+    for name, var in originals.items():
+        module.__dict__[name] = tf.cast(var, compute)  # untracked, for this call only
+    try:
+        out = call_super(*args, **kwargs)
+    finally:
+        module.__dict__.update(originals)
+    if state.policy.output_dtype != state.policy.compute_dtype:
+        out = _cast_floating(out, _TF_DTYPES[state.policy.output_dtype])
+    return out
 
 
 def _cast_floating(tree: Any, dtype: Any) -> Any:
@@ -211,7 +199,7 @@ def apply_policy(model: tf.Module, policy_map: PolicyMap) -> tf.Module:
         differs = policies.get(parent) != policy if parent is not None else policy != Policy("float32")
         cls = type(module)
         if cast or differs:
-            module.__class__ = _policy_class(cls)
+            module.__class__ = policy_subclass("tensorflow", cls, _call_under_policy)
         module.__dict__[_STATE] = _Applied(policy, resolution.source, cls, cast, replaced)
     return model
 
