@@ -1,4 +1,4 @@
-# `make test` and (later) `make bench` create or reuse .venv and install what they
+# `make test` and `make bench` create or reuse .venv and install what they
 # need; constraints.txt pins every package, so a fresh machine gets the same set.
 PYTHON ?= python3.11
 VENV := .venv
@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # The backends CI expects: a test for one of these that cannot import it fails.
 EXPECT_BACKENDS ?= numpy,torch,jax,tensorflow,keras
 
-.PHONY: setup test clean
+.PHONY: setup test bench clean
 
 setup: $(STAMP)
 
@@ -18,6 +18,11 @@ $(STAMP): pyproject.toml constraints.txt
 
 test: setup
 	MIXEDPOLICY_EXPECT_BACKENDS=$(EXPECT_BACKENDS) $(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The framework comparison on its built-in default (digits MLP, every installed
+# framework, three policies); BENCH_ARGS passes options, e.g. BENCH_ARGS="--frameworks torch".
+bench: setup
+	$(PY) -m mixedpolicy bench --out bench-results $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

@@ -1,0 +1,1 @@
+"""The framework-comparison harness behind `mixedpolicy bench` (see `mixedpolicy.bench.cli`)."""

@@ -1,0 +1,103 @@
+"""`mixedpolicy bench`: the same model on several frameworks, under each policy, side by side.
+
+Every option is checked before any run starts. Then the initial weights are made
+once and written to `--out`; each (framework, policy) runs in a process of its own
+(`mixedpolicy.bench.worker`) while the terminal shows progress; the results are
+written as results.json, report.md and PNG plots, and the table is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+from mixedpolicy.bench import report
+from mixedpolicy.bench.data import init_weights, save_weights
+from mixedpolicy.bench.spec import (FRAMEWORKS, MODELS, POLICIES, RunSpec, resolve_frameworks,
+                                    resolve_model, resolve_policies)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mixedpolicy bench",
+        description="Train the same model (same architecture, initial weights, data order and batch "
+                    "size) on several frameworks under each policy; time each step against the same "
+                    "policy written by hand with the framework's own tools.")
+    p.add_argument("--frameworks", default=None,
+                   help=f"comma-separated, any of: {', '.join(FRAMEWORKS)} (default: all installed)")
+    p.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated (default: %(default)s)")
+    p.add_argument("--model", default="mlp", help=f"one of: {', '.join(MODELS)} (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per repeat (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=64, help="(default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="interleaved timing repeats; the median is reported (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default: %(default)s)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (torch; default: %(default)s)")
+    p.add_argument("--out", default="bench-results", help="output folder (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="weights, split and batch order (default: 0)")
+    return p
+
+
+def _check_positive(args: argparse.Namespace) -> None:
+    for name in ("steps", "batch_size", "repeats"):
+        value = getattr(args, name)
+        if value < 1:
+            raise ValueError(f"Received --{name.replace('_', '-')} {value}; expected a whole number >= 1.")
+    if args.warmup < 0:
+        raise ValueError(f"Received --warmup {args.warmup}; expected a whole number >= 0.")
+    if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
+        raise ValueError(f"Received --device {args.device!r}; expected cpu, cuda or cuda:N.")
+
+
+def _worker_env(framework: str) -> dict:
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    if framework.startswith("keras-"):
+        env["KERAS_BACKEND"] = framework.split("-", 1)[1]
+    elif framework == "tensorflow":
+        env["KERAS_BACKEND"] = "tensorflow"
+    return env
+
+
+def run_one(spec: RunSpec) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "mixedpolicy.bench.worker", json.dumps(spec._asdict())],
+                          env=_worker_env(spec.framework), capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"The {spec.framework} run under {spec.policy} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        frameworks = resolve_frameworks(args.frameworks)
+        policies = resolve_policies(args.policies)
+        model = resolve_model(args.model)
+        _check_positive(args)
+    except ValueError as err:
+        print(f"mixedpolicy bench: error: {err}", file=sys.stderr)
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    weights_path = os.path.join(args.out, "initial_weights.npz")
+    save_weights(weights_path, init_weights(args.seed))
+    specs = [RunSpec(f, p, model, args.batch_size, args.steps, args.repeats, args.warmup, args.device,
+                     os.path.abspath(weights_path), args.seed) for f in frameworks for p in policies]
+    print(f"mixedpolicy bench: {model}, batch {args.batch_size}, {args.warmup} warm-up + "
+          f"{args.repeats} x {args.steps} timed steps, {len(specs)} runs (one process each)", flush=True)
+    runs, start = [], time.perf_counter()
+    for i, spec in enumerate(specs, 1):
+        print(f"  [{i}/{len(specs)}] {spec.framework} {spec.policy} ...", end="", flush=True)
+        t0 = time.perf_counter()
+        record = run_one(spec)
+        runs.append(record)
+        print(f" {record['step_time_s']['median'] * 1e3:.2f} ms/step, accuracy {record['accuracy']:.3f}, "
+              f"overhead {record['overhead_vs_native']:.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    results = {"environment": report.environment(args, frameworks), "runs": runs}
+    paths = report.write(results, args.out)
+    print()
+    print(report.table(runs))
+    print(f"\n{len(runs)} runs in {time.perf_counter() - start:.0f} s; wrote " + ", ".join(paths))
+    return 0

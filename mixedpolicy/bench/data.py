@@ -1,0 +1,60 @@
+"""The data, the batch order and the initial weights that every framework shares.
+
+The data is scikit-learn's digits (shipped inside scikit-learn, no download): 8x8
+images as 64 features in [0, 1], 10 classes, a fixed 75/25 train/test split. The
+batch order and the initial weights come from one seeded numpy generator, are
+written once, and are loaded by every framework, so every run starts from the same
+weights and sees the same batches in the same order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+#: MLP layer widths: digits' 64 features, two hidden layers, 10 classes.
+MLP_SIZES = (64, 128, 128, 10)
+
+
+def digits(seed: int = 0) -> tuple:
+    """x_train, y_train, x_test, y_test: float32 features in [0, 1] and int32 labels."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_digits(return_X_y=True)
+    x_train, x_test, y_train, y_test = train_test_split(x / 16.0, y, test_size=0.25, random_state=seed)
+    return (x_train.astype(np.float32), y_train.astype(np.int32),
+            x_test.astype(np.float32), y_test.astype(np.int32))
+
+
+def batch_order(n: int, batch_size: int, steps: int, seed: int = 0) -> np.ndarray:
+    """(steps, batch_size) indices into the training set: epochs of shuffled full batches."""
+    rng = np.random.default_rng(seed)
+    per_epoch = n // batch_size
+    if per_epoch == 0:
+        raise ValueError(f"Received --batch-size {batch_size}, larger than the {n} training "
+                         f"samples; choose at most {n}.")
+    rows = []
+    while len(rows) < steps:
+        order = rng.permutation(n)
+        rows.extend(order[i * batch_size:(i + 1) * batch_size] for i in range(per_epoch))
+    return np.stack(rows[:steps])
+
+
+def init_weights(seed: int = 0) -> list[np.ndarray]:
+    """[W0, b0, W1, b1, ...] of the MLP: Glorot-uniform kernels (in, out), zero biases."""
+    rng = np.random.default_rng(seed)
+    weights = []
+    for n_in, n_out in zip(MLP_SIZES[:-1], MLP_SIZES[1:]):
+        limit = np.sqrt(6.0 / (n_in + n_out))
+        weights += [rng.uniform(-limit, limit, (n_in, n_out)).astype(np.float32),
+                    np.zeros(n_out, np.float32)]
+    return weights
+
+
+def save_weights(path: str, weights: list[np.ndarray]) -> None:
+    np.savez(path, *weights)
+
+
+def load_weights(path: str) -> list[np.ndarray]:
+    with np.load(path) as f:
+        return [f[f"arr_{i}"] for i in range(len(f.files))]

@@ -1,0 +1,135 @@
+"""The outputs of `mixedpolicy bench`: results.json, report.md, step_time.png, loss_curves.png."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+from typing import Any
+
+_PACKAGES = ("mixedpolicy", "numpy", "torch", "jax", "jaxlib", "flax", "optax", "tensorflow-cpu",
+             "tensorflow", "keras", "scikit-learn")
+
+
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment(args: Any, frameworks: list[str]) -> dict:
+    versions = {}
+    for name in _PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(), "platform": platform.platform(), "cpu": _cpu(),
+        "cpu_count": os.cpu_count(), "device": args.device, "versions": versions,
+        "tf32": "off (pinned in every run: torch allow_tf32=False, JAX matmul precision "
+                "'highest', TF enable_tensor_float32_execution(False))",
+        "frameworks": frameworks, "model": args.model, "batch_size": args.batch_size,
+        "steps": args.steps, "repeats": args.repeats, "warmup": args.warmup, "seed": args.seed,
+        "data": "scikit-learn digits, 75/25 split (random_state=seed)",
+        "peak_memory": "device memory allocated (CUDA), else the worker process's peak RSS",
+    }
+
+
+_COLUMNS = ("framework", "policy", "step ms", "samples/s", "peak MB", "final loss", "accuracy",
+            "skipped", "final scale", "overhead vs native")
+
+
+def _cells(run: dict) -> tuple:
+    scale = run["final_loss_scale"]
+    return (run["framework"], run["policy"], f"{run['step_time_s']['median'] * 1e3:.2f}",
+            f"{run['throughput_samples_per_s']:.0f}", f"{run['peak_memory_bytes'] / 2**20:.0f}",
+            f"{run['final_loss']:.4f}", f"{run['accuracy']:.3f}", str(run["skipped_steps"]),
+            "-" if scale is None else f"{scale:g}", f"{run['overhead_vs_native']:.3f}")
+
+
+def table(runs: list[dict]) -> str:
+    rows = [_COLUMNS] + [_cells(r) for r in runs]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
+    return "\n".join("  ".join(c.rjust(w) if i > 1 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+                     .rstrip() for row in rows)
+
+
+def markdown(results: dict) -> str:
+    env = results["environment"]
+    lines = ["# mixedpolicy bench", "",
+             f"{env['date']}; {env['model']}, batch {env['batch_size']}, {env['warmup']} warm-up + "
+             f"{env['repeats']} x {env['steps']} timed steps per run; device {env['device']} "
+             f"({env['cpu']}, {env['cpu_count']} cores); Python {env['python']}; "
+             + ", ".join(f"{k} {v}" for k, v in env["versions"].items()) + f"; TF32 {env['tf32']}.", "",
+             "| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
+    lines += ["| " + " | ".join(_cells(r)) + " |" for r in results["runs"]]
+    lines += ["", "Step times are medians over the repeats (ours); `overhead vs native` is the median "
+              "ratio of ours to the same model and policy written with the framework's own tools, "
+              "timed interleaved in the same process. On CPUs without bf16/fp16 hardware, half "
+              "precision is slower than float32: that is the hardware; the overhead ratio is the "
+              "figure that measures mixedpolicy there.", "",
+              "![step time](step_time.png)", "", "![loss curves](loss_curves.png)", ""]
+    return "\n".join(lines)
+
+
+def plots(results: dict, out: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = results["runs"]
+    frameworks = list(dict.fromkeys(r["framework"] for r in runs))
+    policies = list(dict.fromkeys(r["policy"] for r in runs))
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(frameworks)), 4))
+    width = 0.8 / len(policies)
+    for j, policy in enumerate(policies):
+        xs, ys = [], []
+        for i, framework in enumerate(frameworks):
+            for r in runs:
+                if r["framework"] == framework and r["policy"] == policy:
+                    xs.append(i + j * width)
+                    ys.append(r["step_time_s"]["median"] * 1e3)
+        ax.bar(xs, ys, width, label=policy)
+    ax.set_xticks([i + width * (len(policies) - 1) / 2 for i in range(len(frameworks))], frameworks)
+    ax.set_ylabel("ms per step (median)")
+    ax.set_yscale("log")
+    ax.set_title(f"{results['environment']['model']}: step time per framework and policy")
+    ax.legend()
+    fig.tight_layout()
+    step_png = os.path.join(out, "step_time.png")
+    fig.savefig(step_png, dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in runs:
+        steps, losses = zip(*r["loss_curve"])
+        ax.plot(steps, losses, marker="o", label=f"{r['framework']} {r['policy']}")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("loss (last step of each timed block)")
+    ax.set_title("loss curves (ours)")
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    loss_png = os.path.join(out, "loss_curves.png")
+    fig.savefig(loss_png, dpi=100)
+    plt.close(fig)
+    return [step_png, loss_png]
+
+
+def write(results: dict, out: str) -> list[str]:
+    json_path = os.path.join(out, "results.json")
+    with open(json_path, "w") as f:
+        json.dump(results, f, indent=2)
+    md_path = os.path.join(out, "report.md")
+    with open(md_path, "w") as f:
+        f.write(markdown(results))
+    return [json_path, md_path] + plots(results, out)

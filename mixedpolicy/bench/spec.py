@@ -1,0 +1,80 @@
+"""What `mixedpolicy bench` can run, and the checks that stop bad options before any run."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import NamedTuple
+
+FRAMEWORKS = ("torch", "jax", "tensorflow", "keras-jax", "keras-torch", "keras-tensorflow")
+POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
+MODELS = ("mlp",)
+
+# The packages each framework's runner needs (checked without importing them).
+_NEEDS = {"torch": ("torch",), "jax": ("jax", "flax", "optax"), "tensorflow": ("tensorflow", "keras"),
+          "keras-jax": ("keras", "jax"), "keras-torch": ("keras", "torch"),
+          "keras-tensorflow": ("keras", "tensorflow")}
+
+
+class RunSpec(NamedTuple):
+    """One (framework, policy) run, as handed to its worker process."""
+
+    framework: str
+    policy: str
+    model: str
+    batch_size: int
+    steps: int
+    repeats: int
+    warmup: int
+    device: str
+    weights: str        # path of the shared initial weights (.npz)
+    seed: int
+
+
+def missing_packages(framework: str) -> list[str]:
+    return [p for p in _NEEDS[framework] if importlib.util.find_spec(p) is None]
+
+
+def installed_frameworks() -> list[str]:
+    return [f for f in FRAMEWORKS if not missing_packages(f)]
+
+
+def _split(value: str, what: str, valid: tuple) -> list[str]:
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    if not items:
+        raise ValueError(f"Received an empty --{what}; expected a comma-separated list of: "
+                         f"{', '.join(valid)}.")
+    unknown = [v for v in items if v not in valid]
+    if unknown:
+        raise ValueError(f"Received --{what} {', '.join(map(repr, unknown))}, which "
+                         f"{'is' if len(unknown) == 1 else 'are'} not valid; expected any of: "
+                         f"{', '.join(valid)}.")
+    return list(dict.fromkeys(items))
+
+
+def resolve_frameworks(value: str | None) -> list[str]:
+    """The frameworks to run: all installed ones by default; a named one must be installed."""
+    if value is None:
+        found = installed_frameworks()
+        if not found:
+            raise ValueError(f"No framework of {', '.join(FRAMEWORKS)} is installed; install one, "
+                             f"for example `pip install \"mixedpolicy[torch]\"`.")
+        return found
+    chosen = _split(value, "frameworks", FRAMEWORKS)
+    for framework in chosen:
+        missing = missing_packages(framework)
+        if missing:
+            raise ValueError(f"Received --frameworks {framework}, but {', '.join(missing)} "
+                             f"{'is' if len(missing) == 1 else 'are'} not installed. Install it "
+                             f"(`pip install \"mixedpolicy[all]\"`), or choose among the installed "
+                             f"ones: {', '.join(installed_frameworks()) or 'none'}.")
+    return chosen
+
+
+def resolve_policies(value: str) -> list[str]:
+    return _split(value, "policies", POLICIES)
+
+
+def resolve_model(value: str) -> str:
+    if value not in MODELS:
+        raise ValueError(f"Received --model {value!r}; expected one of: {', '.join(MODELS)}.")
+    return value

@@ -1,0 +1,129 @@
+"""One (framework, policy) run of `mixedpolicy bench`, in a process of its own.
+
+    python -m mixedpolicy.bench.worker '<RunSpec as JSON>'
+
+prints one JSON line: the run's record. Two trainers are built from the same
+initial weights: ours (mixedpolicy) and native (the framework's own tools, written
+by hand). Both take the same batches in the same order; after `warmup` steps each
+(compilation excluded), they are timed in blocks of `steps` steps, interleaved
+(ours, native, native, ours, ...), the device synchronised before each timer read.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+import numpy as np
+
+from mixedpolicy.bench.data import batch_order, digits, load_weights
+from mixedpolicy.bench.spec import RunSpec
+
+
+class Trainer(abc.ABC):
+    """What a framework runner builds, twice (ours and native)."""
+
+    @abc.abstractmethod
+    def step(self, x: np.ndarray, y: np.ndarray) -> None:
+        """One training step on a batch."""
+
+    def sync(self) -> None:
+        """Waits for the device (frameworks that run eagerly on the CPU need nothing)."""
+
+    @abc.abstractmethod
+    def last_loss(self) -> float:
+        """The loss of the last step (a host read)."""
+
+    @abc.abstractmethod
+    def accuracy(self, x: np.ndarray, y: np.ndarray) -> float:
+        """Accuracy of the current weights on (x, y)."""
+
+    def skipped_steps(self) -> int:
+        return 0
+
+    def loss_scale(self) -> float | None:
+        return None
+
+    def peak_memory_bytes(self) -> int | None:  # device memory where the framework reports it
+        return None
+
+
+def _runner(framework: str):
+    if framework == "torch":
+        from mixedpolicy.bench import torch_runner as runner
+    elif framework == "jax":
+        from mixedpolicy.bench import jax_runner as runner
+    elif framework == "tensorflow":
+        from mixedpolicy.bench import tf_runner as runner
+    else:
+        from mixedpolicy.bench import keras_runner as runner
+    return runner
+
+
+def run(spec: RunSpec) -> dict:
+    runner = _runner(spec.framework)
+    x_train, y_train, x_test, y_test = digits(spec.seed)
+    weights = load_weights(spec.weights)
+    total = spec.warmup + spec.repeats * spec.steps
+    order = batch_order(len(x_train), spec.batch_size, total, spec.seed)
+    batches = [(x_train[i], y_train[i]) for i in order]
+    ours, native = runner.trainers(spec.policy, weights, spec.device)
+    cursor = {"ours": 0, "native": 0}
+
+    def advance(name: str, trainer: Trainer, n: int) -> float:
+        trainer.sync()
+        start = time.perf_counter()
+        for _ in range(n):
+            trainer.step(*batches[cursor[name]])
+            cursor[name] += 1
+        trainer.sync()
+        return (time.perf_counter() - start) / n
+
+    advance("ours", ours, spec.warmup)
+    advance("native", native, spec.warmup)
+    t_ours, t_native, losses = [], [], []
+    for r in range(spec.repeats):
+        if r % 2 == 0:
+            a, b = advance("ours", ours, spec.steps), advance("native", native, spec.steps)
+        else:
+            b, a = advance("native", native, spec.steps), advance("ours", ours, spec.steps)
+        t_ours.append(a)
+        t_native.append(b)
+        losses.append([cursor["ours"], ours.last_loss()])
+    median = statistics.median(t_ours)
+    peak = ours.peak_memory_bytes()
+    if peak is None:  # on the CPU: the process's peak resident memory (both trainers)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    scale = ours.loss_scale()
+    return {
+        "framework": spec.framework, "policy": spec.policy, "model": spec.model,
+        "batch_size": spec.batch_size, "steps": spec.steps, "repeats": spec.repeats,
+        "step_time_s": {"median": median, "min": min(t_ours), "max": max(t_ours)},
+        "native_step_time_s": {"median": statistics.median(t_native), "min": min(t_native),
+                               "max": max(t_native)},
+        "throughput_samples_per_s": spec.batch_size / median,
+        "peak_memory_bytes": int(peak),
+        "final_loss": losses[-1][1],
+        "loss_curve": losses,
+        "accuracy": ours.accuracy(x_test, y_test),
+        "native_accuracy": native.accuracy(x_test, y_test),
+        "skipped_steps": ours.skipped_steps(),
+        "final_loss_scale": scale,
+        "overhead_vs_native": statistics.median(a / b for a, b in zip(t_ours, t_native)),
+        "overhead_ratios": [a / b for a, b in zip(t_ours, t_native)],
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    spec = RunSpec(**json.loads(argv[0]))
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    print(json.dumps(run(spec)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
