@@ -91,7 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     for i, spec in enumerate(specs, 1):
         print(f"  [{i}/{len(specs)}] {spec.framework} {spec.policy} ...", end="", flush=True)
         t0 = time.perf_counter()
-        record = run_one(spec)
+        try:
+            record = run_one(spec)
+        except RuntimeError as err:
+            print(f"\nmixedpolicy bench: error: {err}", file=sys.stderr)
+            return 1
         runs.append(record)
         print(f" {record['step_time_s']['median'] * 1e3:.2f} ms/step, accuracy {record['accuracy']:.3f}, "
               f"overhead {record['overhead_vs_native']:.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)

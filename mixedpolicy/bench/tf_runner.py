@@ -78,7 +78,7 @@ class _Tf(Trainer):
 
 
 def trainers(policy: str, weights: list, device: str):
-    tf.config.experimental.enable_tensor_float32_execution(False)  # pinned: no TF32
+    tf.config.experimental.enable_tensor_float_32_execution(False)  # pinned: no TF32
     scaled = mp.Policy(policy).needs_loss_scaling
     ours_opt = keras.optimizers.SGD(LR, momentum=0.9)
     ours = _Tf(mp.apply_policy(MLP(weights), policy),
