@@ -31,6 +31,11 @@ class Trainer(abc.ABC):
     def step(self, x: np.ndarray, y: np.ndarray) -> None:
         """One training step on a batch."""
 
+    def steps(self, batches: list) -> None:
+        """One training step on each (x, y) batch, in order, the framework's usual way."""
+        for x, y in batches:
+            self.step(x, y)
+
     def sync(self) -> None:
         """Waits for the device (frameworks that run eagerly on the CPU need nothing)."""
 
@@ -77,14 +82,14 @@ def run(spec: RunSpec) -> dict:
     def advance(name: str, trainer: Trainer, n: int) -> float:
         trainer.sync()
         start = time.perf_counter()
-        for _ in range(n):
-            trainer.step(*batches[cursor[name]])
-            cursor[name] += 1
+        trainer.steps(batches[cursor[name]:cursor[name] + n])
         trainer.sync()
+        cursor[name] += n
         return (time.perf_counter() - start) / n
 
-    advance("ours", ours, spec.warmup)
-    advance("native", native, spec.warmup)
+    if spec.warmup:
+        advance("ours", ours, spec.warmup)
+        advance("native", native, spec.warmup)
     t_ours, t_native, losses = [], [], []
     for r in range(spec.repeats):
         if r % 2 == 0:
