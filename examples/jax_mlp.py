@@ -53,7 +53,7 @@ def train(policy, epochs=15, seed=0):
             train_step(model, optimizer, x_train[idx], y_train[idx])
     accuracy = float((model(x_test).argmax(-1) == y_test).mean())
     state = optimizer.opt_state
-    return accuracy, int(state.num_skipped_steps.get_value()), float(state.loss_scale.get_value())
+    return accuracy, int(state.num_skipped_steps), float(state.loss_scale.get_value())
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """`LossScaleOptimizer` for optax: a ``GradientTransformation`` that carries the loss scale.
 
 The wrapper's state is a `LossScaleState`: the inner optimizer's state plus
-``loss_scale``, ``counter``, ``last_step_skipped`` and ``num_skipped_steps``, all
-arrays, so the whole step stays inside ``jax.jit`` with no host round trip. Its
+``loss_scale``, ``counter``, ``last_step_skipped`` and ``num_skipped_steps`` (the
+last three packed in one array), all arrays, so the whole step stays inside ``jax.jit`` with no host round trip. Its
 ``update``:
 
 1. unscales the gradients (divides by the scale, each leaf keeping its dtype);
@@ -39,12 +39,24 @@ from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale
 _ops = JaxAdapter()
 
 
+def _value(x: Any) -> Any:
+    """The array inside an ``nnx.Variable`` (nnx.Optimizer wraps state leaves), or `x`."""
+    if isinstance(x, jax.Array) or not hasattr(x, "get_value"):
+        return x
+    return x.get_value()
+
+
 class LossScaleState(NamedTuple):
     """The state of an optax `LossScaleOptimizer`.
+
+    The three counters travel in one int32 array, ``counts``: every array of an
+    optimizer state costs a little on each call of a jitted step (more under
+    ``nnx.jit``), and these are read rarely. They are read as fields all the same.
 
     Attributes:
       inner_state: the wrapped transformation's state.
       loss_scale: the current scale, a float32 scalar.
+      counts: ``[counter, last_step_skipped, num_skipped_steps]``, int32.
       counter: finite steps since the scale last changed, an int32 scalar.
       last_step_skipped: whether the last update was skipped, a bool scalar.
       num_skipped_steps: how many updates were skipped so far, an int32 scalar.
@@ -52,16 +64,19 @@ class LossScaleState(NamedTuple):
 
     inner_state: Any
     loss_scale: Any
-    counter: Any
-    last_step_skipped: Any
-    num_skipped_steps: Any
+    counts: Any
 
+    @property
+    def counter(self) -> Any:
+        return _value(self.counts)[..., 0]
 
-def _value(x: Any) -> Any:
-    """The array inside an ``nnx.Variable`` (nnx.Optimizer wraps state leaves), or `x`."""
-    if isinstance(x, jax.Array) or not hasattr(x, "get_value"):
-        return x
-    return x.get_value()
+    @property
+    def last_step_skipped(self) -> Any:
+        return _value(self.counts)[..., 1] == 1
+
+    @property
+    def num_skipped_steps(self) -> Any:
+        return _value(self.counts)[..., 2]
 
 
 class LossScaleTransformation(optax.GradientTransformationExtraArgs):
@@ -110,8 +125,7 @@ def loss_scale_transformation(inner: Any, config: LossScale, axis_name: Any = No
     def init(params: Any) -> LossScaleState:
         scale = jnp.asarray(config.loss_scale, jnp.float32)
         counter = jnp.asarray(getattr(config, "counter", 0), jnp.int32)
-        return LossScaleState(inner.init(params), scale, counter, jnp.asarray(False),
-                              jnp.asarray(0, jnp.int32))
+        return LossScaleState(inner.init(params), scale, jnp.stack([counter, jnp.int32(0), jnp.int32(0)]))
 
     def update(grads: Any, state: LossScaleState, params: Any = None, **extra_args: Any):
         if not isinstance(state, LossScaleState):
@@ -130,11 +144,10 @@ def loss_scale_transformation(inner: Any, config: LossScale, axis_name: Any = No
         inner_state = jax.tree_util.tree_map(lambda new, old: jnp.where(finite, new, old),
                                              inner_state, state.inner_state)
         scale = scale.adjust(finite)
-        skipped = ~finite
-        return updates, LossScaleState(
-            inner_state, jnp.asarray(scale.loss_scale, jnp.float32),
-            jnp.asarray(getattr(scale, "counter", state.counter), jnp.int32), skipped,
-            state.num_skipped_steps + skipped.astype(jnp.int32))
+        skipped = (~finite).astype(jnp.int32)
+        counter = jnp.asarray(getattr(scale, "counter", state.counter), jnp.int32)
+        return updates, LossScaleState(inner_state, jnp.asarray(scale.loss_scale, jnp.float32),
+                                       jnp.stack([counter, skipped, state.num_skipped_steps + skipped]))
 
     update.loss_scale = config  # what scale_loss needs to know of the settings
     return LossScaleTransformation(init, update)

@@ -75,7 +75,7 @@ class Ours(_Nnx):
 
     def skipped_steps(self) -> int:
         state = self.optimizer.opt_state
-        return int(state.num_skipped_steps.get_value()) if hasattr(state, "num_skipped_steps") else 0
+        return int(state.num_skipped_steps) if hasattr(state, "num_skipped_steps") else 0
 
     def loss_scale(self):
         state = self.optimizer.opt_state
