@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 import jax
 
 from mixedpolicy.backends._subclass import policy_subclass
+from mixedpolicy.backends.base import check_master_weights
 from mixedpolicy.backends.jax_backend import cast_leaf, dtype_name, jnp_dtype
 from mixedpolicy.describe import LayerPolicy
 from mixedpolicy.policy import Policy
@@ -56,17 +57,6 @@ def _path(keys: tuple) -> str:
 
 def _cast_tree(tree: Any, dtype: str) -> Any:
     return jax.tree_util.tree_map(lambda x: cast_leaf(x, dtype), tree)
-
-
-def _check_master_weights(where: str, dtype: str | None, policy: Policy) -> None:
-    if dtype in ("float16", "bfloat16") and policy.variable_dtype == "float32" \
-            and policy.compute_dtype != policy.variable_dtype:
-        raise ValueError(
-            f"Received a module whose parameter {where!r} is already {dtype}, but the policy "
-            f"{policy.name} keeps variables in float32 and computes in {policy.compute_dtype}: "
-            f"applying it would silently train half-precision master weights. Create the "
-            f"module with param_dtype=jnp.float32 before apply_policy, or use the pure policy "
-            f"{dtype!r} if half-precision weights are intended.")
 
 
 # -- dispatch ------------------------------------------------------------------
@@ -152,8 +142,8 @@ def _nnx_apply(model: Any, policy_map: PolicyMap) -> Any:
         chains[path] = (chains[parent] if parent is not None else []) + [info]
         resolution = policy_map.resolve(chains[path])
         for name, var in _own_variables(module):
-            _check_master_weights(f"{path}.{name}" if path else name,
-                                  dtype_name(var.get_value().dtype), resolution.policy)
+            check_master_weights(f"{path}.{name}" if path else name, dtype_name(var.get_value().dtype),
+                                 resolution.policy, "Create the module with param_dtype=jnp.float32")
         plan.append((path, module, resolution))
     policy_map.warn_unmatched(chains[path][-1] for path, _ in modules)
     policies = {path: resolution.policy for path, _, resolution in plan}

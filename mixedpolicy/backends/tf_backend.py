@@ -29,7 +29,7 @@ import tensorflow as tf
 
 from mixedpolicy._dtypes import FLOATING_DTYPES
 from mixedpolicy.backends._subclass import policy_subclass
-from mixedpolicy.backends.base import Adapter
+from mixedpolicy.backends.base import Adapter, check_master_weights
 from mixedpolicy.describe import LayerPolicy
 from mixedpolicy.policy import Policy
 from mixedpolicy.policy_map import LayerInfo, PolicyMap
@@ -174,14 +174,8 @@ def apply_policy(model: tf.Module, policy_map: PolicyMap) -> tf.Module:
         resolution = policy_map.resolve(chains[path])
         policy = resolution.policy
         for name, var in _own_variables(module).items():
-            dtype = _NAMES.get(var.dtype)
-            if dtype in ("float16", "bfloat16") and policy.variable_dtype == "float32" \
-                    and policy.compute_dtype != policy.variable_dtype:
-                raise ValueError(
-                    f"Received a module whose variable {path + '.' + name if path else name!r} is "
-                    f"already {dtype}, but the policy {policy.name} keeps variables in float32: "
-                    f"applying it would silently train half-precision master weights. Create the "
-                    f"variables in float32, or use the pure policy {dtype!r}.")
+            check_master_weights(f"{path}.{name}" if path else name, _NAMES.get(var.dtype), policy,
+                                 "Create the variables in float32")
         plan.append((path, module, resolution, parent))
     policy_map.warn_unmatched(chains[path][-1] for path, _ in modules)
     policies = {path: resolution.policy for path, _, resolution, _ in plan}

@@ -29,7 +29,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from mixedpolicy._dtypes import FLOATING_DTYPES
-from mixedpolicy.backends.base import Adapter
+from mixedpolicy.backends.base import Adapter, check_master_weights
 from mixedpolicy.describe import LayerPolicy
 from mixedpolicy.policy import Policy
 from mixedpolicy.policy_map import LOSS, NORMALIZATION, LayerInfo
@@ -231,17 +231,9 @@ def _resolve(model: torch.nn.Module, policy_map: Any) -> dict:
 
 
 def _check_master_weights(path: str, module: torch.nn.Module, policy: Policy) -> None:
-    if policy.variable_dtype == policy.compute_dtype:
-        return
     for name, p in module.named_parameters(recurse=False):
-        if p.dtype in (torch.float16, torch.bfloat16) and policy.variable_dtype == "float32":
-            where = f"{path}.{name}" if path else name
-            raise ValueError(
-                f"Received a module whose parameter {where!r} is already {_NAMES[p.dtype]}, "
-                f"but the policy {policy.name} keeps variables in float32 and computes in "
-                f"{policy.compute_dtype}: applying it would silently train half-precision "
-                f"master weights. Call model.float() before apply_policy, or use the pure "
-                f"policy {_NAMES[p.dtype]!r} if half-precision weights are intended.")
+        check_master_weights(f"{path}.{name}" if path else name, _NAMES.get(p.dtype), policy,
+                             "Call model.float()")
 
 
 def remove_policy(model: torch.nn.Module) -> torch.nn.Module:
