@@ -156,11 +156,16 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 new_trainable, new_inner = old_trainable, old_inner
             else:
                 unscaled = self._unscale(grads, self._trainable_variables)
-                new_trainable, new_inner = self.inner_optimizer.stateless_apply(
-                    self.inner_optimizer.variables, unscaled, trainable_variables)
-                if not concrete:  # traced (jax.jit): select, as a branch cannot assign
-                    new_trainable = [ops.where(finite, n, o) for n, o in zip(new_trainable, old_trainable)]
-                    new_inner = [ops.where(finite, n, o) for n, o in zip(new_inner, old_inner)]
+
+                def apply_inner():
+                    return self.inner_optimizer.stateless_apply(
+                        self.inner_optimizer.variables, unscaled, trainable_variables)
+
+                if concrete:
+                    new_trainable, new_inner = apply_inner()
+                else:  # traced (jax.jit): a cond, so XLA can update the donated buffers in place
+                    new_trainable, new_inner = ops.cond(
+                        finite, apply_inner, lambda: (list(old_trainable), list(old_inner)))
             self._update_scale(finite)
         new_own = [scope.get_current_value(v) for v in self._variables]
         return new_trainable, new_own + new_inner
