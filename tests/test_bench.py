@@ -3,13 +3,16 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 from mixedpolicy.__main__ import main as cli
-from mixedpolicy.bench import spec
+from mixedpolicy.bench import models, spec
+from mixedpolicy.bench.cli import _worker_env
 from mixedpolicy.bench.cli import main as bench
-from mixedpolicy.bench.data import batch_order, init_weights
+from mixedpolicy.bench.data import batch_order
 
 FIELDS = {"framework", "policy", "model", "batch_size", "steps", "step_time_s", "throughput_samples_per_s",
           "peak_memory_bytes", "final_loss", "accuracy", "skipped_steps", "final_loss_scale",
@@ -19,9 +22,10 @@ FIELDS = {"framework", "policy", "model", "batch_size", "steps", "step_time_s", 
 @pytest.mark.parametrize("args, message", [
     (["--frameworks", "mxnet"], r"--frameworks 'mxnet', which is not valid; expected any of: torch, jax"),
     (["--policies", "mixed_float8"], r"'mixed_float8'.*expected any of: float32, mixed_bfloat16"),
-    (["--model", "gpt"], r"--model 'gpt'; expected one of: mlp"),
+    (["--model", "gpt"], r"--model 'gpt'; expected one of: mlp, cnn, transformer, resnet"),
     (["--steps", "0"], r"--steps 0; expected a whole number >= 1"),
     (["--device", "tpu"], r"--device 'tpu'"),
+    (["--device", "cuda"], r"--device cuda, but this machine has no NVIDIA GPU"),
 ])
 def test_bad_options_stop_before_any_run(args, message, capsys, tmp_path):
     assert bench(args + ["--out", str(tmp_path / "out")]) == 2
@@ -42,8 +46,9 @@ def test_unknown_command_and_help(capsys):
 
 
 def test_shared_weights_and_batch_order_are_deterministic():
-    a, b = init_weights(0), init_weights(0)
-    assert all((x == y).all() for x, y in zip(a, b)) and [w.shape for w in a][:2] == [(64, 128), (128,)]
+    a, b = (models.init_weights("mlp", models.config("mlp", "cpu"), 0) for _ in range(2))
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+    assert a["dense0.kernel"].shape == (64, 128) and a["dense0.bias"].shape == (128,)
     order = batch_order(100, 32, 7, seed=0)
     assert order.shape == (7, 32) and (order == batch_order(100, 32, 7, seed=0)).all()
     assert len(set(order[:3].ravel())) == 96  # an epoch has no repeats
@@ -73,3 +78,58 @@ def test_a_small_run_writes_every_output_with_every_field(tmp_path):
     assert "| torch | mixed_float16 |" in (out / "report.md").read_text()
     for png in ("step_time.png", "loss_curves.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_model_input_shapes_and_sizes():
+    x = np.zeros((5, 64), np.float32)
+    assert [models.inputs(m, x).shape for m in models.MODELS] == [(5, 64), (5, 8, 8, 1), (5, 8, 8), (5, 32, 32, 3)]
+    assert models.config("transformer", "cpu")["blocks"] == 2 and models.config("transformer", "cuda")["blocks"] == 12
+    blocks = models.resnet_blocks(models.config("resnet", "cuda"))
+    assert len(blocks) == 9 and [b[3] for b in blocks] == [1, 1, 1, 2, 1, 1, 2, 1, 1]  # ResNet-20
+    weights = models.init_weights("resnet", models.config("resnet", "cpu"))
+    assert "stage1.block0.proj.kernel" in weights and "stage0.block0.proj.kernel" not in weights
+
+
+def test_every_framework_builds_the_same_model_from_the_shared_weights(tmp_path):
+    """Each framework's mlp, cnn, transformer and resnet compute the same float32 logits from
+    the shared weights, ours and hand-written alike; one step gives the same loss; under each
+    mixed policy ours and the hand-written version agree with each other."""
+    frameworks = spec.installed_frameworks()
+    if len(frameworks) < 2:
+        pytest.skip("needs two frameworks")
+    from bench_models_helper import TINY
+
+    for model in models.MODELS:
+        models.save_weights(str(tmp_path / f"{model}.npz"), models.init_weights(model, TINY[model], seed=1))
+    helper = str(Path(__file__).with_name("bench_models_helper.py"))
+    procs = {}
+    for i in range(0, len(frameworks), 2):  # two at a time: CI has two cores
+        for f in frameworks[i:i + 2]:
+            procs[f] = subprocess.Popen([sys.executable, helper, f, str(tmp_path), str(tmp_path / f"{f}.out.npz")],
+                                        env=_worker_env(f, "cpu"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True)
+        for f in frameworks[i:i + 2]:
+            _, err = procs[f].communicate(timeout=900)
+            assert procs[f].returncode == 0, f"{f}:\n{err[-3000:]}"
+    out = {f: dict(np.load(tmp_path / f"{f}.out.npz")) for f in frameworks}
+    ref = out[frameworks[0]]
+    for f in frameworks:
+        for model in models.MODELS:
+            key = f"{model}/float32"
+            scale = np.abs(ref[f"{key}/ours"]).max()
+            for which in ("ours", "native"):
+                np.testing.assert_allclose(out[f][f"{key}/{which}"], ref[f"{key}/ours"], atol=1e-5 * scale,
+                                           err_msg=f"{f} {model} {which}")
+            np.testing.assert_allclose(out[f][f"{key}/loss"], ref[f"{key}/loss"], rtol=1e-5, err_msg=f"{f} {model}")
+            # After the step: equal weights; batch norms' running variance is debiased alike
+            # except Flax's, which keeps the biased one (eval logits move by ~1e-3).
+            np.testing.assert_allclose(out[f][f"{key}/after"], ref[f"{key}/after"], atol=2e-3 * scale,
+                                       err_msg=f"{f} {model} after one step")
+            for policy, tol in (("mixed_bfloat16", 0.06), ("mixed_float16", 0.01)):
+                key = f"{model}/{policy}"
+                assert np.isfinite(out[f][f"{key}/loss"]) and out[f][f"{key}/skipped"] == 0
+                for which in ("ours", "native"):
+                    np.testing.assert_allclose(out[f][f"{key}/{which}"], ref[f"{model}/float32/ours"],
+                                               atol=tol * scale, err_msg=f"{f} {key} {which}")
+                np.testing.assert_allclose(out[f][f"{key}/ours"], out[f][f"{key}/native"], atol=tol * scale / 2,
+                                           err_msg=f"{f} {key}: ours against hand-written")

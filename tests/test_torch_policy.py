@@ -1,5 +1,6 @@
 """PyTorch: apply_policy on nn.Module, per-module overrides, describe, removal, torch.compile."""
 
+import copy
 import warnings
 
 import pytest
@@ -43,8 +44,35 @@ def test_mixed_policy_keeps_float32_weights_and_computes_in_half(name, half):
     # LayerNorm: statistics computed in float32, result handed on in half precision
     ln, (inp, out_ln) = model.encoder[1], seen["encoder.1"]
     assert out_ln.dtype == half
-    expected = torch.nn.functional.layer_norm(inp.float(), (16,), ln.weight, ln.bias).to(half)
-    assert torch.equal(out_ln, expected)
+    assert_float32_then_rounded(out_ln, torch.nn.functional.layer_norm(inp.float(), (16,), ln.weight, ln.bias))
+
+
+def assert_float32_then_rounded(out, exact):
+    """`out` is `exact` (a float32 computation) rounded once: at most one unit in the last place."""
+    ulp = torch.finfo(out.dtype).eps * exact.abs().clamp_min(torch.finfo(out.dtype).tiny)
+    assert ((out.float() - exact).abs() <= ulp).all()
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("norm", [lambda: torch.nn.BatchNorm2d(6), lambda: torch.nn.GroupNorm(2, 6),
+                                  lambda: torch.nn.LayerNorm([6, 5, 5]), lambda: torch.nn.InstanceNorm2d(6, affine=True),
+                                  lambda: torch.nn.InstanceNorm2d(6)])
+def test_norms_compute_in_float32_inside_the_autocast_region(norm, half):
+    # PyTorch's norm kernels take the half activations with float32 parameters and compute
+    # in float32: the rule needs no region (no casts, no float32 copy of the activations).
+    # Without parameters they would compute in half: such a norm gets a float32 region.
+    policy = {torch.bfloat16: "mixed_bfloat16", torch.float16: "mixed_float16"}[half]
+    model = mp.apply_policy(torch.nn.Sequential(torch.nn.Conv2d(3, 6, 3, padding=1), norm(), torch.nn.ReLU()),
+                            policy)
+    assert ("forward" in vars(model[1])) == (model[1].weight is None) and "forward" in vars(model)
+    assert {row.path: row for row in mp.describe(model)}["1"].policy.compute_dtype == "float32"
+    seen = record_dtypes(model)
+    x = torch.randn(4, 3, 5, 5) * 4 + 3
+    model(x).float().sum().backward()
+    inp, out = seen["1"]
+    assert inp.dtype == half and model[0].weight.grad.dtype == torch.float32
+    reference = copy.deepcopy(model[1]).float()
+    assert_float32_then_rounded(out, reference(inp.float()))
 
 
 def test_float32_policy_reproduces_plain_pytorch_bit_for_bit():

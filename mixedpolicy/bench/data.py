@@ -1,19 +1,14 @@
-"""The data, the batch order and the initial weights that every framework shares.
+"""The data and the batch order that every framework shares.
 
 The data is scikit-learn's digits (shipped inside scikit-learn, no download): 8x8
 images as 64 features in [0, 1], 10 classes, a fixed 75/25 train/test split. The
-batch order and the initial weights come from one seeded numpy generator, are
-written once, and are loaded by every framework, so every run starts from the same
-weights and sees the same batches in the same order.
+batch order comes from one seeded numpy generator, so every run sees the same
+batches in the same order (the shared initial weights are in `models`).
 """
 
 from __future__ import annotations
 
 import numpy as np
-
-#: MLP layer widths: digits' 64 features, two hidden layers, 10 classes.
-MLP_SIZES = (64, 128, 128, 10)
-
 
 def digits(seed: int = 0) -> tuple:
     """x_train, y_train, x_test, y_test: float32 features in [0, 1] and int32 labels."""
@@ -38,23 +33,3 @@ def batch_order(n: int, batch_size: int, steps: int, seed: int = 0) -> np.ndarra
         order = rng.permutation(n)
         rows.extend(order[i * batch_size:(i + 1) * batch_size] for i in range(per_epoch))
     return np.stack(rows[:steps])
-
-
-def init_weights(seed: int = 0) -> list[np.ndarray]:
-    """[W0, b0, W1, b1, ...] of the MLP: Glorot-uniform kernels (in, out), zero biases."""
-    rng = np.random.default_rng(seed)
-    weights = []
-    for n_in, n_out in zip(MLP_SIZES[:-1], MLP_SIZES[1:]):
-        limit = np.sqrt(6.0 / (n_in + n_out))
-        weights += [rng.uniform(-limit, limit, (n_in, n_out)).astype(np.float32),
-                    np.zeros(n_out, np.float32)]
-    return weights
-
-
-def save_weights(path: str, weights: list[np.ndarray]) -> None:
-    np.savez(path, *weights)
-
-
-def load_weights(path: str) -> list[np.ndarray]:
-    with np.load(path) as f:
-        return [f[f"arr_{i}"] for i in range(len(f.files))]

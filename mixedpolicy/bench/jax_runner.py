@@ -9,26 +9,147 @@ import optax
 from flax import nnx
 
 import mixedpolicy as mp
-from mixedpolicy.bench.worker import Trainer
+from mixedpolicy.bench.models import BN_EPSILON, BN_MOMENTUM, LN_EPSILON, LR, MOMENTUM, resnet_blocks
+from mixedpolicy.bench.worker import Trainer, pin_tf32
 
-LR = 0.05
 _COMPUTE = {"float32": jnp.float32, "mixed_bfloat16": jnp.bfloat16, "mixed_float16": jnp.float16}
 
 
+_RNGS = nnx.Rngs(0)  # initialisers only: every value is then set from the shared weights
+
+
+def _linear(w: dict, name: str, dtype) -> nnx.Linear:
+    kernel = w[f"{name}.kernel"]
+    linear = nnx.Linear(*kernel.shape, dtype=dtype, rngs=_RNGS)
+    linear.kernel.set_value(jnp.asarray(kernel))
+    linear.bias.set_value(jnp.asarray(w[f"{name}.bias"]))
+    return linear
+
+
+def _conv(w: dict, name: str, dtype, stride: int = 1) -> nnx.Conv:
+    kernel = w[f"{name}.kernel"]  # (h, w, in, out), as Flax keeps it
+    size, _, n_in, n_out = kernel.shape
+    pad = size // 2  # PyTorch's symmetric padding ("SAME" pads 0/1 when striding by 2)
+    bias = f"{name}.bias" in w
+    conv = nnx.Conv(n_in, n_out, (size, size), strides=stride, padding=((pad, pad), (pad, pad)),
+                    use_bias=bias, dtype=dtype, rngs=_RNGS)
+    conv.kernel.set_value(jnp.asarray(kernel))
+    if bias:
+        conv.bias.set_value(jnp.asarray(w[f"{name}.bias"]))
+    return conv
+
+
+def _norm(w: dict, name: str, dtype, batch: bool):
+    n = len(w[f"{name}.scale"])
+    if batch:
+        norm = nnx.BatchNorm(n, momentum=BN_MOMENTUM, epsilon=BN_EPSILON, dtype=dtype, rngs=_RNGS)
+        norm.mean.set_value(jnp.asarray(w[f"{name}.mean"]))
+        norm.var.set_value(jnp.asarray(w[f"{name}.var"]))
+    else:
+        norm = nnx.LayerNorm(n, epsilon=LN_EPSILON, dtype=dtype, rngs=_RNGS)
+    norm.scale.set_value(jnp.asarray(w[f"{name}.scale"]))
+    norm.bias.set_value(jnp.asarray(w[f"{name}.bias"]))
+    return norm
+
+
+# `dtype` is the compute dtype of the hand-written version (None: ours, set by apply_policy);
+# `norm_dtype` keeps its norm layers in float32, as mixedpolicy's built-in rule does.
+
 class MLP(nnx.Module):
-    def __init__(self, weights: list, dtype=None):
-        self.layers = nnx.List()
-        for i in range(0, len(weights), 2):
-            w, b = weights[i], weights[i + 1]
-            linear = nnx.Linear(*w.shape, dtype=dtype, rngs=nnx.Rngs(0))
-            linear.kernel.set_value(jnp.asarray(w))
-            linear.bias.set_value(jnp.asarray(b))
-            self.layers.append(linear)
+    def __init__(self, w: dict, cfg: dict, dtype=None, norm_dtype=None):
+        self.layers = nnx.List([_linear(w, f"dense{i}", dtype) for i in range(len(cfg["sizes"]) - 1)])
 
     def __call__(self, x):
         for layer in self.layers[:-1]:
             x = jax.nn.relu(layer(x))
         return self.layers[-1](x)
+
+
+class CNN(nnx.Module):
+    def __init__(self, w: dict, cfg: dict, dtype=None, norm_dtype=None):
+        self.conv1, self.conv2 = _conv(w, "conv1", dtype), _conv(w, "conv2", dtype)
+        self.head = _linear(w, "head", dtype)
+
+    def __call__(self, x):
+        x = jax.nn.relu(self.conv2(jax.nn.relu(self.conv1(x))))
+        x = nnx.max_pool(x, (2, 2), strides=(2, 2))
+        return self.head(x.reshape(x.shape[0], -1))
+
+
+class Attention(nnx.Module):
+    """Multi-head self-attention, the logits and the weighted sum in the compute dtype and the
+    softmax in float32 (Flax's and jax.nn's attention ask XLA for float16 x float16 -> float32
+    dots, which its CPU backend does not have)."""
+
+    def __init__(self, w: dict, name: str, heads: int, dtype=None):
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (_linear(w, f"{name}.{p}", dtype) for p in "qkvo")
+
+    def __call__(self, x):
+        b, t, d = x.shape
+        q, k, v = (dense(x).reshape(b, t, self.heads, d // self.heads) for dense in (self.q, self.k, self.v))
+        logits = jnp.einsum("bqnh,bknh->bnqk", q, k) / jnp.sqrt(d // self.heads).astype(q.dtype)
+        weights = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(v.dtype)
+        return self.o(jnp.einsum("bnqk,bknh->bqnh", weights, v).reshape(b, t, d))
+
+
+class EncoderBlock(nnx.Module):
+    def __init__(self, w: dict, name: str, cfg: dict, dtype=None, norm_dtype=None):
+        self.ln1, self.ln2 = _norm(w, f"{name}.ln1", norm_dtype, False), _norm(w, f"{name}.ln2", norm_dtype, False)
+        self.attn = Attention(w, name, cfg["heads"], dtype)
+        self.mlp1, self.mlp2 = _linear(w, f"{name}.mlp1", dtype), _linear(w, f"{name}.mlp2", dtype)
+
+    def __call__(self, x):
+        # Residual sums in the stream's dtype (explicit casts: strict dtype promotion holds).
+        x = x + self.attn(self.ln1(x)).astype(x.dtype)
+        return x + self.mlp2(jax.nn.gelu(self.mlp1(self.ln2(x)), approximate=False)).astype(x.dtype)
+
+
+class Transformer(nnx.Module):
+    def __init__(self, w: dict, cfg: dict, dtype=None, norm_dtype=None):
+        self.embed = _linear(w, "embed", dtype)
+        self.pos = nnx.Param(jnp.asarray(w["pos"]))
+        self.blocks = nnx.List([EncoderBlock(w, f"block{i}", cfg, dtype, norm_dtype)
+                                for i in range(cfg["blocks"])])
+        self.ln = _norm(w, "ln", norm_dtype, False)
+        self.head = _linear(w, "head", dtype)
+
+    def __call__(self, x):
+        h = self.embed(x).astype(self.pos.dtype) + self.pos[...]  # a float32 stream, as in PyTorch
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.ln(h).mean(1))
+
+
+class BasicBlock(nnx.Module):
+    def __init__(self, w: dict, name: str, stride: int, dtype=None, norm_dtype=None):
+        self.conv1, self.bn1 = _conv(w, f"{name}.conv1", dtype, stride), _norm(w, f"{name}.bn1", norm_dtype, True)
+        self.conv2, self.bn2 = _conv(w, f"{name}.conv2", dtype), _norm(w, f"{name}.bn2", norm_dtype, True)
+        has_proj = f"{name}.proj.kernel" in w
+        self.proj = _conv(w, f"{name}.proj", dtype, stride) if has_proj else None
+        self.proj_bn = _norm(w, f"{name}.proj_bn", norm_dtype, True) if has_proj else None
+
+    def __call__(self, x):
+        out = self.bn2(self.conv2(jax.nn.relu(self.bn1(self.conv1(x)))))
+        short = x if self.proj is None else self.proj_bn(self.proj(x))
+        return jax.nn.relu(out + short.astype(out.dtype))
+
+
+class ResNet(nnx.Module):
+    def __init__(self, w: dict, cfg: dict, dtype=None, norm_dtype=None):
+        self.stem, self.stem_bn = _conv(w, "stem", dtype), _norm(w, "stem_bn", norm_dtype, True)
+        self.blocks = nnx.List([BasicBlock(w, name, stride, dtype, norm_dtype)
+                                for name, _, _, stride in resnet_blocks(cfg)])
+        self.head = _linear(w, "head", dtype)
+
+    def __call__(self, x):
+        x = jax.nn.relu(self.stem_bn(self.stem(x)))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.mean((1, 2)))
+
+
+_MODELS = {"mlp": MLP, "cnn": CNN, "transformer": Transformer, "resnet": ResNet}
 
 
 def _loss(model, x, y):
@@ -47,8 +168,16 @@ class _Nnx(Trainer):
     def last_loss(self) -> float:
         return float(self._loss)
 
-    def accuracy(self, x: np.ndarray, y: np.ndarray) -> float:
-        return float((np.asarray(self.model(jnp.asarray(x)).argmax(-1)) == y).mean())
+    def predict(self, x: np.ndarray) -> np.ndarray:
+        self.model.eval()
+        logits = np.asarray(_predict(self.model, jnp.asarray(x)), np.float32)
+        self.model.train()
+        return logits
+
+
+@nnx.jit
+def _predict(model, x):
+    return model(x).astype(jnp.float32)
 
 
 @nnx.jit
@@ -64,14 +193,15 @@ def _ours_step(model, optimizer, x, y):
 
 
 class Ours(_Nnx):
-    def __init__(self, policy: str, weights: list):
-        super().__init__(mp.apply_policy(MLP(weights), policy))
-        sgd = optax.sgd(LR, momentum=0.9)
+    def __init__(self, model: str, cfg: dict, policy: str, weights: dict):
+        super().__init__(mp.apply_policy(_MODELS[model](weights, cfg), policy))
+        sgd = optax.sgd(LR, momentum=MOMENTUM)
         tx = mp.LossScaleOptimizer(sgd) if mp.Policy(policy).needs_loss_scaling else sgd
         self.optimizer = nnx.Optimizer(self.model, tx, wrt=nnx.Param)
+        self._step = nnx.cached_partial(_ours_step, self.model, self.optimizer)
 
     def step(self, x, y) -> None:
-        self._loss = _ours_step(self.model, self.optimizer, x, y)
+        self._loss = self._step(x, y)
 
     def skipped_steps(self) -> int:
         state = self.optimizer.opt_state
@@ -108,20 +238,20 @@ def _plain_step(model, optimizer, x, y):
 
 
 class Native(_Nnx):
-    def __init__(self, policy: str, weights: list):
-        super().__init__(MLP(weights, dtype=_COMPUTE[policy]))
-        self.optimizer = nnx.Optimizer(self.model, optax.sgd(LR, momentum=0.9), wrt=nnx.Param)
+    def __init__(self, model: str, cfg: dict, policy: str, weights: dict):
+        super().__init__(_MODELS[model](weights, cfg, dtype=_COMPUTE[policy], norm_dtype=jnp.float32))
+        self.optimizer = nnx.Optimizer(self.model, optax.sgd(LR, momentum=MOMENTUM), wrt=nnx.Param)
         self.scaled = policy == "mixed_float16"
         self.scale, self.counter = jnp.asarray(2.0**15, jnp.float32), jnp.zeros((), jnp.int32)
+        self._step = nnx.cached_partial(_native_step if self.scaled else _plain_step, self.model, self.optimizer)
 
     def step(self, x, y) -> None:
         if self.scaled:
-            self._loss, self.scale, self.counter = _native_step(
-                self.model, self.optimizer, x, y, self.scale, self.counter)
+            self._loss, self.scale, self.counter = self._step(x, y, self.scale, self.counter)
         else:
-            self._loss = _plain_step(self.model, self.optimizer, x, y)
+            self._loss = self._step(x, y)
 
 
-def trainers(policy: str, weights: list, device: str):
-    jax.config.update("jax_default_matmul_precision", "highest")  # pinned: no TF32
-    return Ours(policy, weights), Native(policy, weights)
+def trainers(model: str, cfg: dict, policy: str, weights: dict, device: str):
+    pin_tf32("jax", device)
+    return Ours(model, cfg, policy, weights), Native(model, cfg, policy, weights)

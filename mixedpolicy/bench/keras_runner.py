@@ -3,23 +3,152 @@ dtype policy and LossScaleOptimizer, one `train_on_batch` step at a time (the st
 
 from __future__ import annotations
 
+import math
+
 import keras
 import numpy as np
 
 import mixedpolicy as mp
-from mixedpolicy.bench.worker import Trainer
+from mixedpolicy.bench.models import (BN_EPSILON, BN_MOMENTUM, CLASSES, LN_EPSILON, LR, MOMENTUM,
+                                      resnet_blocks)
+from mixedpolicy.bench.worker import Trainer, pin_tf32
 
-LR = 0.05
 
 
-def _model(weights: list) -> keras.Model:
-    layers = [keras.Input((weights[0].shape[0],))]
-    for i in range(0, len(weights) - 2, 2):
-        layers.append(keras.layers.Dense(weights[i].shape[1], activation="relu"))
-    layers.append(keras.layers.Dense(weights[-1].shape[0]))
-    model = keras.Sequential(layers)
-    model.set_weights(weights)
-    return model
+def _name(name: str) -> str:
+    return name.replace(".", "_")
+
+
+def _dense(units: int, name: str, **kwargs) -> keras.layers.Dense:
+    return keras.layers.Dense(units, name=_name(name), **kwargs)
+
+
+def _conv(filters: int, size: int, name: str, stride: int = 1, bias: bool = False, **kwargs) -> list:
+    """A convolution padded symmetrically, as PyTorch pads ("same" pads 0/1 when striding by 2)."""
+    layers = [] if stride == 1 else [keras.layers.ZeroPadding2D(size // 2)]
+    padding = "same" if stride == 1 else "valid"
+    return layers + [keras.layers.Conv2D(filters, size, strides=stride, padding=padding, use_bias=bias,
+                                         name=_name(name), **kwargs)]
+
+
+def _bn(name: str) -> keras.layers.BatchNormalization:
+    return keras.layers.BatchNormalization(momentum=BN_MOMENTUM, epsilon=BN_EPSILON, name=_name(name))
+
+
+def _ln(name: str) -> keras.layers.LayerNormalization:
+    return keras.layers.LayerNormalization(epsilon=LN_EPSILON, name=_name(name))
+
+
+def _apply(layers: list, x):
+    for layer in layers:
+        x = layer(x)
+    return x
+
+
+class AddPosition(keras.layers.Layer):
+    """Adds a learned (tokens, features) position embedding."""
+
+    def build(self, input_shape):
+        self.pos = self.add_weight(shape=tuple(input_shape[1:]), name="pos")
+
+    def call(self, x):
+        return x + keras.ops.cast(self.pos, x.dtype)
+
+
+class Attention(keras.layers.Layer):
+    """Multi-head self-attention, the softmax in float32. (Keras's MultiHeadAttention trains
+    on JAX's CPU backend in float32 and bfloat16 but not float16: its gradient asks XLA for a
+    float16 x float16 -> float32 dot, which the CPU backend does not have.)"""
+
+    def __init__(self, name: str, heads: int, d: int, **kwargs):
+        super().__init__(name=_name(name), **kwargs)
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (_dense(d, f"{name}.{p}") for p in "qkvo")
+
+    def call(self, x):
+        tokens, d = x.shape[1], x.shape[2]
+        q, k, v = (keras.ops.reshape(dense(x), (-1, tokens, self.heads, d // self.heads))
+                   for dense in (self.q, self.k, self.v))
+        logits = keras.ops.einsum("bqnh,bknh->bnqk", q, k) / math.sqrt(d // self.heads)
+        weights = keras.ops.cast(keras.ops.softmax(keras.ops.cast(logits, "float32"), axis=-1), v.dtype)
+        return self.o(keras.ops.reshape(keras.ops.einsum("bnqk,bknh->bqnh", weights, v), (-1, tokens, d)))
+
+
+class EncoderBlock(keras.layers.Layer):
+    """Pre-norm: x + attention(norm(x)), then x + mlp(norm(x)) with an exact GELU."""
+
+    def __init__(self, name: str, cfg: dict, **kwargs):
+        super().__init__(name=_name(name), **kwargs)
+        d, heads = cfg["d_model"], cfg["heads"]
+        self.ln1, self.ln2 = _ln(f"{name}.ln1"), _ln(f"{name}.ln2")
+        self.attn = Attention(name, heads, d)
+        self.mlp1 = _dense(cfg["mlp"], f"{name}.mlp1", activation="gelu")
+        self.mlp2 = _dense(d, f"{name}.mlp2")
+
+    def call(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp2(self.mlp1(self.ln2(x)))
+
+
+def _model(model: str, cfg: dict) -> keras.Model:
+    if model == "mlp":
+        sizes = cfg["sizes"]
+        inputs = keras.Input((sizes[0],))
+        x = inputs
+        for i, units in enumerate(sizes[1:]):
+            x = _dense(units, f"dense{i}", activation="relu" if i < len(sizes) - 2 else None)(x)
+    elif model == "cnn":
+        inputs = keras.Input((8, 8, 1))
+        x = _conv(cfg["channels"][0], 3, "conv1", bias=True, activation="relu")[0](inputs)
+        x = _conv(cfg["channels"][1], 3, "conv2", bias=True, activation="relu")[0](x)
+        x = keras.layers.Flatten()(keras.layers.MaxPooling2D(2)(x))  # (height, width, channel) order
+        x = _dense(CLASSES, "head")(x)
+    elif model == "transformer":
+        inputs = keras.Input((8, 8))
+        x = AddPosition(name="pos")(_dense(cfg["d_model"], "embed")(inputs))
+        for i in range(cfg["blocks"]):
+            x = EncoderBlock(f"block{i}", cfg)(x)
+        x = keras.layers.GlobalAveragePooling1D()(_ln("ln")(x))
+        x = _dense(CLASSES, "head")(x)
+    else:
+        inputs = keras.Input((32, 32, 3))
+        x = keras.layers.ReLU()(_bn("stem_bn")(_apply(_conv(cfg["widths"][0], 3, "stem"), inputs)))
+        for name, n_in, n_out, stride in resnet_blocks(cfg):
+            out = _bn(f"{name}.bn1")(_apply(_conv(n_out, 3, f"{name}.conv1", stride), x))
+            out = _bn(f"{name}.bn2")(_apply(_conv(n_out, 3, f"{name}.conv2"), keras.layers.ReLU()(out)))
+            if stride != 1 or n_in != n_out:
+                x = _bn(f"{name}.proj_bn")(_apply(_conv(n_out, 1, f"{name}.proj", stride), x))
+            x = keras.layers.ReLU()(keras.layers.Add()([out, x]))
+        x = _dense(CLASSES, "head")(keras.layers.GlobalAveragePooling2D()(x))
+    return keras.Model(inputs, x)
+
+
+def load(net: keras.Model, w: dict, cfg: dict) -> keras.Model:
+    """Sets the shared initial weights, layer by layer (by name); every weight must find its layer."""
+    left = dict(w)
+    names = {_name(key.rsplit(".", 1)[0]): key.rsplit(".", 1)[0] for key in w}  # Keras name -> ours
+
+    def take(layer, name: str, keys: tuple) -> None:
+        layer.set_weights([left.pop(f"{name}.{k}") for k in keys if f"{name}.{k}" in left])
+
+    for layer in net.layers:
+        if isinstance(layer, EncoderBlock):
+            name = names[layer.name + "_ln1"].rsplit(".", 1)[0]
+            for p in "qkvo":
+                take(getattr(layer.attn, p), f"{name}.{p}", ("kernel", "bias"))
+            for sub in ("ln1", "ln2"):
+                take(getattr(layer, sub), f"{name}.{sub}", ("scale", "bias"))
+            for sub in ("mlp1", "mlp2"):
+                take(getattr(layer, sub), f"{name}.{sub}", ("kernel", "bias"))
+        elif isinstance(layer, AddPosition):
+            layer.set_weights([left.pop("pos")])
+        elif isinstance(layer, (keras.layers.BatchNormalization, keras.layers.LayerNormalization)):
+            take(layer, names[layer.name], ("scale", "bias", "mean", "var"))
+        elif layer.weights:
+            take(layer, names[layer.name], ("kernel", "bias"))
+    if left:
+        raise RuntimeError(f"The Keras model has no layer for the shared weights {sorted(left)}.")
+    return net
 
 
 def _loss():
@@ -37,9 +166,8 @@ class _Keras(Trainer):
     def last_loss(self) -> float:
         return float(self._loss)
 
-    def accuracy(self, x: np.ndarray, y: np.ndarray) -> float:
-        logits = keras.ops.convert_to_numpy(keras.ops.cast(self.model(x, training=False), "float32"))
-        return float(np.mean(np.argmax(logits, 1) == y))
+    def predict(self, x: np.ndarray) -> np.ndarray:
+        return keras.ops.convert_to_numpy(keras.ops.cast(self.model(x, training=False), "float32"))
 
     def skipped_steps(self) -> int:
         return getattr(self.model.optimizer, "num_skipped_steps", 0)
@@ -48,14 +176,15 @@ class _Keras(Trainer):
         return getattr(self.model.optimizer, "loss_scale", None)
 
 
-def trainers(policy: str, weights: list, device: str):
+def trainers(model: str, cfg: dict, policy: str, weights: dict, device: str):
+    pin_tf32(keras.backend.backend(), device)
     mp.set_global_policy(policy)  # ours: the one line a Keras script adds
-    ours = mp.apply_policy(_model(weights), policy)
-    ours.compile(keras.optimizers.SGD(LR, momentum=0.9), _loss())  # wraps under float16
+    ours = mp.apply_policy(load(_model(model, cfg), weights, cfg), policy)
+    ours.compile(keras.optimizers.SGD(LR, momentum=MOMENTUM), _loss())  # wraps under float16
     mp.set_global_policy(None)
     keras.config.set_dtype_policy(policy)  # Keras's own
-    native = _model(weights)
-    sgd = keras.optimizers.SGD(LR, momentum=0.9)
+    native = load(_model(model, cfg), weights, cfg)
+    sgd = keras.optimizers.SGD(LR, momentum=MOMENTUM)
     native.compile(keras.optimizers.LossScaleOptimizer(sgd) if policy == "mixed_float16" else sgd, _loss())
     keras.config.set_dtype_policy("float32")
     return _Keras(ours), _Keras(native)

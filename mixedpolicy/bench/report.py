@@ -35,8 +35,9 @@ def environment(args: Any, frameworks: list[str]) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(), "platform": platform.platform(), "cpu": _cpu(),
         "cpu_count": os.cpu_count(), "device": args.device, "versions": versions,
-        "tf32": "off (pinned in every run: torch allow_tf32=False, JAX matmul precision "
-                "'highest', TF enable_tensor_float_32_execution(False))",
+        "tf32": "off (pinned in every run, Keras's included: torch allow_tf32=False for matmuls and "
+                "cuDNN, JAX matmul precision 'highest' off the CPU, TF "
+                "enable_tensor_float_32_execution(False))",
         "frameworks": frameworks, "model": args.model, "batch_size": args.batch_size,
         "steps": args.steps, "repeats": args.repeats, "warmup": args.warmup, "seed": args.seed,
         "data": "scikit-learn digits, 75/25 split (random_state=seed)",

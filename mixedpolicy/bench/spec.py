@@ -5,9 +5,12 @@ from __future__ import annotations
 import importlib.util
 from typing import NamedTuple
 
+from mixedpolicy.bench.models import MODELS
+
+__all__ = ["FRAMEWORKS", "MODELS", "POLICIES", "RunSpec"]
+
 FRAMEWORKS = ("torch", "jax", "tensorflow", "keras-jax", "keras-torch", "keras-tensorflow")
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
-MODELS = ("mlp",)
 
 # The packages each framework's runner needs (checked without importing them).
 _NEEDS = {"torch": ("torch",), "jax": ("jax", "flax", "optax"), "tensorflow": ("tensorflow", "keras"),

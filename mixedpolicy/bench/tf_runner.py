@@ -12,38 +12,181 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import mixedpolicy as mp  # noqa: E402
-from mixedpolicy.bench.worker import Trainer  # noqa: E402
+from mixedpolicy.bench.models import BN_EPSILON, BN_MOMENTUM, LN_EPSILON, LR, MOMENTUM, resnet_blocks  # noqa: E402
+from mixedpolicy.bench.worker import Trainer, pin_tf32  # noqa: E402
 
-LR = 0.05
 _COMPUTE = {"float32": tf.float32, "mixed_bfloat16": tf.bfloat16, "mixed_float16": tf.float16}
 
 
-class Dense(tf.Module):
-    def __init__(self, w: np.ndarray, b: np.ndarray, compute=None):
+# `compute` is set only in the hand-written version: each module casts its inputs and its
+# variables to it by hand (norm modules to float32, as mixedpolicy's built-in rule does).
+
+class _Layer(tf.Module):
+    def __init__(self, compute=None):
         super().__init__()
-        self.w, self.b = tf.Variable(w), tf.Variable(b)
-        self.compute = compute  # set only in the hand-written version
+        self.compute = compute
+
+    def _c(self, x):
+        return x if self.compute is None else tf.cast(x, self.compute)
+
+
+class Dense(_Layer):
+    def __init__(self, w: dict, name: str, compute=None):
+        super().__init__(compute)
+        self.w, self.b = tf.Variable(w[f"{name}.kernel"]), tf.Variable(w[f"{name}.bias"])
 
     def __call__(self, x):
-        if self.compute is None:
-            return x @ self.w + self.b
-        c = self.compute
-        return tf.cast(x, c) @ tf.cast(self.w, c) + tf.cast(self.b, c)
+        return self._c(x) @ self._c(self.w) + self._c(self.b)
+
+
+class Conv(_Layer):
+    def __init__(self, w: dict, name: str, stride: int = 1, compute=None):
+        super().__init__(compute)
+        self.w = tf.Variable(w[f"{name}.kernel"])
+        self.b = tf.Variable(w[f"{name}.bias"]) if f"{name}.bias" in w else None
+        pad = self.w.shape[0] // 2  # symmetric, as PyTorch pads
+        self.stride, self.padding = stride, [[0, 0], [pad, pad], [pad, pad], [0, 0]]
+
+    def __call__(self, x):
+        y = tf.nn.conv2d(self._c(x), self._c(self.w), self.stride, self.padding)
+        return y if self.b is None else y + self._c(self.b)
+
+
+class LayerNorm(_Layer):
+    def __init__(self, w: dict, name: str, compute=None):
+        super().__init__(compute and tf.float32)
+        self.scale, self.bias = tf.Variable(w[f"{name}.scale"]), tf.Variable(w[f"{name}.bias"])
+
+    def __call__(self, x):
+        x = self._c(x)
+        mean, var = tf.nn.moments(x, axes=[-1], keepdims=True)
+        return tf.nn.batch_normalization(x, mean, var, self.bias, self.scale, LN_EPSILON)
+
+
+class BatchNorm(_Layer):
+    def __init__(self, w: dict, name: str, compute=None):
+        super().__init__(compute and tf.float32)
+        self.scale, self.bias = tf.Variable(w[f"{name}.scale"]), tf.Variable(w[f"{name}.bias"])
+        self.mean = tf.Variable(w[f"{name}.mean"], trainable=False)
+        self.var = tf.Variable(w[f"{name}.var"], trainable=False)
+
+    def __call__(self, x, training: bool):
+        x = self._c(x)
+        if training:
+            mean, var = tf.nn.moments(x, axes=[0, 1, 2])
+            n = tf.cast(tf.size(x) // tf.shape(x)[-1], x.dtype)
+            self.mean.assign(BN_MOMENTUM * self.mean + (1 - BN_MOMENTUM) * mean)
+            self.var.assign(BN_MOMENTUM * self.var + (1 - BN_MOMENTUM) * var * n / (n - 1))
+        else:
+            mean, var = self.mean, self.var
+        return tf.nn.batch_normalization(x, mean, var, self.bias, self.scale, BN_EPSILON)
 
 
 class MLP(tf.Module):
-    def __init__(self, weights: list, compute=None):
+    def __init__(self, w: dict, cfg: dict, compute=None):
         super().__init__()
-        self.layers = [Dense(weights[i], weights[i + 1], compute) for i in range(0, len(weights), 2)]
+        self.layers = [Dense(w, f"dense{i}", compute) for i in range(len(cfg["sizes"]) - 1)]
 
-    def __call__(self, x):
+    def __call__(self, x, training: bool = False):
         for layer in self.layers[:-1]:
             x = tf.nn.relu(layer(x))
         return self.layers[-1](x)
 
 
+class CNN(tf.Module):
+    def __init__(self, w: dict, cfg: dict, compute=None):
+        super().__init__()
+        self.conv1, self.conv2 = Conv(w, "conv1", compute=compute), Conv(w, "conv2", compute=compute)
+        self.head = Dense(w, "head", compute)
+
+    def __call__(self, x, training: bool = False):
+        x = tf.nn.relu(self.conv2(tf.nn.relu(self.conv1(x))))
+        x = tf.nn.max_pool2d(x, 2, 2, "VALID")
+        return self.head(tf.reshape(x, [tf.shape(x)[0], -1]))
+
+
+class Attention(tf.Module):
+    def __init__(self, w: dict, name: str, heads: int, compute=None):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (Dense(w, f"{name}.{p}", compute) for p in "qkvo")
+
+    def __call__(self, x):
+        batch, tokens, d = x.shape[0] or tf.shape(x)[0], x.shape[1], x.shape[2]
+
+        def split(t):  # (batch, tokens, d) -> (batch, heads, tokens, d / heads)
+            return tf.transpose(tf.reshape(t, [batch, tokens, self.heads, d // self.heads]), [0, 2, 1, 3])
+
+        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+        scores = tf.matmul(q, k, transpose_b=True) / tf.cast(tf.sqrt(float(d // self.heads)), q.dtype)
+        weights = tf.cast(tf.nn.softmax(tf.cast(scores, tf.float32)), v.dtype)  # softmax in float32
+        out = tf.transpose(tf.matmul(weights, v), [0, 2, 1, 3])
+        return self.o(tf.reshape(out, [batch, tokens, d]))
+
+
+class EncoderBlock(tf.Module):
+    def __init__(self, w: dict, name: str, cfg: dict, compute=None):
+        super().__init__()
+        self.ln1, self.ln2 = LayerNorm(w, f"{name}.ln1", compute), LayerNorm(w, f"{name}.ln2", compute)
+        self.attn = Attention(w, f"{name}", cfg["heads"], compute)
+        self.mlp1, self.mlp2 = Dense(w, f"{name}.mlp1", compute), Dense(w, f"{name}.mlp2", compute)
+
+    def __call__(self, x):
+        x = x + tf.cast(self.attn(self.ln1(x)), x.dtype)
+        return x + tf.cast(self.mlp2(tf.nn.gelu(self.mlp1(self.ln2(x)), approximate=False)), x.dtype)
+
+
+class Transformer(tf.Module):
+    def __init__(self, w: dict, cfg: dict, compute=None):
+        super().__init__()
+        self.embed = Dense(w, "embed", compute)
+        self.pos = tf.Variable(w["pos"])
+        self.blocks = [EncoderBlock(w, f"block{i}", cfg, compute) for i in range(cfg["blocks"])]
+        self.ln = LayerNorm(w, "ln", compute)
+        self.head = Dense(w, "head", compute)
+
+    def __call__(self, x, training: bool = False):
+        h = self.embed(x)
+        h = h + tf.cast(self.pos, h.dtype)  # (under a policy, self.pos reads in the compute dtype)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(tf.reduce_mean(self.ln(h), axis=1))
+
+
+class BasicBlock(tf.Module):
+    def __init__(self, w: dict, name: str, stride: int, compute=None):
+        super().__init__()
+        self.conv1, self.bn1 = Conv(w, f"{name}.conv1", stride, compute), BatchNorm(w, f"{name}.bn1", compute)
+        self.conv2, self.bn2 = Conv(w, f"{name}.conv2", 1, compute), BatchNorm(w, f"{name}.bn2", compute)
+        has_proj = f"{name}.proj.kernel" in w
+        self.proj = Conv(w, f"{name}.proj", stride, compute) if has_proj else None
+        self.proj_bn = BatchNorm(w, f"{name}.proj_bn", compute) if has_proj else None
+
+    def __call__(self, x, training: bool):
+        out = self.bn2(self.conv2(tf.nn.relu(self.bn1(self.conv1(x), training))), training)
+        short = x if self.proj is None else self.proj_bn(self.proj(x), training)
+        return tf.nn.relu(out + tf.cast(short, out.dtype))
+
+
+class ResNet(tf.Module):
+    def __init__(self, w: dict, cfg: dict, compute=None):
+        super().__init__()
+        self.stem, self.stem_bn = Conv(w, "stem", compute=compute), BatchNorm(w, "stem_bn", compute)
+        self.blocks = [BasicBlock(w, name, stride, compute) for name, _, _, stride in resnet_blocks(cfg)]
+        self.head = Dense(w, "head", compute)
+
+    def __call__(self, x, training: bool = False):
+        x = tf.nn.relu(self.stem_bn(self.stem(x), training))
+        for block in self.blocks:
+            x = block(x, training)
+        return self.head(tf.reduce_mean(x, axis=[1, 2]))
+
+
+_MODELS = {"mlp": MLP, "cnn": CNN, "transformer": Transformer, "resnet": ResNet}
+
+
 class _Tf(Trainer):
-    def __init__(self, model: MLP, optimizer):
+    def __init__(self, model: tf.Module, optimizer):
         self.model, self.opt = model, optimizer
         self._loss = None
         scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
@@ -51,7 +194,7 @@ class _Tf(Trainer):
         @tf.function
         def step(x, y):
             with tf.GradientTape() as tape:
-                logits = tf.cast(self.model(x), tf.float32)
+                logits = tf.cast(self.model(x, training=True), tf.float32)
                 loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
                 target = self.opt.scale_loss(loss) if scaled else loss
             grads = tape.gradient(target, self.model.trainable_variables)
@@ -66,9 +209,8 @@ class _Tf(Trainer):
     def last_loss(self) -> float:
         return float(self._loss)
 
-    def accuracy(self, x: np.ndarray, y: np.ndarray) -> float:
-        logits = tf.cast(self.model(tf.constant(x)), tf.float32)
-        return float(np.mean(np.argmax(logits.numpy(), 1) == y))
+    def predict(self, x: np.ndarray) -> np.ndarray:
+        return tf.cast(self.model(tf.constant(x)), tf.float32).numpy()
 
     def skipped_steps(self) -> int:
         return getattr(self.opt, "num_skipped_steps", 0)
@@ -77,14 +219,14 @@ class _Tf(Trainer):
         return getattr(self.opt, "loss_scale", None)
 
 
-def trainers(policy: str, weights: list, device: str):
-    tf.config.experimental.enable_tensor_float_32_execution(False)  # pinned: no TF32
+def trainers(model: str, cfg: dict, policy: str, weights: dict, device: str):
+    pin_tf32("tensorflow", device)
     scaled = mp.Policy(policy).needs_loss_scaling
-    ours_opt = keras.optimizers.SGD(LR, momentum=0.9)
-    ours = _Tf(mp.apply_policy(MLP(weights), policy),
+    ours_opt = keras.optimizers.SGD(LR, momentum=MOMENTUM)
+    ours = _Tf(mp.apply_policy(_MODELS[model](weights, cfg), policy),
                mp.LossScaleOptimizer(ours_opt) if scaled else ours_opt)
-    native_opt = keras.optimizers.SGD(LR, momentum=0.9)
+    native_opt = keras.optimizers.SGD(LR, momentum=MOMENTUM)
     # A float32 hand-written model casts nothing; a mixed one casts inputs and variables.
-    native = _Tf(MLP(weights, None if policy == "float32" else _COMPUTE[policy]),
+    native = _Tf(_MODELS[model](weights, cfg, None if policy == "float32" else _COMPUTE[policy]),
                  keras.optimizers.LossScaleOptimizer(native_opt) if scaled else native_opt)
     return ours, native

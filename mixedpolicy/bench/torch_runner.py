@@ -6,22 +6,136 @@ import numpy as np
 import torch
 
 import mixedpolicy as mp
-from mixedpolicy.bench.worker import Trainer
+from mixedpolicy.bench.models import BN_EPSILON, BN_MOMENTUM, LN_EPSILON, LR, MOMENTUM, resnet_blocks
+from mixedpolicy.bench.worker import Trainer, pin_tf32
 
-LR = 0.05
 _HALF = {"mixed_bfloat16": torch.bfloat16, "mixed_float16": torch.float16}
 
 
-def _model(weights: list, device: str) -> torch.nn.Module:
-    layers = []
-    for i in range(0, len(weights), 2):
-        w, b = weights[i], weights[i + 1]
-        linear = torch.nn.Linear(*w.shape)
-        with torch.no_grad():
-            linear.weight.copy_(torch.from_numpy(w.T.copy()))
-            linear.bias.copy_(torch.from_numpy(b))
-        layers += [linear, torch.nn.ReLU()]
-    return torch.nn.Sequential(*layers[:-1]).to(device)
+def _param(tensor: torch.Tensor, value: np.ndarray) -> None:
+    with torch.no_grad():
+        tensor.copy_(torch.from_numpy(np.ascontiguousarray(value)))
+
+
+def _linear(w: dict, name: str, rows: np.ndarray | None = None) -> torch.nn.Linear:
+    kernel = w[f"{name}.kernel"] if rows is None else rows
+    linear = torch.nn.Linear(*kernel.shape)
+    _param(linear.weight, kernel.T)
+    _param(linear.bias, w[f"{name}.bias"])
+    return linear
+
+
+def _conv(w: dict, name: str, stride: int = 1) -> torch.nn.Conv2d:
+    kernel = w[f"{name}.kernel"]  # (h, w, in, out) -> (out, in, h, w)
+    size, _, n_in, n_out = kernel.shape
+    bias = f"{name}.bias" in w
+    conv = torch.nn.Conv2d(n_in, n_out, size, stride=stride, padding=size // 2, bias=bias)
+    _param(conv.weight, kernel.transpose(3, 2, 0, 1))
+    if bias:
+        _param(conv.bias, w[f"{name}.bias"])
+    return conv
+
+
+def _batch_norm(w: dict, name: str) -> torch.nn.BatchNorm2d:
+    bn = torch.nn.BatchNorm2d(len(w[f"{name}.scale"]), eps=BN_EPSILON, momentum=1 - BN_MOMENTUM)
+    for attr, key in (("weight", "scale"), ("bias", "bias"), ("running_mean", "mean"), ("running_var", "var")):
+        _param(getattr(bn, attr), w[f"{name}.{key}"])
+    return bn
+
+
+def _layer_norm(w: dict, name: str) -> torch.nn.LayerNorm:
+    ln = torch.nn.LayerNorm(len(w[f"{name}.scale"]), eps=LN_EPSILON)
+    _param(ln.weight, w[f"{name}.scale"])
+    _param(ln.bias, w[f"{name}.bias"])
+    return ln
+
+
+class CNN(torch.nn.Module):
+    def __init__(self, w: dict):
+        super().__init__()
+        self.conv1, self.conv2 = _conv(w, "conv1"), _conv(w, "conv2")
+        # The shared head reads (height, width, channel) features; PyTorch flattens (channel, h, w).
+        kernel = w["head.kernel"]
+        channels = kernel.shape[0] // 16
+        rows = kernel.reshape(4, 4, channels, -1).transpose(2, 0, 1, 3).reshape(kernel.shape)
+        self.head = _linear(w, "head", rows)
+
+    def forward(self, x):
+        x = torch.relu(self.conv2(torch.relu(self.conv1(x))))
+        return self.head(torch.nn.functional.max_pool2d(x, 2).flatten(1))
+
+
+class Transformer(torch.nn.Module):
+    """PyTorch's own pre-norm encoder layers (batch first, exact GELU, no dropout)."""
+
+    def __init__(self, w: dict, cfg: dict):
+        super().__init__()
+        d = cfg["d_model"]
+        self.embed = _linear(w, "embed")
+        self.pos = torch.nn.Parameter(torch.from_numpy(w["pos"].copy()))
+        layer = torch.nn.TransformerEncoderLayer(d, cfg["heads"], cfg["mlp"], dropout=0.0, activation="gelu",
+                                                 layer_norm_eps=LN_EPSILON, batch_first=True, norm_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, cfg["blocks"], enable_nested_tensor=False)
+        for i, block in enumerate(self.encoder.layers):
+            p = f"block{i}"
+            _param(block.self_attn.in_proj_weight,
+                   np.concatenate([w[f"{p}.{q}.kernel"].T for q in "qkv"]))
+            _param(block.self_attn.in_proj_bias, np.concatenate([w[f"{p}.{q}.bias"] for q in "qkv"]))
+            _param(block.self_attn.out_proj.weight, w[f"{p}.o.kernel"].T)
+            _param(block.self_attn.out_proj.bias, w[f"{p}.o.bias"])
+            block.norm1, block.norm2 = _layer_norm(w, f"{p}.ln1"), _layer_norm(w, f"{p}.ln2")
+            block.linear1, block.linear2 = _linear(w, f"{p}.mlp1"), _linear(w, f"{p}.mlp2")
+        self.ln = _layer_norm(w, "ln")
+        self.head = _linear(w, "head")
+
+    def forward(self, x):
+        h = self.encoder(self.embed(x) + self.pos)
+        return self.head(self.ln(h).mean(1))
+
+
+class Block(torch.nn.Module):
+    def __init__(self, w: dict, name: str, stride: int):
+        super().__init__()
+        self.conv1, self.bn1 = _conv(w, f"{name}.conv1", stride), _batch_norm(w, f"{name}.bn1")
+        self.conv2, self.bn2 = _conv(w, f"{name}.conv2"), _batch_norm(w, f"{name}.bn2")
+        self.proj = (torch.nn.Sequential(_conv(w, f"{name}.proj", stride), _batch_norm(w, f"{name}.proj_bn"))
+                     if f"{name}.proj.kernel" in w else torch.nn.Identity())
+
+    def forward(self, x):
+        out = self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x)))))
+        return torch.relu(out + self.proj(x))
+
+
+class ResNet(torch.nn.Module):
+    def __init__(self, w: dict, cfg: dict):
+        super().__init__()
+        self.stem, self.stem_bn = _conv(w, "stem"), _batch_norm(w, "stem_bn")
+        self.blocks = torch.nn.Sequential(*(Block(w, name, stride) for name, _, _, stride in resnet_blocks(cfg)))
+        self.head = _linear(w, "head")
+
+    def forward(self, x):
+        x = self.blocks(torch.relu(self.stem_bn(self.stem(x))))
+        return self.head(x.mean((2, 3)))
+
+
+def _model(model: str, cfg: dict, w: dict, device: str) -> torch.nn.Module:
+    if model == "mlp":
+        layers = []
+        for i in range(len(cfg["sizes"]) - 1):
+            layers += [_linear(w, f"dense{i}"), torch.nn.ReLU()]
+        net = torch.nn.Sequential(*layers[:-1])
+    elif model == "cnn":
+        net = CNN(w)
+    elif model == "transformer":
+        net = Transformer(w, cfg)
+    else:
+        net = ResNet(w, cfg)
+    return net.to(device)
+
+
+def prepare(model: str, x: np.ndarray) -> np.ndarray:
+    """Images channels first, as PyTorch's convolutions take them."""
+    return np.ascontiguousarray(x.transpose(0, 3, 1, 2)) if x.ndim == 4 else x
 
 
 class _Torch(Trainer):
@@ -40,19 +154,21 @@ class _Torch(Trainer):
     def last_loss(self) -> float:
         return float(self._loss)
 
-    def accuracy(self, x: np.ndarray, y: np.ndarray) -> float:
+    def predict(self, x: np.ndarray) -> np.ndarray:
+        self.model.eval()
         with torch.no_grad():
-            x, y = self._batch(x, y)
-            return float((self.model(x).argmax(1) == y).float().mean())
+            logits = self.model(torch.from_numpy(x).to(self.device)).float().cpu().numpy()
+        self.model.train()
+        return logits
 
     def peak_memory_bytes(self):
         return torch.cuda.max_memory_allocated() if self.device.startswith("cuda") else None
 
 
 class Ours(_Torch):
-    def __init__(self, policy: str, weights: list, device: str):
-        super().__init__(mp.apply_policy(_model(weights, device), policy), device)
-        sgd = torch.optim.SGD(self.model.parameters(), lr=LR, momentum=0.9)
+    def __init__(self, net: torch.nn.Module, policy: str, device: str):
+        super().__init__(mp.apply_policy(net, policy), device)
+        sgd = torch.optim.SGD(self.model.parameters(), lr=LR, momentum=MOMENTUM)
         self.opt = mp.LossScaleOptimizer(sgd) if mp.Policy(policy).needs_loss_scaling else sgd
 
     def step(self, x, y) -> None:
@@ -71,10 +187,10 @@ class Ours(_Torch):
 
 
 class Native(_Torch):
-    def __init__(self, policy: str, weights: list, device: str):
-        super().__init__(_model(weights, device), device)
+    def __init__(self, net: torch.nn.Module, policy: str, device: str):
+        super().__init__(net, device)
         self.dtype = _HALF.get(policy)
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=LR, momentum=0.9)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=LR, momentum=MOMENTUM)
         self.scaler = torch.amp.GradScaler(device.split(":")[0], enabled=policy == "mixed_float16")
 
     def step(self, x, y) -> None:
@@ -90,12 +206,7 @@ class Native(_Torch):
         self._loss = loss.detach()
 
 
-def environment() -> dict:
-    torch.backends.cuda.matmul.allow_tf32 = False  # pinned: TF32 off, so float32 is float32
-    torch.backends.cudnn.allow_tf32 = False
-    return {"torch": torch.__version__, "tf32": False}
-
-
-def trainers(policy: str, weights: list, device: str):
-    environment()
-    return Ours(policy, weights, device), Native(policy, weights, device)
+def trainers(model: str, cfg: dict, policy: str, weights: dict, device: str):
+    pin_tf32("torch", device)
+    return (Ours(_model(model, cfg, weights, device), policy, device),
+            Native(_model(model, cfg, weights, device), policy, device))

@@ -20,7 +20,8 @@ import sys
 import time
 import numpy as np
 
-from mixedpolicy.bench.data import batch_order, digits, load_weights
+from mixedpolicy.bench import models
+from mixedpolicy.bench.data import batch_order, digits
 from mixedpolicy.bench.spec import RunSpec
 
 
@@ -44,8 +45,12 @@ class Trainer(abc.ABC):
         """The loss of the last step (a host read)."""
 
     @abc.abstractmethod
+    def predict(self, x: np.ndarray) -> np.ndarray:
+        """float32 logits of the current weights on inputs `x` (inference mode)."""
+
     def accuracy(self, x: np.ndarray, y: np.ndarray) -> float:
         """Accuracy of the current weights on (x, y)."""
+        return float(np.mean(np.argmax(self.predict(x), -1) == y))
 
     def skipped_steps(self) -> int:
         return 0
@@ -55,6 +60,28 @@ class Trainer(abc.ABC):
 
     def peak_memory_bytes(self) -> int | None:  # device memory where the framework reports it
         return None
+
+
+def pin_tf32(backend: str, device: str) -> None:
+    """TF32 off, so float32 matmuls and convolutions are float32 on GPUs (CPUs have no TF32).
+
+    JAX's pin is a matmul precision of "highest", which XLA's CPU backend refuses for
+    float16 dots, so it is set only off the CPU.
+    """
+    if backend == "torch":
+        import torch
+
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    elif backend == "jax":
+        if device != "cpu":
+            import jax
+
+            jax.config.update("jax_default_matmul_precision", "highest")
+    elif backend == "tensorflow":
+        import tensorflow as tf
+
+        tf.config.experimental.enable_tensor_float_32_execution(False)
 
 
 def _runner(framework: str):
@@ -69,14 +96,27 @@ def _runner(framework: str):
     return runner
 
 
+def data(spec: RunSpec, runner) -> tuple:
+    """x_train, y_train, x_test, y_test in the model's input shape, laid out for the framework."""
+    x_train, y_train, x_test, y_test = digits(spec.seed)
+    prepare = getattr(runner, "prepare", lambda model, x: x)
+    return (prepare(spec.model, models.inputs(spec.model, x_train)), y_train,
+            prepare(spec.model, models.inputs(spec.model, x_test)), y_test)
+
+
+def build(spec: RunSpec, runner) -> tuple:
+    """(ours, native): the two trainers of the run, from the shared initial weights."""
+    cfg = models.config(spec.model, spec.device)
+    return runner.trainers(spec.model, cfg, spec.policy, models.load_weights(spec.weights), spec.device)
+
+
 def run(spec: RunSpec) -> dict:
     runner = _runner(spec.framework)
-    x_train, y_train, x_test, y_test = digits(spec.seed)
-    weights = load_weights(spec.weights)
+    x_train, y_train, x_test, y_test = data(spec, runner)
     total = spec.warmup + spec.repeats * spec.steps
     order = batch_order(len(x_train), spec.batch_size, total, spec.seed)
     batches = [(x_train[i], y_train[i]) for i in order]
-    ours, native = runner.trainers(spec.policy, weights, spec.device)
+    ours, native = build(spec, runner)
     cursor = {"ours": 0, "native": 0}
 
     def advance(name: str, trainer: Trainer, n: int) -> float:

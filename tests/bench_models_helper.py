@@ -1,0 +1,44 @@
+"""Builds every bench model on one framework and records what it computes (run by test_bench).
+
+    python bench_models_helper.py FRAMEWORK WEIGHTS_DIR OUT.npz
+
+For each model: float32 logits of ours and of the hand-written version on test
+inputs, the loss of one training step and the logits after it; then, under each
+mixed policy, the logits of both versions and the loss of one step.
+"""
+
+import sys
+
+import numpy as np
+
+from mixedpolicy.bench import models, worker
+from mixedpolicy.bench.spec import RunSpec
+
+BATCH = 8
+#: Small sizes of the same architectures: the check is about equal math, and fast.
+TINY = {"mlp": {"sizes": (64, 32, 10)}, "cnn": {"channels": (4, 8)},
+        "transformer": {"d_model": 16, "heads": 2, "blocks": 1, "mlp": 32},
+        "resnet": {"widths": (4, 8, 8), "blocks_per_stage": 1}}
+
+
+def main(framework: str, weights_dir: str, out: str) -> None:
+    runner = worker._runner(framework)
+    record = {}
+    for model in models.MODELS:
+        for policy in ("float32", "mixed_bfloat16", "mixed_float16"):
+            spec = RunSpec(framework, policy, model, BATCH, 1, 1, 0, "cpu", f"{weights_dir}/{model}.npz", 0)
+            x_train, y_train, x_test, _ = worker.data(spec, runner)
+            weights = models.load_weights(spec.weights)
+            ours, native = runner.trainers(model, TINY[model], policy, weights, "cpu")
+            key = f"{model}/{policy}"
+            record[f"{key}/ours"] = ours.predict(x_test[:BATCH])
+            record[f"{key}/native"] = native.predict(x_test[:BATCH])
+            ours.step(x_train[:BATCH], y_train[:BATCH])
+            record[f"{key}/loss"] = np.float32(ours.last_loss())
+            record[f"{key}/after"] = ours.predict(x_test[:BATCH])
+            record[f"{key}/skipped"] = np.int32(ours.skipped_steps())
+    np.savez(out, **record)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
