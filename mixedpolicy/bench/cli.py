@@ -32,8 +32,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="mlp", help=f"one of: {', '.join(MODELS)} (default: %(default)s)")
     p.add_argument("--steps", type=int, default=20, help="timed steps per repeat (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=64, help="(default: %(default)s)")
-    p.add_argument("--repeats", type=int, default=5,
+    p.add_argument("--repeats", type=int, default=7,
                    help="interleaved timing repeats; the median is reported (default: %(default)s)")
+    p.add_argument("--min-block-time", type=float, default=0.15, metavar="SECONDS",
+                   help="a run whose timed blocks are shorter is timed again in as many longer blocks "
+                        "(quality figures stay on the common schedule; default: %(default)s)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default: %(default)s)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (torch; default: %(default)s)")
     p.add_argument("--out", default="bench-results", help="output folder (default: %(default)s)")
@@ -48,6 +51,9 @@ def _check_positive(args: argparse.Namespace) -> None:
             raise ValueError(f"Received --{name.replace('_', '-')} {value}; expected a whole number >= 1.")
     if args.warmup < 0:
         raise ValueError(f"Received --warmup {args.warmup}; expected a whole number >= 0.")
+    if not args.min_block_time >= 0:
+        raise ValueError(f"Received --min-block-time {args.min_block_time}; expected seconds >= 0 "
+                         f"(0 times the common schedule's blocks whatever their length).")
     if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
         raise ValueError(f"Received --device {args.device!r}; expected cpu, cuda or cuda:N.")
     if args.device != "cpu" and not any(os.path.exists(p) for p in ("/dev/nvidia0", "/dev/nvidiactl")):
@@ -94,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = models.config(model, args.device)
     models.save_weights(weights_path, models.init_weights(model, cfg, args.seed))
     specs = [RunSpec(f, p, model, args.batch_size, args.steps, args.repeats, args.warmup, args.device,
-                     os.path.abspath(weights_path), args.seed) for f in frameworks for p in policies]
+                     os.path.abspath(weights_path), args.seed, args.min_block_time)
+             for f in frameworks for p in policies]
     print(f"mixedpolicy bench: {model} ({_sizes(cfg)}), batch {args.batch_size}, {args.warmup} warm-up + "
           f"{args.repeats} x {args.steps} timed steps, {len(specs)} runs (one process each)", flush=True)
     runs, start = [], time.perf_counter()

@@ -31,6 +31,7 @@ class RunSpec(NamedTuple):
     device: str
     weights: str        # path of the shared initial weights (.npz)
     seed: int
+    min_block_s: float = 0.0  # blocks shorter than this are timed again, longer (see worker.run)
 
 
 def missing_packages(framework: str) -> list[str]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import json
+import math
 import os
 import resource
 import statistics
@@ -111,53 +112,75 @@ def build(spec: RunSpec, runner) -> tuple:
 
 
 def run(spec: RunSpec) -> dict:
+    """The run's record. Its quality figures (loss curve, final loss, accuracy, skipped
+    steps, loss scale) come from the same schedule on every framework: `warmup` steps,
+    then `repeats` interleaved blocks of `steps` steps. Its timings come from those blocks,
+    unless a block took less than `min_block_s`: short blocks are mostly timer and
+    scheduler noise, so the run then goes on with `repeats` more interleaved blocks, each
+    made long enough, and times those instead (`timed_steps_per_block` says which)."""
     runner = _runner(spec.framework)
     x_train, y_train, x_test, y_test = data(spec, runner)
-    total = spec.warmup + spec.repeats * spec.steps
-    order = batch_order(len(x_train), spec.batch_size, total, spec.seed)
-    batches = [(x_train[i], y_train[i]) for i in order]
     ours, native = build(spec, runner)
     cursor = {"ours": 0, "native": 0}
+    order = batch_order(len(x_train), spec.batch_size, spec.warmup + spec.repeats * spec.steps, spec.seed)
 
     def advance(name: str, trainer: Trainer, n: int) -> float:
+        nonlocal order
+        if cursor[name] + n > len(order):  # the same order, longer (it extends its prefix)
+            order = batch_order(len(x_train), spec.batch_size, 2 * (cursor[name] + n), spec.seed)
+        batches = [(x_train[i], y_train[i]) for i in order[cursor[name]:cursor[name] + n]]
         trainer.sync()
         start = time.perf_counter()
-        trainer.steps(batches[cursor[name]:cursor[name] + n])
+        trainer.steps(batches)
         trainer.sync()
         cursor[name] += n
         return (time.perf_counter() - start) / n
 
+    def interleaved(steps: int, losses: list | None = None) -> tuple[list, list]:
+        t_ours, t_native = [], []
+        for r in range(spec.repeats):
+            if r % 2 == 0:
+                a, b = advance("ours", ours, steps), advance("native", native, steps)
+            else:
+                b, a = advance("native", native, steps), advance("ours", ours, steps)
+            t_ours.append(a)
+            t_native.append(b)
+            if losses is not None:
+                losses.append([cursor["ours"], ours.last_loss()])
+        return t_ours, t_native
+
     if spec.warmup:
         advance("ours", ours, spec.warmup)
         advance("native", native, spec.warmup)
-    t_ours, t_native, losses = [], [], []
-    for r in range(spec.repeats):
-        if r % 2 == 0:
-            a, b = advance("ours", ours, spec.steps), advance("native", native, spec.steps)
-        else:
-            b, a = advance("native", native, spec.steps), advance("ours", ours, spec.steps)
-        t_ours.append(a)
-        t_native.append(b)
-        losses.append([cursor["ours"], ours.last_loss()])
-    median = statistics.median(t_ours)
-    peak = ours.peak_memory_bytes()
-    if peak is None:  # on the CPU: the process's peak resident memory (both trainers)
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    scale = ours.loss_scale()
-    return {
-        "framework": spec.framework, "policy": spec.policy, "model": spec.model,
-        "batch_size": spec.batch_size, "steps": spec.steps, "repeats": spec.repeats,
-        "step_time_s": {"median": median, "min": min(t_ours), "max": max(t_ours)},
-        "native_step_time_s": {"median": statistics.median(t_native), "min": min(t_native),
-                               "max": max(t_native)},
-        "throughput_samples_per_s": spec.batch_size / median,
-        "peak_memory_bytes": int(peak),
+    losses: list = []
+    t_ours, t_native = interleaved(spec.steps, losses)
+    quality = {
         "final_loss": losses[-1][1],
         "loss_curve": losses,
         "accuracy": ours.accuracy(x_test, y_test),
         "native_accuracy": native.accuracy(x_test, y_test),
         "skipped_steps": ours.skipped_steps(),
-        "final_loss_scale": scale,
+        "final_loss_scale": ours.loss_scale(),
+    }
+    timed_steps = spec.steps
+    block_s = min(statistics.median(t_ours), statistics.median(t_native)) * spec.steps
+    if block_s < spec.min_block_s:
+        timed_steps = spec.steps * math.ceil(spec.min_block_s / block_s)
+        t_ours, t_native = interleaved(timed_steps)
+    median = statistics.median(t_ours)
+    peak = ours.peak_memory_bytes()
+    if peak is None:  # on the CPU: the process's peak resident memory (both trainers)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {
+        "framework": spec.framework, "policy": spec.policy, "model": spec.model,
+        "batch_size": spec.batch_size, "steps": spec.steps, "repeats": spec.repeats,
+        "timed_steps_per_block": timed_steps,
+        "step_time_s": {"median": median, "min": min(t_ours), "max": max(t_ours)},
+        "native_step_time_s": {"median": statistics.median(t_native), "min": min(t_native),
+                               "max": max(t_native)},
+        "throughput_samples_per_s": spec.batch_size / median,
+        "peak_memory_bytes": int(peak),
+        **quality,
         "overhead_vs_native": statistics.median(a / b for a, b in zip(t_ours, t_native)),
         "overhead_ratios": [a / b for a, b in zip(t_ours, t_native)],
     }
