@@ -123,7 +123,7 @@ def _model(model: str, cfg: dict) -> keras.Model:
     return keras.Model(inputs, x)
 
 
-def load(net: keras.Model, w: dict, cfg: dict) -> keras.Model:
+def load(net: keras.Model, w: dict) -> keras.Model:
     """Sets the shared initial weights, layer by layer (by name); every weight must find its layer."""
     left = dict(w)
     names = {_name(key.rsplit(".", 1)[0]): key.rsplit(".", 1)[0] for key in w}  # Keras name -> ours
@@ -179,11 +179,11 @@ class _Keras(Trainer):
 def trainers(model: str, cfg: dict, policy: str, weights: dict, device: str):
     pin_tf32(keras.backend.backend(), device)
     mp.set_global_policy(policy)  # ours: the one line a Keras script adds
-    ours = mp.apply_policy(load(_model(model, cfg), weights, cfg), policy)
+    ours = mp.apply_policy(load(_model(model, cfg), weights), policy)
     ours.compile(keras.optimizers.SGD(LR, momentum=MOMENTUM), _loss())  # wraps under float16
     mp.set_global_policy(None)
     keras.config.set_dtype_policy(policy)  # Keras's own
-    native = load(_model(model, cfg), weights, cfg)
+    native = load(_model(model, cfg), weights)
     sgd = keras.optimizers.SGD(LR, momentum=MOMENTUM)
     native.compile(keras.optimizers.LossScaleOptimizer(sgd) if policy == "mixed_float16" else sgd, _loss())
     keras.config.set_dtype_policy("float32")
