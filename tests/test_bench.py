@@ -51,6 +51,7 @@ def test_shared_weights_and_batch_order_are_deterministic():
     assert a["dense0.kernel"].shape == (64, 128) and a["dense0.bias"].shape == (128,)
     order = batch_order(100, 32, 7, seed=0)
     assert order.shape == (7, 32) and (order == batch_order(100, 32, 7, seed=0)).all()
+    assert (batch_order(100, 32, 12, seed=0)[:7] == order).all()  # a longer run extends the order
     assert len(set(order[:3].ravel())) == 96  # an epoch has no repeats
     with pytest.raises(ValueError, match="--batch-size 200"):
         batch_order(100, 200, 1)

@@ -17,7 +17,7 @@ How a policy reaches a module tree:
   PyTorch's kernels for these layers, handed half-precision inputs and float32
   parameters, compute in float32 and round the result once to the input's dtype,
   which is the rule's policy (float32 compute, half output) without two casts and
-  a float32 copy of the activations (a ResNet's step costs 20% less on a CPU);
+  a float32 copy of the activations (see docs/torch.md for what it saves);
 - floating outputs leave a region in its output dtype; under a mixed policy whose
   output dtype is its compute dtype, outputs are left as autocast makes them (half
   for matmul-like ops, float32 for autocast's float32 ops and for layers overridden
@@ -48,9 +48,8 @@ _FLOAT32 = Policy("float32")  # attribute holding what apply_policy changed on a
 
 # Norms whose PyTorch kernels compute in float32 from half inputs and float32 parameters.
 _FLOAT32_KERNEL_NORMS = (torch.nn.modules.batchnorm._NormBase, torch.nn.LayerNorm, torch.nn.GroupNorm)
-_NORM_TYPES = tuple(t for t in (
-    torch.nn.modules.batchnorm._NormBase, torch.nn.LayerNorm, torch.nn.GroupNorm,
-    getattr(torch.nn, "RMSNorm", None), torch.nn.LocalResponseNorm) if t is not None)
+_NORM_TYPES = _FLOAT32_KERNEL_NORMS + tuple(
+    t for t in (getattr(torch.nn, "RMSNorm", None), torch.nn.LocalResponseNorm) if t is not None)
 
 
 def _kind(module: torch.nn.Module) -> str | None:

@@ -62,8 +62,7 @@ def _check_positive(args: argparse.Namespace) -> None:
 
 
 def _worker_env(framework: str, device: str) -> dict:
-    # JAX's default promotion: Flax's attention mixes float32 into half-precision queries.
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", JAX_NUMPY_DTYPE_PROMOTION="standard")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     if device == "cpu":  # on a GPU machine too: JAX and Keras would otherwise take the GPU
         env.update(JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="")
     if framework.startswith("keras-"):

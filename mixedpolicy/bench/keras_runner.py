@@ -79,6 +79,7 @@ class EncoderBlock(keras.layers.Layer):
 
     def __init__(self, name: str, cfg: dict, **kwargs):
         super().__init__(name=_name(name), **kwargs)
+        self.key = name  # its prefix in the shared weights
         d, heads = cfg["d_model"], cfg["heads"]
         self.ln1, self.ln2 = _ln(f"{name}.ln1"), _ln(f"{name}.ln2")
         self.attn = Attention(name, heads, d)
@@ -133,13 +134,12 @@ def load(net: keras.Model, w: dict) -> keras.Model:
 
     for layer in net.layers:
         if isinstance(layer, EncoderBlock):
-            name = names[layer.name + "_ln1"].rsplit(".", 1)[0]
             for p in "qkvo":
-                take(getattr(layer.attn, p), f"{name}.{p}", ("kernel", "bias"))
+                take(getattr(layer.attn, p), f"{layer.key}.{p}", ("kernel", "bias"))
             for sub in ("ln1", "ln2"):
-                take(getattr(layer, sub), f"{name}.{sub}", ("scale", "bias"))
+                take(getattr(layer, sub), f"{layer.key}.{sub}", ("scale", "bias"))
             for sub in ("mlp1", "mlp2"):
-                take(getattr(layer, sub), f"{name}.{sub}", ("kernel", "bias"))
+                take(getattr(layer, sub), f"{layer.key}.{sub}", ("kernel", "bias"))
         elif isinstance(layer, AddPosition):
             layer.set_weights([left.pop("pos")])
         elif isinstance(layer, (keras.layers.BatchNormalization, keras.layers.LayerNormalization)):
