@@ -57,6 +57,63 @@ def test_shared_weights_and_batch_order_are_deterministic():
         batch_order(100, 200, 1)
 
 
+class _Recording:
+    """A fake trainer: each step takes `step_s` seconds (by the fake clock) and logs its batch."""
+
+    def __init__(self, name, log, clock, step_s):
+        self.name, self.log, self.clock, self.step_s = name, log, clock, step_s
+
+    def step(self, x, y):
+        self.log.append((self.name, int(y[0]), float(x[0, 0])))
+        self.clock[0] += self.step_s
+
+    def steps(self, batches):
+        for x, y in batches:
+            self.step(x, y)
+
+    def sync(self):
+        pass
+
+    def last_loss(self):
+        return 0.5
+
+    def predict(self, x):
+        return np.zeros((len(x), 10), np.float32)
+
+
+def test_a_run_trains_both_sides_alike_then_times_them_in_interleaved_long_enough_blocks(monkeypatch, tmp_path):
+    from mixedpolicy.bench import worker
+
+    log, clock = [], [0.0]
+    fake = type("runner", (), {"trainers": staticmethod(lambda *a: (
+        type("Ours", (_Recording, worker.Trainer), {})("ours", log, clock, 0.002),
+        type("Native", (_Recording, worker.Trainer), {})("native", log, clock, 0.001)))})
+    monkeypatch.setattr(worker, "_runner", lambda framework: fake)
+    monkeypatch.setattr(worker.time, "perf_counter", lambda: clock[0])
+    weights = tmp_path / "w.npz"
+    models.save_weights(str(weights), models.init_weights("mlp", models.config("mlp", "cpu")))
+    record = worker.run(spec.RunSpec("torch", "float32", "mlp", 16, steps=10, repeats=5, warmup=2, device="cpu",
+                                     weights=str(weights), seed=0, min_block_s=0.05))
+    ours = [b for name, *b in log if name == "ours"]
+    native = [b for name, *b in log if name == "native"]
+    assert ours == native  # the same batches, in the same order
+    n = record["timed_steps_per_block"]
+    assert 50 <= n <= 53  # the faster side's block lasts at least 0.05 s (estimated, 5% to spare)
+    timed = log[-2 * 5 * n:]  # the 5 timed pairs: ours, native, native, ours, ours, ...
+    assert [timed[i][0] for i in range(0, len(timed), n)] == ["ours", "native", "native", "ours", "ours",
+                                                              "native", "native", "ours", "ours", "native"]
+    assert record["step_time_s"]["median"] == pytest.approx(0.002)
+    assert record["overhead_vs_native"] == pytest.approx(2.0) and len(record["overhead_ratios"]) == 5
+    assert record["loss_curve"][-1][0] == 2 + 10 and record["steps"] == 10 and record["repeats"] == 5
+
+
+@pytest.mark.parametrize("elapsed_per_step, expected", [(0.1, 1), (0.02, 3), (1e-4, 525), (0.0, 1 << 20)])
+def test_block_steps_reaches_the_minimum_block_time(elapsed_per_step, expected):
+    from mixedpolicy.bench.worker import block_steps
+
+    assert block_steps(lambda n: n * elapsed_per_step, 0.05) == expected  # a timer reading 0: capped
+
+
 def test_a_small_run_writes_every_output_with_every_field(tmp_path):
     from conftest import require_module
 
@@ -134,3 +191,32 @@ def test_every_framework_builds_the_same_model_from_the_shared_weights(tmp_path)
                                                atol=tol * scale, err_msg=f"{f} {key} {which}")
                 np.testing.assert_allclose(out[f][f"{key}/ours"], out[f][f"{key}/native"], atol=tol * scale / 2,
                                            err_msg=f"{f} {key}: ours against hand-written")
+
+
+def test_the_hand_written_jax_step_skips_a_non_finite_step_as_jmp_does(tmp_path):
+    """jmp's recipe selects the old parameters and optimizer state on an overflow; the
+    native side must pay for that select as ours does (and not skip it)."""
+    from conftest import require_module
+
+    jax = require_module("jax")
+    require_module("flax", "jax")
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from mixedpolicy.bench import jax_runner
+
+    cfg = models.config("mlp", "cpu")
+    native = jax_runner.Native("mlp", cfg, "mixed_float16", models.init_weights("mlp", cfg))
+    x = np.random.default_rng(0).random((8, 64), np.float32)
+    y = np.arange(8, dtype=np.int32)
+
+    def values():
+        return [np.asarray(v) for v in jax.tree_util.tree_leaves((nnx.state(native.model), nnx.state(native.optimizer)))]
+
+    start = values()
+    native.scale = jnp.asarray(np.inf, jnp.float32)  # every gradient overflows
+    native.step(x, y)
+    assert all(np.array_equal(a, b) for a, b in zip(start, values()))
+    native.scale = jnp.asarray(2.0**15, jnp.float32)
+    native.step(x, y)
+    assert not all(np.array_equal(a, b) for a, b in zip(start, values()))

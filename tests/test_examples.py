@@ -57,28 +57,32 @@ def test_guide_policy_table_is_true():
             assert mp.Policy(name).name == canonical, name
 
 
-@pytest.mark.parametrize("framework", ["torch", "jax"])
-def test_overhead_benchmark_runs_and_reports_each_policy(framework):
-    import importlib
+@pytest.mark.parametrize("script, frameworks", [
+    ("torch_overhead.py", ["torch"]), ("jax_overhead.py", ["jax"]),
+    ("keras_overhead.py", ["keras-jax", "keras-torch", "keras-tensorflow"])])
+def test_overhead_benchmark_is_the_bench_on_its_frameworks(tmp_path, script, frameworks):
+    import json
 
     from conftest import require_module
 
-    require_module(framework)
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        bench = importlib.import_module(f"{framework}_overhead")
-    finally:
-        sys.path.pop(0)
-    # jmp's loss scale multiplies an int32 counter by a bool: JAX's strict promotion
-    # (on in this suite) rejects that hand-written side, so it runs in standard mode.
-    import contextlib
+    require_module("torch" if script.startswith("torch") else script.split("_")[0])
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--policies", "mixed_float16",
+                           "--steps", "2", "--repeats", "2", "--warmup", "1", "--min-block-time", "0",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert [r["framework"] for r in runs] == frameworks
+    assert all(r["policy"] == "mixed_float16" and r["overhead_vs_native"] > 0 for r in runs)
+    assert "overhead vs native" in proc.stdout
 
-    standard = __import__("jax").numpy_dtype_promotion("standard") if framework == "jax" \
-        else contextlib.nullcontext()
-    with standard:
-        ratios = bench.main(["--steps", "2", "--repeats", "3", "--width", "16", "--batch", "8"])
-    assert set(ratios) == {"float32", "mixed_bfloat16", "mixed_float16"}
-    assert all(r > 0 for r in ratios.values())
+
+def test_overhead_benchmark_refuses_other_frameworks(capsys):
+    from mixedpolicy.bench.cli import overhead
+
+    with pytest.raises(SystemExit) as stop:
+        overhead(["torch"], ["--frameworks", "jax"])
+    assert stop.value.code == 2
+    assert "runs --frameworks torch; received --frameworks jax" in capsys.readouterr().err
 
 
 def test_jax_example_trains_every_policy_near_float32():
@@ -112,18 +116,3 @@ def test_keras_example_runs_unchanged_under_every_backend():
         print("ok", skipped)
     """)
     assert all(out[b].startswith("ok") for b in KERAS_BACKENDS), out
-
-
-def test_keras_overhead_benchmark_runs_per_backend():
-    from conftest import require_module
-
-    require_module("keras")
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import keras_overhead
-    finally:
-        sys.path.pop(0)
-    ratios = keras_overhead.main(["--backends", "jax", "--policies", "float32,mixed_float16",
-                                  "--steps", "2", "--repeats", "1", "--width", "8", "--batch", "4"])
-    assert set(ratios) == {("jax", "float32"), ("jax", "mixed_float16")}
-    assert all(r > 0 for r in ratios.values())

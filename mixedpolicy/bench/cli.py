@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 
-from mixedpolicy.bench import models, report
+from mixedpolicy.bench import data, models, report
 from mixedpolicy.bench.spec import (FRAMEWORKS, MODELS, POLICIES, RunSpec, resolve_frameworks,
                                     resolve_model, resolve_policies)
 
@@ -30,13 +30,16 @@ def parser() -> argparse.ArgumentParser:
                    help=f"comma-separated, any of: {', '.join(FRAMEWORKS)} (default: all installed)")
     p.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated (default: %(default)s)")
     p.add_argument("--model", default="mlp", help=f"one of: {', '.join(MODELS)} (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=20, help="timed steps per repeat (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=80,
+                   help="training steps each side takes, after the warm-up, for the loss, accuracy, "
+                        "skipped steps and scale (the same schedule on every framework; default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=64, help="(default: %(default)s)")
-    p.add_argument("--repeats", type=int, default=7,
-                   help="interleaved timing repeats; the median is reported (default: %(default)s)")
-    p.add_argument("--min-block-time", type=float, default=0.15, metavar="SECONDS",
-                   help="a run whose timed blocks are shorter is timed again in as many longer blocks "
-                        "(quality figures stay on the common schedule; default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=31,
+                   help="timed pairs of blocks (ours, native), interleaved after the training steps; "
+                        "medians are reported (default: %(default)s)")
+    p.add_argument("--min-block-time", type=float, default=0.03, metavar="SECONDS",
+                   help="each timed block has as many steps as make it last this long "
+                        "(default: %(default)s)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default: %(default)s)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (torch; default: %(default)s)")
     p.add_argument("--out", default="bench-results", help="output folder (default: %(default)s)")
@@ -98,11 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     weights_path = os.path.join(args.out, f"initial_weights_{model}.npz")
     cfg = models.config(model, args.device)
     models.save_weights(weights_path, models.init_weights(model, cfg, args.seed))
+    data_path = os.path.abspath(os.path.join(args.out, "digits_split.npz"))
+    data.save(data_path, data.digits(args.seed))
     specs = [RunSpec(f, p, model, args.batch_size, args.steps, args.repeats, args.warmup, args.device,
-                     os.path.abspath(weights_path), args.seed, args.min_block_time)
+                     os.path.abspath(weights_path), args.seed, args.min_block_time, data_path)
              for f in frameworks for p in policies]
     print(f"mixedpolicy bench: {model} ({_sizes(cfg)}), batch {args.batch_size}, {args.warmup} warm-up + "
-          f"{args.repeats} x {args.steps} timed steps, {len(specs)} runs (one process each)", flush=True)
+          f"{args.steps} training steps, {args.repeats} timed pairs of blocks of at least {args.min_block_time} s, "
+          f"{len(specs)} runs (one process each)", flush=True)
     runs, start = [], time.perf_counter()
     for i, spec in enumerate(specs, 1):
         print(f"  [{i}/{len(specs)}] {spec.framework} {spec.policy} ...", end="", flush=True)
@@ -121,3 +127,26 @@ def main(argv: list[str] | None = None) -> int:
     print(report.table(runs))
     print(f"\n{len(runs)} runs in {time.perf_counter() - start:.0f} s; wrote " + ", ".join(paths))
     return 0
+
+
+def overhead(frameworks: list[str], argv: list[str] | None = None) -> dict:
+    """`mixedpolicy bench` on `frameworks` alone, the other options taken from `argv` (its
+    `--out` defaults to bench-results/overhead-<frameworks>); returns {(framework, policy):
+    overhead ratio}. The scripts in benchmarks/ are this, for one framework family each.
+
+    Raises SystemExit with bench's exit status when the run stops (bad options, a failed run).
+    """
+    fixed = ",".join(frameworks)
+    argv = ["--frameworks", fixed, "--out", os.path.join("bench-results", "overhead-" + "-".join(frameworks)),
+            *(sys.argv[1:] if argv is None else argv)]
+    args, _ = parser().parse_known_args(argv)
+    if args.frameworks != fixed:
+        print(f"error: this benchmark runs --frameworks {fixed}; received --frameworks "
+              f"{args.frameworks}. For others run `mixedpolicy bench --frameworks ...`.", file=sys.stderr)
+        raise SystemExit(2)
+    status = main(argv)
+    if status:
+        raise SystemExit(status)
+    with open(os.path.join(args.out, "results.json")) as f:
+        runs = json.load(f)["runs"]
+    return {(r["framework"], r["policy"]): r["overhead_vs_native"] for r in runs}

@@ -21,6 +21,21 @@ def digits(seed: int = 0) -> tuple:
             x_test.astype(np.float32), y_test.astype(np.int32))
 
 
+_SPLIT = ("x_train", "y_train", "x_test", "y_test")
+
+
+def save(path: str, split: tuple) -> None:
+    """Writes a `digits` split once, so that every worker reads the very same arrays (and
+    none pays scikit-learn's import)."""
+    np.savez(path, **dict(zip(_SPLIT, split)))
+
+
+def load(path: str) -> tuple:
+    """The split that `save` wrote: x_train, y_train, x_test, y_test."""
+    with np.load(path) as f:
+        return tuple(f[name] for name in _SPLIT)
+
+
 def batch_order(n: int, batch_size: int, steps: int, seed: int = 0) -> np.ndarray:
     """(steps, batch_size) indices into the training set: epochs of shuffled full batches."""
     rng = np.random.default_rng(seed)

@@ -214,16 +214,21 @@ class Ours(_Nnx):
 
 @nnx.jit
 def _native_step(model, optimizer, x, y, scale, counter):
-    """jmp's recipe: scale, unscale, all_finite, select; the scale's arrays carried by hand."""
+    """jmp's recipe: scale, unscale, all_finite, update, then select the new or the old
+    parameters and optimizer state (jmp's select_tree); the scale's arrays carried by hand."""
     scaled_loss, grads = nnx.value_and_grad(lambda m: _loss(m, x, y) * scale)(model)
     loss = scaled_loss / scale
     grads = jax.tree_util.tree_map(lambda g: g / scale, grads)
     finite = jnp.all(jnp.stack([jnp.isfinite(g).all() for g in jax.tree_util.tree_leaves(grads)]))
-    grads = jax.tree_util.tree_map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
-    before = nnx.state(optimizer)
+    def snapshot():  # the values now (nnx.state holds the variables, which update() changes)
+        return jax.tree_util.tree_map(lambda v: v, (nnx.state(model, nnx.Param), nnx.state(optimizer)))
+
+    before = snapshot()
     optimizer.update(model, grads)
-    nnx.update(optimizer, jax.tree_util.tree_map(lambda new, old: jnp.where(finite, new, old),
-                                                 nnx.state(optimizer), before))
+    after = snapshot()
+    chosen = jax.tree_util.tree_map(lambda new, old: jnp.where(finite, new, old), after, before)
+    nnx.update(model, chosen[0])
+    nnx.update(optimizer, chosen[1])
     grow = finite & (counter + 1 >= 2000)
     scale = jnp.where(grow, scale * 2, jnp.where(finite, scale, jnp.maximum(scale / 2, 1.0)))
     counter = jnp.where(finite & ~grow, counter + 1, jnp.zeros_like(counter))

@@ -70,18 +70,17 @@ def markdown(results: dict) -> str:
     env = results["environment"]
     lines = ["# mixedpolicy bench", "",
              f"{env['date']}; {env['model']}, batch {env['batch_size']}, {env['warmup']} warm-up + "
-             f"{env['repeats']} x {env['steps']} steps per run, timed in blocks of at least "
-             f"{env['min_block_time_s']} s; device {env['device']} "
+             f"{env['steps']} training steps per run, then {env['repeats']} timed pairs of blocks of "
+             f"at least {env['min_block_time_s']} s; device {env['device']} "
              f"({env['cpu']}, {env['cpu_count']} cores); Python {env['python']}; "
              + ", ".join(f"{k} {v}" for k, v in env["versions"].items()) + f"; TF32 {env['tf32']}.", "",
              "| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
     lines += ["| " + " | ".join(_cells(r)) + " |" for r in results["runs"]]
-    lines += ["", "Step times are medians over the repeats (ours); `overhead vs native` is the median "
-              "ratio of ours to the same model and policy written with the framework's own tools, "
-              "timed interleaved in the same process. Loss, accuracy, skipped steps and scale come "
-              "from the same schedule on every framework; a run whose blocks of that schedule were "
-              "shorter than the minimum block time was then timed in as many longer blocks, "
-              "`timed block` steps each. On CPUs without bf16/fp16 hardware, half "
+    lines += ["", "Loss, accuracy, skipped steps and scale come from the training steps, the same "
+              "schedule on every framework. Then ours and the same model and policy written with "
+              "the framework's own tools are timed in pairs of blocks of `timed block` steps, "
+              "interleaved in the same process: step times are medians over the blocks (ours), "
+              "`overhead vs native` the median of the pairs' ratios. On CPUs without bf16/fp16 hardware, half "
               "precision is slower than float32: that is the hardware; the overhead ratio is the "
               "figure that measures mixedpolicy there.", "",
               "![step time](step_time.png)", "", "![loss curves](loss_curves.png)", ""]

@@ -25,13 +25,14 @@ class RunSpec(NamedTuple):
     policy: str
     model: str
     batch_size: int
-    steps: int
-    repeats: int
+    steps: int         # training steps for the quality figures
+    repeats: int       # interleaved timing pairs
     warmup: int
     device: str
     weights: str        # path of the shared initial weights (.npz)
     seed: int
-    min_block_s: float = 0.0  # blocks shorter than this are timed again, longer (see worker.run)
+    min_block_s: float = 0.0  # a timed block has enough steps to last this long (see worker.run)
+    data: str = ""      # path of the shared digits split (.npz, see data.save); "" makes it here
 
 
 def missing_packages(framework: str) -> list[str]:

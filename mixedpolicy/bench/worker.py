@@ -4,9 +4,10 @@
 
 prints one JSON line: the run's record. Two trainers are built from the same
 initial weights: ours (mixedpolicy) and native (the framework's own tools, written
-by hand). Both take the same batches in the same order; after `warmup` steps each
-(compilation excluded), they are timed in blocks of `steps` steps, interleaved
-(ours, native, native, ours, ...), the device synchronised before each timer read.
+by hand). Both take the same batches in the same order: `warmup` untimed steps
+(compilation), `steps` steps for the quality figures, then interleaved timed blocks
+(ours, native, native, ours, ...), the device synchronised before each timer read
+(see `run`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import time
 import numpy as np
 
 from mixedpolicy.bench import models
-from mixedpolicy.bench.data import batch_order, digits
+from mixedpolicy.bench.data import batch_order, digits, load
 from mixedpolicy.bench.spec import RunSpec
 
 
@@ -99,7 +100,7 @@ def _runner(framework: str):
 
 def data(spec: RunSpec, runner) -> tuple:
     """x_train, y_train, x_test, y_test in the model's input shape, laid out for the framework."""
-    x_train, y_train, x_test, y_test = digits(spec.seed)
+    x_train, y_train, x_test, y_test = load(spec.data) if spec.data else digits(spec.seed)
     prepare = getattr(runner, "prepare", lambda model, x: x)
     return (prepare(spec.model, models.inputs(spec.model, x_train)), y_train,
             prepare(spec.model, models.inputs(spec.model, x_test)), y_test)
@@ -111,49 +112,72 @@ def build(spec: RunSpec, runner) -> tuple:
     return runner.trainers(spec.model, cfg, spec.policy, models.load_weights(spec.weights), spec.device)
 
 
+class _Feed:
+    """One trainer's walk through the shared batch order (its cursor), so ours and native
+    see the same batches in the same order however their blocks are cut."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray, batch_size: int, seed: int):
+        self.x, self.y, self.batch_size, self.seed = x, y, batch_size, seed
+        self.order, self.cursor = batch_order(len(x), batch_size, 1, seed), 0
+
+    def take(self, n: int) -> list:
+        if self.cursor + n > len(self.order):  # the same order, longer (it extends its prefix)
+            self.order = batch_order(len(self.x), self.batch_size, 2 * (self.cursor + n), self.seed)
+        rows = self.order[self.cursor:self.cursor + n]
+        self.cursor += n
+        return [(self.x[i], self.y[i]) for i in rows]
+
+
+def _timed(trainer: Trainer, batches: list) -> float:
+    """Seconds for `trainer` to take these steps, the device synchronised before each read."""
+    trainer.sync()
+    start = time.perf_counter()
+    trainer.steps(batches)
+    trainer.sync()
+    return time.perf_counter() - start
+
+
+def block_steps(measure, min_block_s: float, limit: int = 1 << 20) -> int:
+    """About the fewest steps per block that make a block last `min_block_s`: `measure(n)`
+    times n steps (both trainers; it returns the faster), and n grows to the estimate
+    (with 5% to spare) until a block is long enough."""
+    n = 1
+    while n < limit:
+        elapsed = measure(n)
+        if elapsed >= min_block_s:
+            break
+        n = min(limit, max(n + 1, math.ceil(1.05 * n * min_block_s / max(elapsed, 1e-9))))
+    return n
+
+
 def run(spec: RunSpec) -> dict:
-    """The run's record. Its quality figures (loss curve, final loss, accuracy, skipped
-    steps, loss scale) come from the same schedule on every framework: `warmup` steps,
-    then `repeats` interleaved blocks of `steps` steps. Its timings come from those blocks,
-    unless a block took less than `min_block_s`: short blocks are mostly timer and
-    scheduler noise, so the run then goes on with `repeats` more interleaved blocks, each
-    made long enough, and times those instead (`timed_steps_per_block` says which)."""
+    """The run's record, from two phases.
+
+    Quality: after `warmup` untimed steps each (compilation), ours and native each
+    train `steps` steps on the shared batch order; the loss curve, final loss, accuracy,
+    skipped steps and loss scale come from here, the same schedule on every framework.
+
+    Timing: then `repeats` pairs of blocks, interleaved (ours, native, native, ours, ...)
+    so that drifts of the machine hit both sides alike; a block has as many steps as
+    make it last `min_block_s` (`timed_steps_per_block`), so timer and scheduler noise
+    stay small against it. The overhead is the median of the pairs' ratios.
+    """
     runner = _runner(spec.framework)
     x_train, y_train, x_test, y_test = data(spec, runner)
     ours, native = build(spec, runner)
-    cursor = {"ours": 0, "native": 0}
-    order = batch_order(len(x_train), spec.batch_size, spec.warmup + spec.repeats * spec.steps, spec.seed)
+    feeds = {id(t): _Feed(x_train, y_train, spec.batch_size, spec.seed) for t in (ours, native)}
 
-    def advance(name: str, trainer: Trainer, n: int) -> float:
-        nonlocal order
-        if cursor[name] + n > len(order):  # the same order, longer (it extends its prefix)
-            order = batch_order(len(x_train), spec.batch_size, 2 * (cursor[name] + n), spec.seed)
-        batches = [(x_train[i], y_train[i]) for i in order[cursor[name]:cursor[name] + n]]
-        trainer.sync()
-        start = time.perf_counter()
-        trainer.steps(batches)
-        trainer.sync()
-        cursor[name] += n
-        return (time.perf_counter() - start) / n
+    def advance(trainer: Trainer, n: int) -> float:
+        return _timed(trainer, feeds[id(trainer)].take(n)) / n if n else 0.0
 
-    def interleaved(steps: int, losses: list | None = None) -> tuple[list, list]:
-        t_ours, t_native = [], []
-        for r in range(spec.repeats):
-            if r % 2 == 0:
-                a, b = advance("ours", ours, steps), advance("native", native, steps)
-            else:
-                b, a = advance("native", native, steps), advance("ours", ours, steps)
-            t_ours.append(a)
-            t_native.append(b)
-            if losses is not None:
-                losses.append([cursor["ours"], ours.last_loss()])
-        return t_ours, t_native
-
-    if spec.warmup:
-        advance("ours", ours, spec.warmup)
-        advance("native", native, spec.warmup)
-    losses: list = []
-    t_ours, t_native = interleaved(spec.steps, losses)
+    for trainer in (ours, native):
+        advance(trainer, spec.warmup)
+    losses, every = [], max(1, spec.steps // 50)
+    for done in range(0, spec.steps, every):
+        n = min(every, spec.steps - done)
+        advance(ours, n)
+        advance(native, n)
+        losses.append([spec.warmup + done + n, ours.last_loss()])
     quality = {
         "final_loss": losses[-1][1],
         "loss_curve": losses,
@@ -162,11 +186,17 @@ def run(spec: RunSpec) -> dict:
         "skipped_steps": ours.skipped_steps(),
         "final_loss_scale": ours.loss_scale(),
     }
-    timed_steps = spec.steps
-    block_s = min(statistics.median(t_ours), statistics.median(t_native)) * spec.steps
-    if block_s < spec.min_block_s:
-        timed_steps = spec.steps * math.ceil(spec.min_block_s / block_s)
-        t_ours, t_native = interleaved(timed_steps)
+
+    n = block_steps(lambda n: min(advance(ours, n), advance(native, n)) * n, spec.min_block_s)
+    t_ours, t_native = [], []
+    for r in range(spec.repeats):
+        if r % 2 == 0:
+            a, b = advance(ours, n), advance(native, n)
+        else:
+            b, a = advance(native, n), advance(ours, n)
+        t_ours.append(a)
+        t_native.append(b)
+    ratios = [a / b for a, b in zip(t_ours, t_native)]
     median = statistics.median(t_ours)
     peak = ours.peak_memory_bytes()
     if peak is None:  # on the CPU: the process's peak resident memory (both trainers)
@@ -174,15 +204,15 @@ def run(spec: RunSpec) -> dict:
     return {
         "framework": spec.framework, "policy": spec.policy, "model": spec.model,
         "batch_size": spec.batch_size, "steps": spec.steps, "repeats": spec.repeats,
-        "timed_steps_per_block": timed_steps,
+        "timed_steps_per_block": n,
         "step_time_s": {"median": median, "min": min(t_ours), "max": max(t_ours)},
         "native_step_time_s": {"median": statistics.median(t_native), "min": min(t_native),
                                "max": max(t_native)},
         "throughput_samples_per_s": spec.batch_size / median,
         "peak_memory_bytes": int(peak),
         **quality,
-        "overhead_vs_native": statistics.median(a / b for a, b in zip(t_ours, t_native)),
-        "overhead_ratios": [a / b for a, b in zip(t_ours, t_native)],
+        "overhead_vs_native": statistics.median(ratios),
+        "overhead_ratios": ratios,
     }
 
 
