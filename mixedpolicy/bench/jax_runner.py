@@ -220,6 +220,7 @@ def _native_step(model, optimizer, x, y, scale, counter):
     loss = scaled_loss / scale
     grads = jax.tree_util.tree_map(lambda g: g / scale, grads)
     finite = jnp.all(jnp.stack([jnp.isfinite(g).all() for g in jax.tree_util.tree_leaves(grads)]))
+
     def snapshot():  # the values now (nnx.state holds the variables, which update() changes)
         return jax.tree_util.tree_map(lambda v: v, (nnx.state(model, nnx.Param), nnx.state(optimizer)))
 
