@@ -218,8 +218,36 @@ def test_scale_state_moves_to_and_from_gradscaler():
     scaler2 = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=5)
     opt.load_scaler_state_dict(scaler2.state_dict())
     assert float(opt.loss_scale) == 1024.0 and opt.scaler_state_dict()["growth_interval"] == 5
-    with pytest.raises(ValueError, match="without \\['scale', '_growth_tracker'\\]"):
-        opt.load_scaler_state_dict({})
+    with pytest.raises(ValueError, match="without \\['_growth_tracker'\\]"):
+        opt.load_scaler_state_dict({"scale": 2.0})
+    assert float(opt.loss_scale) == 1024.0
+
+
+def test_a_cuda_gradscaler_made_on_cpu_is_refused_and_nothing_is_loaded():
+    # torch.amp.GradScaler("cuda") without CUDA only warns, disables itself and saves {}.
+    with pytest.warns(UserWarning, match="CUDA is not available"):
+        disabled = torch.amp.GradScaler("cuda")
+    model = net()
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    opt.scale_loss(loss_of(model, *batches(1)[0])).backward()
+    opt.step()
+    saved = opt.state_dict()
+    with pytest.raises(ValueError, match="empty scaler state dict.*GradScaler\\('cuda'\\).*without CUDA"):
+        opt.load_scaler_state_dict(disabled.state_dict())
+    fresh = mp.LossScaleOptimizer(torch.optim.SGD(net().parameters(), lr=0.1, momentum=0.9))
+    with pytest.raises(ValueError, match="empty scaler state dict"):
+        fresh.load_state_dict(dict(saved, loss_scale=disabled.state_dict()))
+    assert fresh.state_dict()["state"] == {}, "the inner state was loaded before the refusal"
+    with pytest.raises(TypeError, match="scaler state of type float"):
+        opt.load_scaler_state_dict(1024.0)
+
+
+def test_a_capturable_optimizer_on_cpu_parameters_is_refused_up_front():
+    model = net()
+    with pytest.raises(ValueError, match=r"Adam\(capturable=True\).*on cpu.*CUDA-graph.*capturable=False"):
+        mp.LossScaleOptimizer(torch.optim.Adam(model.parameters(), capturable=True))
+    # The default, and fused kernels (which torch runs on CPU too), are accepted.
+    mp.LossScaleOptimizer(torch.optim.Adam(model.parameters(), fused=True))
 
 
 def test_half_master_weights_are_an_error():

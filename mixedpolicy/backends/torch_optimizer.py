@@ -25,6 +25,32 @@ import torch
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale
 
 
+def _capturable_devices() -> list:
+    try:
+        from torch.optim.optimizer import _get_capturable_supported_devices
+
+        return list(_get_capturable_supported_devices())
+    except ImportError:  # a torch that moved the private helper
+        return ["cuda", "xpu", "hpu", "xla"]
+
+
+def _check_capturable(opt: torch.optim.Optimizer) -> None:
+    """Refuses ``capturable=True`` (a CUDA-graph setting) on parameters of a device without it."""
+    supported = None
+    for group in opt.param_groups:
+        if not group.get("capturable"):
+            continue
+        supported = supported or _capturable_devices()
+        for p in group["params"]:
+            if p.device.type not in supported:
+                raise ValueError(
+                    f"Received {type(opt).__name__}(capturable=True) whose parameters (one of shape "
+                    f"{tuple(p.shape)}) are on {p.device}. capturable=True keeps the optimizer step "
+                    f"on the device for CUDA-graph capture and works only on {supported}; on "
+                    f"{p.device.type} torch would stop at the first step. Create the optimizer with "
+                    f"capturable=False (the default), or move the model to the GPU before creating it.")
+
+
 class TorchLossScaleOptimizer(torch.optim.Optimizer):
     """Wraps one or several ``torch.optim.Optimizer`` with one shared loss scale.
 
@@ -45,6 +71,7 @@ class TorchLossScaleOptimizer(torch.optim.Optimizer):
                             f"weights are lost to rounding. Keep the weights in float32 (apply a "
                             f"mixed policy such as 'mixed_float16', which stores variables in "
                             f"float32), or wrap with loss_scale=mp.NoLossScale() if intended.")
+            _check_capturable(opt)
         self._inners = inners
         self._config = loss_scale
         self._scale: torch.Tensor | None = None
@@ -238,8 +265,23 @@ class TorchLossScaleOptimizer(torch.optim.Optimizer):
         scale and the skip count is kept.
 
         Raises:
-          ValueError: the dict lacks GradScaler's keys.
+          TypeError: `state` is not a dict.
+          ValueError: the dict is empty (a disabled GradScaler's) or lacks GradScaler's keys.
         """
+        self._set_scale_state(*self._scale_state_from(state))
+
+    def _scale_state_from(self, state: Any) -> tuple:
+        """(loss-scale config, skip count or None) from a scaler state dict; changes nothing."""
+        if not isinstance(state, dict):
+            raise TypeError(f"Received a scaler state of type {type(state).__name__}; expected the "
+                            f"dict from torch.amp.GradScaler.state_dict() or scaler_state_dict().")
+        if not state:
+            raise ValueError(
+                "Received an empty scaler state dict. That is what a disabled torch.amp.GradScaler "
+                "saves: GradScaler('cuda') on a machine without CUDA disables itself (with only a "
+                "warning), as does enabled=False, so its loss scaling never ran and there is no "
+                "scale to load. On CPU create it as GradScaler('cpu'); or skip this load and keep "
+                "this optimizer's own scale.")
         missing = [k for k in ("scale", "_growth_tracker") if k not in state]
         if missing:
             raise ValueError(f"Received a scaler state dict without {missing}; expected the "
@@ -255,7 +297,9 @@ class TorchLossScaleOptimizer(torch.optim.Optimizer):
                 max_scale=state.get("max_scale") or max(cfg.max_scale, scale))
         else:
             cfg = StaticLossScale(scale)
-        skipped = state.get("num_skipped_steps")
+        return cfg, state.get("num_skipped_steps")
+
+    def _set_scale_state(self, cfg: LossScale, skipped: int | None) -> None:
         if skipped is None:
             skipped = self.num_skipped_steps
         self._config, self._scale = cfg, None
@@ -277,13 +321,15 @@ class TorchLossScaleOptimizer(torch.optim.Optimizer):
         """Restores what `state_dict` saved: inner state, scale, growth counter, skip count."""
         state_dict = dict(state_dict)
         scale_state = state_dict.pop("loss_scale", None)
+        # A bad scale part is refused before the inner state changes.
+        scale = self._scale_state_from(scale_state) if scale_state is not None else None
         if len(self._inners) == 1:
             self._inners[0].load_state_dict(state_dict)
         else:
             for opt, sd in zip(self._inners, state_dict["inner"], strict=True):
                 opt.load_state_dict(sd)
-        if scale_state is not None:
-            self.load_scaler_state_dict(scale_state)
+        if scale is not None:
+            self._set_scale_state(*scale)
 
     def __repr__(self) -> str:
         inner = ", ".join(type(o).__name__ for o in self._inners)
