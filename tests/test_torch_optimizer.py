@@ -1,5 +1,6 @@
 """PyTorch LossScaleOptimizer: GradScaler parity, skipping, clipping, accumulation, checkpoints, DDP."""
 
+import contextlib
 import subprocess
 import sys
 import textwrap
@@ -323,3 +324,41 @@ def test_loading_a_gradscaler_dict_keeps_the_skip_count():
     opt.step()
     opt.load_scaler_state_dict(torch.amp.GradScaler("cpu").state_dict())
     assert opt.num_skipped_steps == 1 and float(opt.loss_scale) == 2.0**16
+
+
+@contextlib.contextmanager
+def host_reads():
+    """Records every tensor-to-Python read (the host syncs a CUDA step would make)."""
+    calls, saved = [], {}
+    for name in ("item", "__bool__", "__int__", "__float__", "__index__", "tolist", "numpy"):
+        saved[name] = original = getattr(torch.Tensor, name)
+
+        def read(self, *args, _original=original, _name=name, **kwargs):
+            calls.append(_name)
+            return _original(self, *args, **kwargs)
+
+        setattr(torch.Tensor, name, read)
+    try:
+        yield calls
+    finally:
+        for name, original in saved.items():
+            setattr(torch.Tensor, name, original)
+
+
+@pytest.mark.parametrize("name, ours", [("sgd", ["item"]), ("adamw-fused", [])])
+def test_a_step_reads_the_device_once_as_gradscaler_does_and_never_when_fused(name, ours):
+    x, y = batches(1)[0]
+    model, scaled_model = net(), net()
+    opt = mp.LossScaleOptimizer(OPTIMIZERS[name](model))
+    native, scaler = OPTIMIZERS[name](scaled_model), torch.amp.GradScaler("cpu")
+    for poison in (False, True, False):  # an applied, a skipped and an applied step
+        opt.scale_loss(loss_of(model, x, y, poison)).backward()
+        with host_reads() as reads:
+            opt.step()
+        opt.zero_grad()
+        scaler.scale(loss_of(scaled_model, x, y, poison)).backward()
+        with host_reads() as native_reads:
+            scaler.step(native)
+            scaler.update()
+        native.zero_grad()
+        assert reads == native_reads == ours
