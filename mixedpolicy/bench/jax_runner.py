@@ -15,41 +15,39 @@ from mixedpolicy.bench.worker import Trainer, pin_tf32
 _COMPUTE = {"float32": jnp.float32, "mixed_bfloat16": jnp.bfloat16, "mixed_float16": jnp.float16}
 
 
-_RNGS = nnx.Rngs(0)  # initialisers only: every value is then set from the shared weights
+_RNGS = nnx.Rngs(0)  # unused by the initialisers below, which hand out the shared weights
+
+
+def _given(value: np.ndarray):
+    """An initialiser that returns `value`: no random init to compute (and compile) first."""
+    return lambda key, shape, dtype=jnp.float32: jnp.asarray(value, dtype)
 
 
 def _linear(w: dict, name: str, dtype) -> nnx.Linear:
     kernel = w[f"{name}.kernel"]
-    linear = nnx.Linear(*kernel.shape, dtype=dtype, rngs=_RNGS)
-    linear.kernel.set_value(jnp.asarray(kernel))
-    linear.bias.set_value(jnp.asarray(w[f"{name}.bias"]))
-    return linear
+    return nnx.Linear(*kernel.shape, dtype=dtype, kernel_init=_given(kernel),
+                      bias_init=_given(w[f"{name}.bias"]), rngs=_RNGS)
 
 
 def _conv(w: dict, name: str, dtype, stride: int = 1) -> nnx.Conv:
     kernel = w[f"{name}.kernel"]  # (h, w, in, out), as Flax keeps it
     size, _, n_in, n_out = kernel.shape
     pad = size // 2  # PyTorch's symmetric padding ("SAME" pads 0/1 when striding by 2)
-    bias = f"{name}.bias" in w
-    conv = nnx.Conv(n_in, n_out, (size, size), strides=stride, padding=((pad, pad), (pad, pad)),
-                    use_bias=bias, dtype=dtype, rngs=_RNGS)
-    conv.kernel.set_value(jnp.asarray(kernel))
-    if bias:
-        conv.bias.set_value(jnp.asarray(w[f"{name}.bias"]))
-    return conv
+    bias = w.get(f"{name}.bias")
+    return nnx.Conv(n_in, n_out, (size, size), strides=stride, padding=((pad, pad), (pad, pad)),
+                    use_bias=bias is not None, dtype=dtype, kernel_init=_given(kernel),
+                    bias_init=_given(bias) if bias is not None else nnx.initializers.zeros, rngs=_RNGS)
 
 
 def _norm(w: dict, name: str, dtype, batch: bool):
     n = len(w[f"{name}.scale"])
+    inits = {"scale_init": _given(w[f"{name}.scale"]), "bias_init": _given(w[f"{name}.bias"])}
     if batch:
-        norm = nnx.BatchNorm(n, momentum=BN_MOMENTUM, epsilon=BN_EPSILON, dtype=dtype, rngs=_RNGS)
+        norm = nnx.BatchNorm(n, momentum=BN_MOMENTUM, epsilon=BN_EPSILON, dtype=dtype, rngs=_RNGS, **inits)
         norm.mean.set_value(jnp.asarray(w[f"{name}.mean"]))
         norm.var.set_value(jnp.asarray(w[f"{name}.var"]))
-    else:
-        norm = nnx.LayerNorm(n, epsilon=LN_EPSILON, dtype=dtype, rngs=_RNGS)
-    norm.scale.set_value(jnp.asarray(w[f"{name}.scale"]))
-    norm.bias.set_value(jnp.asarray(w[f"{name}.bias"]))
-    return norm
+        return norm
+    return nnx.LayerNorm(n, epsilon=LN_EPSILON, dtype=dtype, rngs=_RNGS, **inits)
 
 
 # `dtype` is the compute dtype of the hand-written version (None: ours, set by apply_policy);

@@ -19,8 +19,11 @@ def _name(name: str) -> str:
     return name.replace(".", "_")
 
 
+# Layers start at zeros: `load` sets every value from the shared weights, and a random
+# initialiser would only cost time (on JAX, a compilation per shape).
+
 def _dense(units: int, name: str, **kwargs) -> keras.layers.Dense:
-    return keras.layers.Dense(units, name=_name(name), **kwargs)
+    return keras.layers.Dense(units, name=_name(name), kernel_initializer="zeros", **kwargs)
 
 
 def _conv(filters: int, size: int, name: str, stride: int = 1, bias: bool = False, **kwargs) -> list:
@@ -28,7 +31,7 @@ def _conv(filters: int, size: int, name: str, stride: int = 1, bias: bool = Fals
     layers = [] if stride == 1 else [keras.layers.ZeroPadding2D(size // 2)]
     padding = "same" if stride == 1 else "valid"
     return layers + [keras.layers.Conv2D(filters, size, strides=stride, padding=padding, use_bias=bias,
-                                         name=_name(name), **kwargs)]
+                                         kernel_initializer="zeros", name=_name(name), **kwargs)]
 
 
 def _bn(name: str) -> keras.layers.BatchNormalization:
@@ -49,7 +52,7 @@ class AddPosition(keras.layers.Layer):
     """Adds a learned (tokens, features) position embedding."""
 
     def build(self, input_shape):
-        self.pos = self.add_weight(shape=tuple(input_shape[1:]), name="pos")
+        self.pos = self.add_weight(shape=tuple(input_shape[1:]), initializer="zeros", name="pos")
 
     def call(self, x):
         return x + keras.ops.cast(self.pos, x.dtype)
