@@ -52,8 +52,10 @@ def apply_policy(model: Any, policy: Any = None, overrides: Mapping[Any, Any] | 
       overrides: per-layer overrides, as for `PolicyMap` (not with a `PolicyMap`).
 
     Returns:
-      The model with the policy applied (modified in place where the framework's
-      models are mutable), or a `PolicyFunction` wrapping a plain function.
+      The model with the policy applied: modified in place where the framework's
+      models are mutable (torch, Keras, Flax NNX), a new object where they are not
+      (a `PolicyLinen` for Flax linen, a tree of `PolicyModule` for Equinox: keep
+      the returned value), or a `PolicyFunction` wrapping a plain function.
 
     Raises:
       TypeError: the model is of a type no installed adapter handles.
@@ -74,7 +76,8 @@ def apply_policy(model: Any, policy: Any = None, overrides: Mapping[Any, Any] | 
 def remove_policy(model: Any) -> Any:
     """Undoes `apply_policy` on a model: its forwards and variable dtypes are restored.
 
-    A `PolicyFunction` gives back the function it wraps.
+    A `PolicyFunction` gives back the function it wraps, a `PolicyLinen` its module,
+    and an Equinox `PolicyModule` tree the plain module (keep the returned value).
 
     Raises:
       TypeError: the model is of a type no installed adapter handles.

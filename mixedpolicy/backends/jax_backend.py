@@ -6,10 +6,12 @@
   resolved policy (see `mixedpolicy.backends.jax_flax`);
 - a Flax linen module is wrapped in a `PolicyLinen`, whose ``init`` / ``apply``
   cast each submodule's parameters and inputs on the way in;
+- an Equinox module is rebuilt with `PolicyModule` wrappers at the places where
+  the policy changes (see `mixedpolicy.backends.jax_equinox`);
 - an optax ``GradientTransformation`` is wrapped into another one that carries the
   loss scale in its state (see `mixedpolicy.backends.jax_optimizer`).
 
-Flax and optax are imported only once the user has imported them.
+Flax, Equinox and optax are imported only once the user has imported them.
 """
 
 from __future__ import annotations
@@ -59,6 +61,22 @@ def cast_leaf(x: Any, dtype: str) -> Any:
 
 def _path_text(path: tuple) -> str:
     return jax.tree_util.keystr(path) or "(the root)"
+
+
+def _is_equinox(obj: Any) -> bool:
+    eqx = sys.modules.get("equinox")
+    return eqx is not None and isinstance(obj, eqx.Module)
+
+
+def _models(model: Any) -> Any:
+    """The module that puts policies on `model`: Equinox's, or Flax's (NNX and linen)."""
+    if _is_equinox(model):
+        from mixedpolicy.backends import jax_equinox
+
+        return jax_equinox
+    from mixedpolicy.backends import jax_flax
+
+    return jax_flax
 
 
 class JaxAdapter(Adapter):
@@ -130,22 +148,18 @@ class JaxAdapter(Adapter):
         optax = sys.modules.get("optax")
         if optax is not None and isinstance(obj, optax.GradientTransformation):
             return "optimizer"
+        if _is_equinox(obj):
+            return "model"
         return None
 
     def apply_policy(self, model: Any, policy_map: Any) -> Any:
-        from mixedpolicy.backends import jax_flax
-
-        return jax_flax.apply_policy(model, policy_map)
+        return _models(model).apply_policy(model, policy_map)
 
     def remove_policy(self, model: Any) -> Any:
-        from mixedpolicy.backends import jax_flax
-
-        return jax_flax.remove_policy(model)
+        return _models(model).remove_policy(model)
 
     def describe(self, model: Any) -> list:
-        from mixedpolicy.backends import jax_flax
-
-        return jax_flax.describe(model)
+        return _models(model).describe(model)
 
     def wrap_optimizer(self, optimizer: Any, loss_scale: Any, axis_name: Any = None) -> Any:
         from mixedpolicy.backends.jax_optimizer import loss_scale_transformation

@@ -1,0 +1,197 @@
+"""Policies on Equinox modules: immutable pytrees, so `apply_policy` returns a new one.
+
+Equinox layers take no compute ``dtype``, so a policy acts as jmp's casts do, on
+each module, as Haiku's per-module jmp policies do. `apply_policy` rebuilds the
+module tree with every module wrapped in a `PolicyModule` and its arrays in the
+module's variable dtype. A `PolicyModule`'s ``__call__`` (and any other method
+of the module it wraps) casts that module's own floating arrays and floating
+inputs to its compute dtype, runs it, and casts floating outputs to the output
+dtype where that differs from the compute dtype (elsewhere outputs leave as the
+layers make them, as in Flax). Every module casting its own inputs keeps a float32
+override or a float32 norm from feeding the wrong dtype to the next layer. The
+casts sit inside the call, so gradients with respect to the float32 parameters
+come back float32, under ``eqx.filter_jit`` / ``jax.jit`` or not; casts to a
+dtype an array already has cost nothing.
+
+Layer paths are attribute paths joined with dots (``"layers.0"``, ``"attn.query_proj"``),
+as ``jax.tree_util`` names them. ``eqx.nn.State`` arguments and results (BatchNorm
+statistics) pass through uncast, as do integer, boolean and key arrays.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import equinox as eqx
+import jax
+
+from mixedpolicy.backends.base import check_master_weights
+from mixedpolicy.backends.jax_backend import cast_leaf, dtype_name
+from mixedpolicy.describe import LayerPolicy
+from mixedpolicy.policy import Policy
+from mixedpolicy.policy_map import NORMALIZATION, LayerInfo, PolicyMap
+
+_NORMS = tuple(getattr(eqx.nn, n) for n in ("LayerNorm", "RMSNorm", "GroupNorm", "BatchNorm")
+               if hasattr(eqx.nn, n))
+
+
+def _kind(cls: type) -> str | None:
+    return NORMALIZATION if issubclass(cls, _NORMS) else None
+
+
+def _join(path: str, keys: tuple) -> str:
+    names = [str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in keys]
+    return ".".join([path, *names] if path else names)
+
+
+def _kept_whole(x: Any) -> bool:
+    """A layer (a callable module) or a state key: never flattened into its parent's arrays."""
+    return isinstance(x, eqx.Module) and (callable(x) or isinstance(x, eqx.nn.StateIndex))
+
+
+def _children(module: Any) -> tuple[list, Any]:
+    """(key path, leaf) pairs of `module`'s own arrays and its layers (kept whole), and the treedef.
+
+    A module without ``__call__`` that holds arrays for its parent counts as part of
+    the parent; a ``StateIndex`` (BatchNorm's key into ``eqx.nn.State``) is kept as it is.
+    """
+    return jax.tree_util.tree_flatten_with_path(module, is_leaf=lambda x: x is not module and _kept_whole(x))
+
+
+def _cast(tree: Any, dtype: str) -> Any:
+    """Casts floating arrays of inputs or outputs; modules and ``eqx.nn.State`` stay as they are."""
+    keep = (eqx.Module, eqx.nn.State)
+    return jax.tree_util.tree_map(lambda x: x if isinstance(x, keep) else cast_leaf(x, dtype),
+                                  tree, is_leaf=lambda x: isinstance(x, keep))
+
+
+class PolicyModule(eqx.nn.StatefulLayer):
+    """An Equinox module run under a policy; made by `mixedpolicy.apply_policy`.
+
+    Calling it (or any method of the wrapped module, read through it) casts the
+    module's own floating arrays and floating inputs to the compute dtype and,
+    where the policy's output dtype differs, floating outputs to the output dtype.
+    Its submodules are `PolicyModule`s too, each casting its own arrays. Other
+    attributes read through to the module. It is a ``StatefulLayer`` exactly when
+    the module is, so ``eqx.nn.Sequential`` passes state as before.
+
+    Attributes:
+      module: the wrapped Equinox module (its arrays in the variable dtype).
+      policy: its policy.
+      source: where the policy came from (global, map key, built-in rule).
+      casts: (array path within the module, dtype before) for each array cast.
+    """
+
+    module: Any
+    policy: Policy = eqx.field(static=True)
+    source: str = eqx.field(static=True)
+    casts: tuple = eqx.field(static=True, default=())
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run("__call__", args, kwargs)
+
+    def is_stateful(self) -> bool:
+        module = self.module
+        return isinstance(module, eqx.nn.StatefulLayer) and module.is_stateful()
+
+    def _run(self, method: str, args: tuple, kwargs: dict) -> Any:
+        policy = self.policy
+        leaves, treedef = _children(self.module)  # its own arrays; submodules cast theirs
+        module = jax.tree_util.tree_unflatten(treedef, [
+            x if isinstance(x, eqx.Module) else cast_leaf(x, policy.compute_dtype) for _, x in leaves])
+        args, kwargs = _cast((args, kwargs), policy.compute_dtype)
+        out = getattr(module, method)(*args, **kwargs)
+        if policy.output_dtype == policy.compute_dtype:
+            return out  # as the layers made it, e.g. float32 from a layer overridden to float32
+        return _cast(out, policy.output_dtype)
+
+    def __getattr__(self, name: str) -> Any:
+        module = self.__dict__.get("module")
+        if module is None or name.startswith("__"):
+            raise AttributeError(name)
+        value = getattr(module, name)
+        if callable(value) and callable(getattr(type(module), name, None)):
+            return _Method(self, name)  # a method: it runs under the policy too
+        return value
+
+    def __repr__(self) -> str:
+        return f"PolicyModule({self.module!r}, policy={self.policy.name!r})"
+
+
+class _Method:
+    """A method of a wrapped module, read through its `PolicyModule`."""
+
+    def __init__(self, owner: PolicyModule, name: str):
+        self._owner, self._name = owner, name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._owner._run(self._name, args, kwargs)
+
+
+def apply_policy(model: Any, policy_map: PolicyMap) -> PolicyModule:
+    model = remove_policy(model)
+    infos: list[LayerInfo] = []
+
+    def rebuild(module: Any, path: str, chain: list) -> PolicyModule:
+        info = LayerInfo(path, type(module), _kind(type(module)))
+        chain = [*chain, info]
+        infos.append(info)
+        resolution = policy_map.resolve(chain)
+        policy = resolution.policy
+        leaves, treedef = _children(module)
+        new, casts = [], []
+        for keys, leaf in leaves:
+            if isinstance(leaf, eqx.nn.StateIndex):
+                new.append(leaf)
+                continue
+            if isinstance(leaf, eqx.Module):
+                new.append(rebuild(leaf, _join(path, keys), chain))
+                continue
+            dtype = dtype_name(getattr(leaf, "dtype", None))
+            check_master_weights(_join(path, keys), dtype, policy,
+                                 "Create the module with float32 arrays (or cast them with jax.tree.map)")
+            if dtype is not None and dtype != policy.variable_dtype:
+                casts.append((_join("", keys), dtype))
+                leaf = cast_leaf(leaf, policy.variable_dtype)
+            new.append(leaf)
+        return PolicyModule(jax.tree_util.tree_unflatten(treedef, new), policy, resolution.source,
+                            tuple(casts))
+
+    wrapped = rebuild(model, "", [])
+    policy_map.warn_unmatched(infos)
+    return wrapped
+
+
+def remove_policy(model: Any) -> Any:
+    """The module without its `PolicyModule` wrappers, arrays back in their dtypes."""
+    if not isinstance(model, eqx.Module):
+        return model
+    casts = dict(model.casts) if isinstance(model, PolicyModule) else {}
+    inner = model.module if isinstance(model, PolicyModule) else model
+    leaves, treedef = _children(inner)
+    new = []
+    for keys, leaf in leaves:
+        before = casts.get(_join("", keys))
+        layer = isinstance(leaf, eqx.Module) and not isinstance(leaf, eqx.nn.StateIndex)
+        new.append(remove_policy(leaf) if layer
+                   else cast_leaf(leaf, before) if before else leaf)
+    return jax.tree_util.tree_unflatten(treedef, new)
+
+
+def describe(model: Any) -> list:
+    rows = []
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, PolicyModule):
+            module, policy, source = node.module, node.policy, node.source
+        else:
+            module, source = node, "no policy applied"
+            own = {dtype_name(getattr(x, "dtype", None)) for _, x in _children(node)[0]} - {None}
+            policy = Policy(own.pop() if len(own) == 1 else "float32")
+        rows.append(LayerPolicy(path, type(module).__name__, policy, source))
+        for keys, leaf in _children(module)[0]:
+            if isinstance(leaf, eqx.Module) and callable(leaf):
+                walk(leaf, _join(path, keys))
+
+    walk(model, "")
+    return rows

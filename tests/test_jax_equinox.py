@@ -1,0 +1,186 @@
+"""Policies on Equinox modules: rebuilt trees with PolicyModule regions where the policy changes."""
+
+import numpy as np
+import pytest
+
+from conftest import require_module
+
+jax = require_module("jax")
+jnp = jax.numpy
+eqx = require_module("equinox", "jax")
+optax = require_module("optax", "jax")
+
+import mixedpolicy as mp  # noqa: E402
+
+X = np.random.default_rng(0).normal(size=(8, 6)).astype(np.float32)
+F32, BF16 = jnp.dtype("float32"), jnp.dtype("bfloat16")
+
+
+class Block(eqx.Module):
+    linear: eqx.nn.Linear
+    norm: eqx.nn.LayerNorm
+
+    def __init__(self, key):
+        self.linear = eqx.nn.Linear(16, 16, key=key)
+        self.norm = eqx.nn.LayerNorm(16)
+
+    def __call__(self, x):
+        return self.norm(jax.nn.relu(self.linear(x)))
+
+    def hidden(self, x):
+        return self.linear(x)
+
+
+class Net(eqx.Module):
+    embed: eqx.nn.Linear
+    blocks: list
+    head: eqx.nn.Linear
+
+    def __init__(self, key=jax.random.key(0), dtype=jnp.float32):
+        keys = jax.random.split(key, 4)
+        self.embed = eqx.nn.Linear(6, 16, key=keys[0], dtype=dtype)
+        self.blocks = [Block(keys[1]), Block(keys[2])]
+        self.head = eqx.nn.Linear(16, 3, key=keys[3])
+
+    def __call__(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def dtypes(tree):
+    return {leaf.dtype for leaf in jax.tree_util.tree_leaves(eqx.filter(tree, eqx.is_array))}
+
+
+def rows(model):
+    return {r.path: r for r in mp.describe(model)}
+
+
+@eqx.filter_jit
+def run(model, x):
+    return jax.vmap(model)(x)
+
+
+def test_layers_compute_in_the_policy_params_and_grads_stay_float32():
+    model = mp.apply_policy(Net(), "mixed_bfloat16")
+    assert isinstance(model, mp.backends.jax_equinox.PolicyModule)
+    table = rows(model)
+    assert table[""].compute_dtype == table["blocks.0.linear"].compute_dtype == "bfloat16"
+    assert table["blocks.1.norm"].compute_dtype == "float32"
+    assert table["blocks.1.norm"].source == "built-in rule: normalization"
+    assert dtypes(model) == {F32}
+    assert run(model, X).dtype == BF16
+    grads = eqx.filter_grad(lambda m: run(m, X).astype(jnp.float32).sum())(model)
+    assert dtypes(grads) == {F32}
+    # Every module is wrapped and casts its own arrays and inputs; attributes read through.
+    assert type(model.blocks[0].linear.module) is eqx.nn.Linear
+    assert model.blocks[0].linear.weight.dtype == F32
+
+
+def test_the_policy_is_what_hand_written_casts_do_bit_for_bit():
+    plain = Net()
+    ours = run(mp.apply_policy(plain, "mixed_bfloat16"), X)
+
+    def by_hand(x):  # jmp-style: cast params and inputs, a float32 norm that hands on bfloat16
+        half = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16) if eqx.is_array(a) else a, plain)
+        x = half.embed(x.astype(jnp.bfloat16))
+        for block, fp32 in zip(half.blocks, plain.blocks):
+            x = fp32.norm(jax.nn.relu(block.linear(x)).astype(jnp.float32)).astype(jnp.bfloat16)
+        return half.head(x)
+
+    hand = jax.jit(jax.vmap(by_hand))(X)
+    assert ours.dtype == hand.dtype == BF16
+    np.testing.assert_array_equal(np.asarray(ours, np.float32), np.asarray(hand, np.float32))
+
+
+def test_float32_policy_is_plain_equinox_bit_for_bit():
+    np.testing.assert_array_equal(np.asarray(run(mp.apply_policy(Net(), "float32"), X)),
+                                  np.asarray(run(Net(), X)))
+
+
+def test_overrides_by_path_glob_class_and_inheritance():
+    model = mp.apply_policy(Net(), "mixed_float16", {
+        "head": "float32", "blocks.*.linear": "mixed_bfloat16", "blocks.1": "bfloat16"})
+    table = rows(model)
+    assert table["head"].policy == mp.Policy("float32") and table["head"].source == "map key 'head'"
+    assert table["blocks.0.linear"].source == "map key 'blocks.*.linear'"
+    assert table["blocks.1"].policy == mp.Policy("bfloat16")
+    assert table["blocks.1.linear"].policy == mp.Policy("mixed_bfloat16")  # its own key wins
+    assert table["blocks.1.norm"].policy.variable_dtype == "float32"
+    assert model.blocks[1].linear.weight.dtype == F32  # mixed: float32 variables
+    assert run(model, X).dtype == F32  # the float32 head's output leaves as it is
+    by_class = rows(mp.apply_policy(Net(), "mixed_float16", {eqx.nn.LayerNorm: "mixed_float16"}))
+    assert by_class["blocks.0.norm"].compute_dtype == "float16"
+    assert by_class["blocks.0.norm"].source.startswith("map key equinox")
+    inherited = rows(mp.apply_policy(Net(), "mixed_float16", {"blocks.0": "float32"}))
+    assert inherited["blocks.0.linear"].source == "map key 'blocks.0' (inherited from 'blocks.0')"
+
+
+def test_output_dtype_other_methods_and_state_arguments():
+    model = mp.apply_policy(Net(), "p=f32,c=bf16,o=f32")
+    assert run(model, X).dtype == F32
+    block = mp.apply_policy(Block(jax.random.key(1)), "mixed_bfloat16")
+    assert block.hidden(jnp.ones(16)).dtype == BF16  # a method read through runs under the policy
+    assert block.linear.weight.dtype == F32  # an attribute reads through as it is
+    bn, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(16, "batch", mode="batch")
+    bn = mp.apply_policy(bn, "mixed_bfloat16")
+    out, new_state = jax.vmap(bn, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(
+        jnp.ones((4, 16), jnp.bfloat16), state)
+    # The norm computes in float32 (built-in rule) and hands on the compute dtype; the
+    # running statistics in eqx.nn.State are never cast.
+    assert out.dtype == BF16 and {d for d in dtypes(new_state) if jnp.issubdtype(d, jnp.floating)} == {F32}
+    seq = mp.apply_policy(eqx.nn.Sequential([eqx.nn.Linear(16, 16, key=jax.random.key(2)), bn.module]),
+                          "mixed_bfloat16")
+    assert seq.layers[1].is_stateful() and not seq.layers[0].is_stateful()
+    out, _ = jax.vmap(seq, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(jnp.ones((4, 16)), state)
+    assert out.dtype == BF16
+
+
+def test_trains_under_filter_jit_with_the_loss_scale_optimizer():
+    model = mp.apply_policy(Net(), "mixed_float16")
+    tx = mp.LossScaleOptimizer(optax.sgd(0.05, momentum=0.9))
+    opt_state = tx.init(eqx.filter(model, eqx.is_array))
+    y = jnp.asarray(np.arange(8) % 3)
+
+    @eqx.filter_jit
+    def step(model, opt_state):
+        def loss_fn(m):
+            logits = jax.vmap(m)(X).astype(jnp.float32)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+        loss, grads = eqx.filter_value_and_grad(
+            lambda m: tx.scale_loss(loss_fn(m), opt_state))(model)
+        updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), opt_state, loss / opt_state.loss_scale
+
+    losses = []
+    for _ in range(5):
+        model, opt_state, loss = step(model, opt_state)
+        losses.append(float(loss))
+    assert losses[-1] < losses[0] and dtypes(model) == {F32}
+    assert int(opt_state.num_skipped_steps) == 0
+
+
+def test_remove_policy_restores_the_module_and_applying_twice_replaces():
+    plain = Net()
+    pure = mp.apply_policy(plain, "bfloat16", {"head": "p=f32,c=bf16,o=f32"})
+    assert pure.embed.weight.dtype == BF16 and pure.head.weight.dtype == F32
+    assert pure.blocks[0].norm.weight.dtype == F32  # norms keep float32 variables
+    back = mp.remove_policy(pure)
+    assert type(back) is Net and type(back.head) is eqx.nn.Linear
+    assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(plain)
+    assert dtypes(back) == {F32}  # values went through bfloat16, as the pure policy asked
+    assert eqx.tree_equal(mp.remove_policy(mp.apply_policy(plain, "mixed_float16")), plain)
+    again = mp.apply_policy(pure, "mixed_float16")
+    assert dtypes(again) == {F32} and rows(again)["embed"].compute_dtype == "float16"
+    assert {r.source for r in mp.describe(plain)} == {"no policy applied"}
+
+
+def test_half_master_weights_are_refused_and_unmatched_keys_warn():
+    half = Net(dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"'embed.weight' is already bfloat16"):
+        mp.apply_policy(half, "mixed_bfloat16")
+    assert mp.apply_policy(half, "bfloat16").embed.weight.dtype == BF16  # a pure policy is fine
+    with pytest.warns(UserWarning, match=r"'blocks.0.lienar' matches no layer path.*'blocks.0.linear'"):
+        mp.apply_policy(Net(), "mixed_bfloat16", {"blocks.0.lienar": "float32"})
