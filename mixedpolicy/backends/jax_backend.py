@@ -6,8 +6,8 @@
   resolved policy (see `mixedpolicy.backends.jax_flax`);
 - a Flax linen module is wrapped in a `PolicyLinen`, whose ``init`` / ``apply``
   cast each submodule's parameters and inputs on the way in;
-- an Equinox module is rebuilt with `PolicyModule` wrappers at the places where
-  the policy changes (see `mixedpolicy.backends.jax_equinox`);
+- an Equinox module is rebuilt with each of its modules wrapped in a `PolicyModule`
+  that casts that module's arrays and inputs (see `mixedpolicy.backends.jax_equinox`);
 - an optax ``GradientTransformation`` is wrapped into another one that carries the
   loss scale in its state (see `mixedpolicy.backends.jax_optimizer`).
 

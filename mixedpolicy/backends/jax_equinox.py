@@ -72,8 +72,9 @@ class PolicyModule(eqx.nn.StatefulLayer):
     module's own floating arrays and floating inputs to the compute dtype and,
     where the policy's output dtype differs, floating outputs to the output dtype.
     Its submodules are `PolicyModule`s too, each casting its own arrays. Other
-    attributes read through to the module. It is a ``StatefulLayer`` exactly when
-    the module is, so ``eqx.nn.Sequential`` passes state as before.
+    attributes read through to the module. Its ``is_stateful()`` is the module's
+    (False for a module that is no ``StatefulLayer``), so ``eqx.nn.Sequential``
+    passes state exactly as before.
 
     Attributes:
       module: the wrapped Equinox module (its arrays in the variable dtype).

@@ -15,12 +15,17 @@ from mixedpolicy.bench.worker import Trainer, pin_tf32
 _COMPUTE = {"float32": jnp.float32, "mixed_bfloat16": jnp.bfloat16, "mixed_float16": jnp.float16}
 
 
-_RNGS = nnx.Rngs(0)  # unused by the initialisers below, which hand out the shared weights
+_RNGS = nnx.Rngs(0)  # its keys are ignored by the initialisers below, which hand out the shared weights
 
 
 def _given(value: np.ndarray):
     """An initialiser that returns `value`: no random init to compute (and compile) first."""
-    return lambda key, shape, dtype=jnp.float32: jnp.asarray(value, dtype)
+    def init(key, shape, dtype=jnp.float32):
+        if tuple(shape) != value.shape:
+            raise ValueError(f"The shared weights hold shape {value.shape} where the layer "
+                             f"asks for {tuple(shape)}: the weights file and the model config disagree.")
+        return jnp.asarray(value, dtype)
+    return init
 
 
 def _linear(w: dict, name: str, dtype) -> nnx.Linear:
