@@ -162,7 +162,7 @@ def test_every_framework_builds_the_same_model_from_the_shared_weights(tmp_path)
         models.save_weights(str(tmp_path / f"{model}.npz"), models.init_weights(model, TINY[model], seed=1))
     helper = str(Path(__file__).with_name("bench_models_helper.py"))
     # Two at a time (CI has two cores), the slowest to build first (JAX compiles the most),
-    # each next one started as soon as a slot frees: ~140 s where fixed pairs took ~210 s.
+    # each next one started as soon as a slot frees, so no slot idles behind a slow pair.
     slow_first = ["keras-jax", "jax", "keras-tensorflow", "tensorflow", "keras-torch", "torch"]
     waiting = sorted(frameworks, key=lambda f: slow_first.index(f) if f in slow_first else len(slow_first))
     running: dict = {}
