@@ -40,8 +40,9 @@ def _kind(cls: type) -> str | None:
 
 
 def _join(path: str, keys: tuple) -> str:
-    names = [str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in keys]
-    return ".".join([path, *names] if path else names)
+    """`path` extended by a key path, dotted: ("blocks", [0], .linear) -> "blocks.0.linear"."""
+    tail = jax.tree_util.keystr(keys, simple=True, separator=".")
+    return f"{path}.{tail}" if path and tail else path or tail
 
 
 def _kept_whole(x: Any) -> bool:

@@ -165,10 +165,10 @@ def run(spec: RunSpec) -> dict:
     runner = _runner(spec.framework)
     x_train, y_train, x_test, y_test = data(spec, runner)
     ours, native = build(spec, runner)
-    feeds = {id(t): _Feed(x_train, y_train, spec.batch_size, spec.seed) for t in (ours, native)}
+    feeds = {t: _Feed(x_train, y_train, spec.batch_size, spec.seed) for t in (ours, native)}
 
     def advance(trainer: Trainer, n: int) -> float:
-        return _timed(trainer, feeds[id(trainer)].take(n)) / n if n else 0.0
+        return _timed(trainer, feeds[trainer].take(n)) / n if n else 0.0
 
     for trainer in (ours, native):
         advance(trainer, spec.warmup)
