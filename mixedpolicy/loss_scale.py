@@ -24,27 +24,93 @@ def _ops(array: Any):
     return adapter_for_array(array)
 
 
+def _tree_ops(tree: Any):
+    from mixedpolicy.backends import adapter_for_tree
+
+    return adapter_for_tree(tree)
+
+
+def _dtype_name(value: Any) -> str:
+    """The plain dtype name of an array of any framework ("" for none): "float32", "bool"..."""
+    dtype = getattr(value, "dtype", None)
+    if dtype is None:
+        return ""
+    name = getattr(dtype, "name", None)
+    return name if isinstance(name, str) else str(dtype).rpartition(".")[2]
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool)
+
+
 def _check_scale(value: Any, what: str) -> Any:
-    """Validates a scale given as a Python number; arrays pass through (no host sync)."""
-    dtype = str(getattr(value, "dtype", "")).rpartition(".")[2]
+    """Validates a scale; returns a float32 numpy scalar, or a framework array as given.
+
+    A framework array is checked for its dtype and, where its value can be read
+    without tracing (outside ``jax.jit``), for its value; a traced one passes.
+    """
+    dtype = _dtype_name(value)
     if dtype in ("float16", "bfloat16"):
         raise ValueError(
             f"Received {what} as a {dtype} value; the scale is kept in float32 whatever the "
             f"compute dtype (float16 overflows above 65504, and the scale grows past that). "
             f"Pass a Python number such as 2**15, or a float32 array.")
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer, np.ndarray)):
-        if hasattr(value, "dtype") and hasattr(value, "shape"):
-            return value  # a framework array: validated where it was made
-        raise TypeError(f"Received {what}={value!r} of type {type(value).__name__}; "
+    if dtype and not _is_number(value) and not dtype.startswith("float"):
+        raise TypeError(f"Received {what} as an array of dtype {dtype}; expected a float32 "
+                        f"scalar or a Python number such as 2**15 (the scale is kept in float32).")
+    if isinstance(value, bool) or not (_is_number(value) or hasattr(value, "dtype")):
+        raise TypeError(f"Received {what}={value!r:.80} of type {type(value).__name__}; "
                         f"expected a positive number such as 2**15.")
-    number = float(np.asarray(value))
+    framework_array = not isinstance(value, (int, float, np.generic, np.ndarray))
+    if getattr(value, "shape", ()) not in ((), (1,), [1]) and tuple(getattr(value, "shape", ())) != ():
+        raise ValueError(f"Received {what} of shape {tuple(value.shape)}; expected a scalar.")
+    try:
+        number = float(value) if framework_array else float(np.asarray(value))
+    except Exception:  # a traced array (jax.jit): checked where it was made
+        return value
     if not math.isfinite(number) or number <= 0:
         raise ValueError(f"Received {what}={number!r}; expected a finite number > 0. "
-                         f"A scale of 0 or inf would turn the gradients into NaN.")
+                         f"A scale of 0, NaN or inf would turn the gradients into NaN.")
     if number > _F32_MAX:
         raise ValueError(f"Received {what}={number!r}, larger than float32 can hold "
                          f"({_F32_MAX:.3g}); the scale is kept in float32.")
-    return np.asarray(number, np.float32)
+    if float(np.float32(number)) == 0.0:
+        raise ValueError(f"Received {what}={number!r}, which rounds to 0 in float32 (the "
+                         f"smallest float32 above 0 is about 1.4e-45); a scale of 0 would turn "
+                         f"the weights into NaN. Choose a value of at least 2**-126 (~1.2e-38).")
+    return value if framework_array else np.asarray(number, np.float32)
+
+
+def _check_finite_flag(grads_finite: Any) -> Any:
+    """Refuses what cannot be a 'were the gradients finite' flag (None, NaN, a list...)."""
+    if isinstance(grads_finite, (bool, np.bool_)):
+        return grads_finite
+    shape = tuple(getattr(grads_finite, "shape", (None,)))
+    if _dtype_name(grads_finite) == "bool" and shape in ((), (1,)):
+        return grads_finite
+    raise TypeError(
+        f"Received grads_finite={grads_finite!r:.80} of type {type(grads_finite).__name__}; "
+        f"expected a boolean scalar: True, False, or a bool array of shape () such as the "
+        f"result of all_finite(grads).")
+
+
+def all_finite(tree: Any) -> Any:
+    """A boolean scalar of the tree's framework: are all floating leaves free of inf and NaN?
+
+    Python floats count as floating leaves. No host sync for framework arrays.
+
+    >>> bool(all_finite({"w": np.ones(2, np.float32), "b": float("inf")}))
+    False
+    """
+    return _tree_ops(tree).all_finite(tree)
+
+
+def _like(ops: Any, scale: Any, x: Any) -> Any:
+    """The scale as a float32 array of `x`'s framework (and device), if it is not one already."""
+    if ops.is_array(scale):
+        return scale
+    return ops.asarray(np.asarray(scale, np.float32) if _is_number(scale) or
+                       isinstance(scale, (np.ndarray, np.generic)) else scale, "float32", like=x)
 
 
 class LossScale(abc.ABC):
@@ -52,21 +118,38 @@ class LossScale(abc.ABC):
 
     loss_scale: Any
 
-    def scale(self, loss: Any) -> Any:
-        """Returns ``loss * loss_scale``, computed in float32."""
-        ops = _ops(loss)
-        return ops.cast(loss, "float32") * self.loss_scale
+    def scale(self, tree: Any) -> Any:
+        """Returns ``loss * loss_scale`` in float32, for a loss or every floating leaf of a tree."""
+        ops = _tree_ops(tree)
+        scale = self.loss_scale
+
+        def leaf(x):
+            if isinstance(x, float):
+                x = np.asarray(x, np.float32)
+            elif ops.floating_dtype(x) is None:
+                return x
+            return ops.cast(x, "float32") * _like(ops, scale, x)
+
+        return ops.tree_map(leaf, tree)
 
     def unscale(self, grads: Any) -> Any:
-        """Divides every floating leaf of `grads` by the scale, keeping each leaf's dtype."""
-        ops = _ops(self.loss_scale)
-        inv = 1.0 / ops.cast(self.loss_scale, "float32")
+        """Divides every floating leaf of `grads` by the scale, keeping each leaf's dtype.
+
+        The arithmetic runs in the gradients' framework, whichever framework holds the
+        scale; Python floats are divided too.
+        """
+        ops = _tree_ops(grads)
+        scale = self.loss_scale
 
         def leaf(g):
+            if isinstance(g, float):
+                return g / float(scale)
             dtype = ops.floating_dtype(g)
             if dtype is None:
                 return g
-            return ops.cast(ops.cast(g, "float32") * inv, dtype)
+            wide = "float64" if dtype == "float64" else "float32"
+            inv = 1.0 / ops.cast(_like(ops, scale, g), wide)
+            return ops.cast(ops.cast(g, wide) * inv, dtype)
 
         return ops.tree_map(leaf, grads)
 
@@ -94,6 +177,7 @@ class NoLossScale(LossScale):
         return grads
 
     def adjust(self, grads_finite: Any) -> "NoLossScale":
+        _check_finite_flag(grads_finite)
         return self
 
     def __eq__(self, other: object) -> bool:
@@ -120,6 +204,7 @@ class StaticLossScale(LossScale):
         object.__setattr__(self, "loss_scale", _check_scale(self.loss_scale, "loss_scale"))
 
     def adjust(self, grads_finite: Any) -> "StaticLossScale":
+        _check_finite_flag(grads_finite)
         return self
 
     def __eq__(self, other: object) -> bool:
@@ -203,9 +288,13 @@ class DynamicLossScale(LossScale):
                              f"choose an initial scale inside them.")
         counter = self.counter
         if isinstance(counter, (int, np.integer)) and not isinstance(counter, bool):
-            if counter < 0:
+            if not 0 <= counter < 2**31:
                 raise ValueError(f"Received counter={counter}; expected a count >= 0.")
             counter = np.asarray(counter, np.int32)
+        elif isinstance(counter, bool) or "int" not in _dtype_name(counter):
+            raise TypeError(f"Received counter={counter!r:.80} of type {type(counter).__name__}; "
+                            f"expected a whole number >= 0 (finite steps since the scale last "
+                            f"changed), or an integer array.")
         object.__setattr__(self, "loss_scale", scale)
         object.__setattr__(self, "counter", counter)
         object.__setattr__(self, "dynamic_growth_steps", int(steps))
@@ -220,7 +309,11 @@ class DynamicLossScale(LossScale):
         Args:
           grads_finite: a boolean scalar (array or Python bool): were all gradients finite?
         """
-        ops = _ops(self.loss_scale)
+        _check_finite_flag(grads_finite)
+        # the flag's framework, when it is an array (a traced one under jit), else the scale's
+        ops = _ops(grads_finite)
+        if ops.name == "numpy":
+            ops = _ops(self.loss_scale)
         finite = ops.asarray(grads_finite, "bool", like=self.loss_scale)
         scale = self.loss_scale
         counter = ops.where(finite, self.counter + 1, ops.zeros_like(self.counter))
@@ -252,3 +345,33 @@ class DynamicLossScale(LossScale):
 
     def __hash__(self) -> int:
         return hash((DynamicLossScale, self._settings()))
+
+
+def _register_jax_pytrees(jax: Any) -> None:
+    """Makes the loss scales JAX pytrees (as jmp's are): arrays are children, settings aux data."""
+    def unflatten(cls, settings, arrays):
+        new = object.__new__(cls)  # no validation: leaves may be tracers or placeholders
+        names = [f.name for f in dataclasses.fields(cls)]
+        values = dict(zip(names[:len(arrays)], arrays))
+        values.update(zip(names[len(arrays):], settings))
+        for name in names:
+            object.__setattr__(new, name, values[name])
+        return new
+
+    jax.tree_util.register_pytree_node(
+        NoLossScale, lambda s: ((), ()), lambda aux, kids: NoLossScale())
+    jax.tree_util.register_pytree_node(
+        StaticLossScale, lambda s: ((s.loss_scale,), ()),
+        lambda aux, kids: unflatten(StaticLossScale, aux, kids))
+    jax.tree_util.register_pytree_node(
+        DynamicLossScale, lambda s: ((s.loss_scale, s.counter), s._settings()),
+        lambda aux, kids: unflatten(DynamicLossScale, aux, kids))
+
+
+def _install_jax_hook() -> None:
+    from mixedpolicy.backends.import_hook import when_imported
+
+    when_imported("jax", _register_jax_pytrees)
+
+
+_install_jax_hook()

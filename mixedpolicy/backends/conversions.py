@@ -30,7 +30,8 @@ def to_jmp(policy: Any) -> Any:
     import jmp
 
     def dt(name: str) -> Any:
-        return jnp.dtype(name)
+        # jmp keys its names (str(policy), get_policy) by the scalar types, jnp.float32...
+        return getattr(jnp, name)
 
     return jmp.Policy(param_dtype=dt(policy.variable_dtype), compute_dtype=dt(policy.compute_dtype),
                       output_dtype=dt(policy.output_dtype))

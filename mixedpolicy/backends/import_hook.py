@@ -1,8 +1,10 @@
-"""Keeps a framework with a global dtype policy of its own (Keras) in step when it is imported late.
+"""Runs code right after a framework is imported, without importing it.
 
-`set_global_policy` tells every framework already imported. One not imported yet
-is not imported for it: a finder on ``sys.meta_path`` waits for ``import keras``
-and, right after the module has run, hands it the global policy in force then.
+Two users: a framework with a global dtype policy of its own (Keras) is kept in
+step when it is imported after `set_global_policy`: a finder on ``sys.meta_path``
+waits for ``import keras`` and, right after the module has run, hands it the global
+policy in force then. And the loss scales register as JAX pytrees as soon as JAX
+is imported (`when_imported`), so they pass through ``jax.jit`` as jmp's do.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ class _Finder(importlib.abc.MetaPathFinder):
 
     def __init__(self, module_name: str):
         self.module_name = module_name
+        self.callbacks: list = []
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
         if fullname != self.module_name:
@@ -49,17 +52,34 @@ class _Loader(importlib.abc.Loader):
         with _lock:
             if self._finder in sys.meta_path:
                 sys.meta_path.remove(self._finder)
-        from mixedpolicy import backends
+        for callback in self._finder.callbacks:
+            callback(module)
 
-        # the global policy itself, not a policy_scope of the importing thread
-        backends.global_policy_changed(sys.modules["mixedpolicy.global_policy"]._global)
+
+def _sync_global_policy(module: Any) -> None:
+    from mixedpolicy import backends
+
+    # the global policy itself, not a policy_scope of the importing thread
+    backends.global_policy_changed(sys.modules["mixedpolicy.global_policy"]._global)
+
+
+def when_imported(module_name: str, callback: Any) -> None:
+    """Calls ``callback(module)`` once `module_name` is imported: now if it already is, else right after."""
+    with _lock:
+        module = sys.modules.get(module_name)
+        if module is None:
+            finder = next((f for f in sys.meta_path
+                           if isinstance(f, _Finder) and f.module_name == module_name), None)
+            if finder is None:
+                finder = _Finder(module_name)
+                sys.meta_path.insert(0, finder)
+            if callback not in finder.callbacks:
+                finder.callbacks.append(callback)
+            return
+    callback(module)
 
 
 def notify_on_import(module_name: str) -> None:
     """Passes the global policy to `module_name`'s adapter once that module is imported (once)."""
-    with _lock:
-        if module_name in sys.modules:
-            return
-        if any(isinstance(f, _Finder) and f.module_name == module_name for f in sys.meta_path):
-            return
-        sys.meta_path.insert(0, _Finder(module_name))
+    if module_name not in sys.modules:
+        when_imported(module_name, _sync_global_policy)

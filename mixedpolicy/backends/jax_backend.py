@@ -146,7 +146,7 @@ class JaxAdapter(Adapter):
             if isinstance(obj, PolicyLinen):
                 return "model"
         optax = sys.modules.get("optax")
-        if optax is not None and isinstance(obj, optax.GradientTransformation):
+        if optax is not None and isinstance(obj, (optax.GradientTransformation, optax.MultiSteps)):
             return "optimizer"
         if _is_equinox(obj):
             return "model"

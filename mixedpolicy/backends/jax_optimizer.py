@@ -117,24 +117,32 @@ def loss_scale_transformation(inner: Any, config: LossScale, axis_name: Any = No
     if isinstance(inner, LossScaleTransformation):
         raise TypeError("Received a LossScaleOptimizer to wrap; it already scales the loss. "
                         "Wrap the inner optax transformation once.")
+    if isinstance(inner, optax.MultiSteps):  # a class with a transformation inside, not one itself
+        inner = inner.gradient_transformation()
     if axis_name is not None and not isinstance(axis_name, (str, tuple)):
         raise TypeError(f"Received axis_name={axis_name!r}; expected the name (or a tuple of "
                         f"names) of the pmap / shard_map axis the replicas run over.")
     inner = optax.with_extra_args_support(inner)
 
     def init(params: Any) -> LossScaleState:
+        inner_state = inner.init(params)
+        nested = [x for x in jax.tree_util.tree_leaves(
+            inner_state, is_leaf=lambda x: isinstance(x, LossScaleState)) if isinstance(x, LossScaleState)]
+        if nested:
+            raise TypeError(
+                "Received an inner transformation that already holds a mixedpolicy "
+                "LossScaleOptimizer (inside optax.chain or another wrapper): its gradients would "
+                "be divided by two loss scales. Wrap the whole chain once, e.g. "
+                "mp.LossScaleOptimizer(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))).")
         scale = jnp.asarray(config.loss_scale, jnp.float32)
         counter = jnp.asarray(getattr(config, "counter", 0), jnp.int32)
-        return LossScaleState(inner.init(params), scale, jnp.stack([counter, jnp.int32(0), jnp.int32(0)]))
+        return LossScaleState(inner_state, scale, jnp.stack([counter, jnp.int32(0), jnp.int32(0)]))
 
     def update(grads: Any, state: LossScaleState, params: Any = None, **extra_args: Any):
         if not isinstance(state, LossScaleState):
             raise TypeError(f"Received a state of type {type(state).__name__}; expected the "
                             f"LossScaleState that this LossScaleOptimizer's init returned.")
-        if isinstance(config, NoLossScale):
-            updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
-            return updates, state._replace(inner_state=inner_state)
-        scale = _scale_state(config, state)
+        scale = _scale_state(config, state)  # NoLossScale: no unscale, but the skip all the same
         grads = scale.unscale(grads)
         finite = _ops.all_finite(grads)
         if axis_name is not None:

@@ -79,7 +79,7 @@ class NumpyAdapter(Adapter):
     def all_finite(self, tree: Any) -> Any:
         ok = True
         for leaf in self.leaves(tree):
-            if self.floating_dtype(leaf) is not None:
+            if isinstance(leaf, float) or self.floating_dtype(leaf) is not None:
                 ok = ok and bool(np.isfinite(np.asarray(leaf, np.float32)).all())
         return np.asarray(ok)
 

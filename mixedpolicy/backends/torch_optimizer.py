@@ -51,6 +51,19 @@ def _check_capturable(opt: torch.optim.Optimizer) -> None:
                     f"capturable=False (the default), or move the model to the GPU before creating it.")
 
 
+def _check_master_weights(group: dict, loss_scale: LossScale) -> None:
+    if isinstance(loss_scale, NoLossScale):
+        return
+    for p in group["params"]:
+        if p.dtype in (torch.float16, torch.bfloat16):
+            raise ValueError(
+                f"Received an optimizer whose parameters are {p.dtype} master weights. "
+                f"Loss scaling protects float16 gradients, but updates to half-precision "
+                f"weights are lost to rounding. Keep the weights in float32 (apply a "
+                f"mixed policy such as 'mixed_float16', which stores variables in "
+                f"float32), or wrap with loss_scale=mp.NoLossScale() if intended.")
+
+
 class TorchLossScaleOptimizer(torch.optim.Optimizer):
     """Wraps one or several ``torch.optim.Optimizer`` with one shared loss scale.
 
@@ -62,15 +75,13 @@ class TorchLossScaleOptimizer(torch.optim.Optimizer):
     def __init__(self, inner: Any, loss_scale: LossScale):  # noqa: D107 (Optimizer.__init__ not called on purpose)
         inners = list(inner) if isinstance(inner, (list, tuple)) else [inner]
         for opt in inners:
+            if isinstance(opt, TorchLossScaleOptimizer):
+                raise TypeError(
+                    "Received a mixedpolicy LossScaleOptimizer to wrap; it already scales the loss, "
+                    "and wrapping it again would divide the gradients by two scales. Wrap the "
+                    "torch optimizer once (use .inner_optimizers to get at the optimizers inside).")
             for group in opt.param_groups:
-                for p in group["params"]:
-                    if p.dtype in (torch.float16, torch.bfloat16) and not isinstance(loss_scale, NoLossScale):
-                        raise ValueError(
-                            f"Received an optimizer whose parameters are {p.dtype} master weights. "
-                            f"Loss scaling protects float16 gradients, but updates to half-precision "
-                            f"weights are lost to rounding. Keep the weights in float32 (apply a "
-                            f"mixed policy such as 'mixed_float16', which stores variables in "
-                            f"float32), or wrap with loss_scale=mp.NoLossScale() if intended.")
+                _check_master_weights(group, loss_scale)
             _check_capturable(opt)
         self._inners = inners
         self._config = loss_scale
@@ -82,8 +93,35 @@ class TorchLossScaleOptimizer(torch.optim.Optimizer):
         self._last_skipped: torch.Tensor | None = None
         self._optimizer_step_pre_hooks: dict = OrderedDict()
         self._optimizer_step_post_hooks: dict = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: dict = OrderedDict()
+        self._optimizer_state_dict_post_hooks: dict = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: dict = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: dict = OrderedDict()
         self.defaults = inners[0].defaults
 
+    def __getstate__(self) -> dict:  # torch.optim.Optimizer keeps only defaults/state/groups
+        return dict(self.__dict__)
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Adds a parameter group to the inner optimizer (with one inner optimizer only).
+
+        Raises:
+          TypeError: the wrapper holds several optimizers (add the group to one of them).
+          ValueError: the group's parameters are half-precision master weights.
+        """
+        if len(self._inners) != 1:
+            raise TypeError(
+                f"Received add_param_group on a LossScaleOptimizer over {len(self._inners)} "
+                f"optimizers; it cannot tell which one should own the group. Call it on that "
+                f"optimizer: wrapper.inner_optimizers[i].add_param_group(group).")
+        if isinstance(param_group, dict):
+            params = param_group.get("params")
+            params = [params] if isinstance(params, torch.Tensor) else list(params or [])
+            _check_master_weights({"params": params}, self._config)
+        self._inners[0].add_param_group(param_group)
     # -- the inner optimizer's view -------------------------------------------
     @property
     def inner_optimizers(self) -> list:
@@ -146,8 +184,20 @@ class TorchLossScaleOptimizer(torch.optim.Optimizer):
         self._ensure_scale(self._first_device())
         return int(self._skipped)
 
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """Returns ``loss * loss_scale`` in float32; call ``.backward()`` on it."""
+    def scale_loss(self, loss: Any) -> Any:
+        """Returns ``loss * loss_scale`` in float32; call ``.backward()`` on it.
+
+        A list or tuple of losses (as ``GradScaler.scale`` takes) gives one of scaled losses.
+
+        Raises:
+          TypeError: `loss` is not a tensor (a Python number has no graph to backpropagate).
+        """
+        if isinstance(loss, (list, tuple)):
+            return type(loss)(self.scale_loss(x) for x in loss)
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"Received a loss of type {type(loss).__name__} ({loss!r:.60}); "
+                            f"expected the loss tensor of this step (or a list of them), whose "
+                            f".backward() computes the gradients.")
         if isinstance(self._config, NoLossScale):
             return loss
         scale = self._ensure_scale(loss.device)
@@ -161,6 +211,13 @@ class TorchLossScaleOptimizer(torch.optim.Optimizer):
                 g = p.grad
                 if g is None:
                     continue
+                if p.dtype == torch.float16 and not isinstance(self._config, NoLossScale):
+                    raise ValueError(
+                        "Attempting to unscale float16 gradients of float16 parameters (as "
+                        "torch.amp.GradScaler refuses to): the model was made half precision "
+                        "(.half()) after the optimizer was wrapped, so its master weights are "
+                        "float16 and updates are lost to rounding. Keep parameters in float32 and "
+                        "compute in float16 with apply_policy(model, 'mixed_float16').")
                 if g.is_sparse:
                     g = g.coalesce()._values() if g.dtype == torch.float16 else g._values()
                 groups[(g.device, g.dtype)].append(g)
@@ -174,7 +231,11 @@ class TorchLossScaleOptimizer(torch.optim.Optimizer):
             found = per_device.setdefault(device, torch.zeros((), dtype=torch.float32, device=device))
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale.to(device))
         if not per_device:
-            return torch.zeros((), dtype=torch.float32, device=scale.device)
+            raise RuntimeError(
+                "step() found no gradients in any parameter: nothing was backpropagated since "
+                "the last zero_grad(), so there is no finiteness to check and the step would "
+                "count towards growing the scale (torch.amp.GradScaler stops here too: 'No inf "
+                "checks were recorded'). Call opt.scale_loss(loss).backward() before opt.step().")
         return sum(f.to(scale.device, non_blocking=True) for f in per_device.values())
 
     def unscale_(self) -> None:
@@ -186,9 +247,6 @@ class TorchLossScaleOptimizer(torch.optim.Optimizer):
         if self._unscaled:
             raise RuntimeError("unscale_() was already called since the last step(); the "
                                "gradients are unscaled once per step. Call step() next.")
-        if isinstance(self._config, NoLossScale):
-            self._unscaled = True
-            return
         scale = self._ensure_scale(self._first_device())
         self._found_inf = self._check(scale.double().reciprocal().float())
         self._unscaled = True
@@ -204,11 +262,7 @@ class TorchLossScaleOptimizer(torch.optim.Optimizer):
             raise TypeError("LossScaleOptimizer.step() takes no closure: an optimizer that "
                             "re-evaluates the loss (LBFGS) cannot be loss-scaled. Use it without "
                             "a LossScaleOptimizer and a bfloat16 or float32 policy.")
-        if isinstance(self._config, NoLossScale):
-            for opt in self._inners:
-                opt.step()
-            self._unscaled = False
-            return None
+        # NoLossScale too: its scale is 1, and a non-finite step is still skipped
         scale = self._ensure_scale(self._first_device())
         fused = all(getattr(opt, "_step_supports_amp_scaling", False) for opt in self._inners)
         if fused:
@@ -232,12 +286,15 @@ class TorchLossScaleOptimizer(torch.optim.Optimizer):
         self._unscaled = False
         return None
 
+    step = torch.optim.Optimizer.profile_hook_step(step)  # runs the step pre/post hooks
+    step.hooked = True
+
     def _update_scale(self, found_inf: torch.Tensor) -> None:
         skipped = found_inf.reshape(()) > 0
         self._last_skipped.copy_(skipped)
         self._skipped.add_(skipped.to(torch.int64))
         cfg = self._config
-        if isinstance(cfg, StaticLossScale):
+        if not isinstance(cfg, DynamicLossScale):
             return
         torch._amp_update_scale_(self._scale, self._growth_tracker, found_inf,
                                  cfg.growth_factor, cfg.backoff_factor, cfg.dynamic_growth_steps)
@@ -295,6 +352,12 @@ class TorchLossScaleOptimizer(torch.optim.Optimizer):
                 backoff_factor=state.get("backoff_factor", cfg.backoff_factor),
                 min_scale=state.get("min_scale") or min(cfg.min_scale, scale),
                 max_scale=state.get("max_scale") or max(cfg.max_scale, scale))
+        elif isinstance(cfg, NoLossScale):
+            if float(scale) != 1.0:
+                raise ValueError(
+                    f"Received a scaler state with scale={scale} for a LossScaleOptimizer made with "
+                    f"NoLossScale(), which never scales. Load it into a wrapper made with a "
+                    f"DynamicLossScale or StaticLossScale, or drop the 'loss_scale' entry.")
         else:
             cfg = StaticLossScale(scale)
         return cfg, state.get("num_skipped_steps")
@@ -307,7 +370,13 @@ class TorchLossScaleOptimizer(torch.optim.Optimizer):
         self._skipped.fill_(int(skipped))
 
     def state_dict(self) -> dict:
-        """The inner optimizer's state dict plus ``"loss_scale"`` (GradScaler format) and counters."""
+        """The inner optimizer's state dict plus ``"loss_scale"`` (GradScaler format) and counters.
+
+        With several optimizers, their state dicts are the list under ``"inner"``. The
+        hooks of ``register_state_dict_pre_hook`` / ``_post_hook`` run as in torch.
+        """
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
         if len(self._inners) == 1:
             out = dict(self._inners[0].state_dict())
         else:
@@ -315,21 +384,49 @@ class TorchLossScaleOptimizer(torch.optim.Optimizer):
         out["loss_scale"] = dict(self.scaler_state_dict(), min_scale=getattr(self._config, "min_scale", None),
                                  max_scale=getattr(self._config, "max_scale", None),
                                  num_skipped_steps=self.num_skipped_steps)
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            result = hook(self, out)
+            if result is not None:
+                out = result
         return out
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restores what `state_dict` saved: inner state, scale, growth counter, skip count."""
+        """Restores what `state_dict` saved: inner state, scale, growth counter, skip count.
+
+        Everything is checked before anything loads: a refused dict changes nothing.
+
+        Raises:
+          TypeError: `state_dict` is not a dict.
+          ValueError: it was saved by a wrapper over another number of optimizers, or its
+            scale part is not a scaler state.
+        """
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"Received a state of type {type(state_dict).__name__}; expected the "
+                            f"dict from LossScaleOptimizer.state_dict().")
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         state_dict = dict(state_dict)
         scale_state = state_dict.pop("loss_scale", None)
         # A bad scale part is refused before the inner state changes.
         scale = self._scale_state_from(scale_state) if scale_state is not None else None
+        saved = state_dict.get("inner")
+        count = len(saved) if isinstance(saved, (list, tuple)) else 1
+        if count != len(self._inners) or (len(self._inners) > 1 and saved is None):
+            raise ValueError(
+                f"Received the state of a LossScaleOptimizer over {count} optimizer(s), but this "
+                f"one wraps {len(self._inners)}; nothing was loaded. Build the wrapper over the "
+                f"same optimizers, in the same order, as the one that saved the state.")
         if len(self._inners) == 1:
             self._inners[0].load_state_dict(state_dict)
         else:
-            for opt, sd in zip(self._inners, state_dict["inner"], strict=True):
+            for opt, sd in zip(self._inners, saved, strict=True):
                 opt.load_state_dict(sd)
         if scale is not None:
             self._set_scale_state(*scale)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
 
     def __repr__(self) -> str:
         inner = ", ".join(type(o).__name__ for o in self._inners)
