@@ -1,0 +1,226 @@
+"""Regressions from the conformance review: loss scales never silently wrong, bad input refused."""
+
+import pickle
+import copy
+
+import numpy as np
+import pytest
+
+from conftest import require_module
+
+import mixedpolicy as mp
+from mixedpolicy.loss_scale import all_finite
+
+
+# -- the core, on numpy and Python numbers ---------------------------------------------
+def test_python_float_gradients_are_unscaled_and_checked():
+    s = mp.DynamicLossScale(4.0)
+    assert s.unscale({"g": 32768.0}) == {"g": 8192.0}
+    assert not bool(all_finite({"g": float("inf")}))
+    assert bool(all_finite({"g": 1.0, "h": np.ones(2, np.float32)}))
+
+
+def test_scale_takes_a_tree_on_every_loss_scale():
+    tree = {"a": np.ones(2, np.float16), "n": np.arange(2)}
+    for s in (mp.StaticLossScale(8.0), mp.DynamicLossScale(8.0)):
+        out = s.scale(tree)
+        assert out["a"].dtype == np.float32 and float(out["a"][0]) == 8.0
+        assert out["n"] is tree["n"]
+    assert mp.NoLossScale().scale(tree) is tree
+
+
+@pytest.mark.parametrize("bad", [1e-50, float("nan"), float("inf"), 0.0, -1.0])
+def test_a_floor_or_scale_that_is_not_a_positive_float32_is_refused(bad):
+    with pytest.raises(ValueError, match="Received min_scale"):
+        mp.DynamicLossScale(min_scale=bad)
+    with pytest.raises(ValueError, match="Received loss_scale"):
+        mp.StaticLossScale(bad)
+
+
+def test_integer_and_non_scalar_scale_arrays_are_refused():
+    with pytest.raises(TypeError, match="dtype int"):
+        mp.StaticLossScale(np.asarray(8, np.int32))
+    with pytest.raises(ValueError, match="NaN"):
+        mp.DynamicLossScale(np.asarray(np.nan, np.float32))
+    with pytest.raises(ValueError, match="shape"):
+        mp.StaticLossScale(np.ones(3, np.float32))
+
+
+@pytest.mark.parametrize("bad", ["x", 1.5, True, None, -3])
+def test_a_bad_counter_is_refused(bad):
+    with pytest.raises((TypeError, ValueError), match="counter"):
+        mp.DynamicLossScale(counter=bad)
+
+
+@pytest.mark.parametrize("bad", [None, float("nan"), [True, False], 1, np.ones(2, bool), "yes"])
+@pytest.mark.parametrize("cls", [mp.DynamicLossScale, mp.StaticLossScale, mp.NoLossScale])
+def test_adjust_refuses_what_is_not_a_boolean_flag(cls, bad):
+    with pytest.raises(TypeError, match="grads_finite"):
+        cls().adjust(bad)
+
+
+# -- JAX: the scale follows the gradients, travels through jit -----------------------
+def test_jax_gradients_and_scales_mix_with_numpy_either_way():
+    jax = require_module("jax")
+    jnp = jax.numpy
+    assert float(mp.DynamicLossScale(4.0).unscale({"g": jnp.float32(8.0)})["g"]) == 2.0
+    assert float(mp.DynamicLossScale(jnp.float32(4.0)).unscale({"g": np.float32(8.0)})["g"]) == 2.0
+    g = mp.StaticLossScale(4.0).unscale({"g": jnp.ones(2, jnp.bfloat16) * 8})["g"]
+    assert g.dtype == jnp.bfloat16 and float(g[0]) == 2.0
+
+
+def test_loss_scales_are_pytrees_and_adjust_under_jit():
+    jax = require_module("jax")
+    jnp = jax.numpy
+    s = jax.jit(lambda s: s.adjust(jnp.bool_(False)))(mp.DynamicLossScale(jnp.float32(8.0)))
+    assert isinstance(s, mp.DynamicLossScale) and float(s.loss_scale) == 4.0
+    grown = jax.jit(lambda f: mp.DynamicLossScale(8.0, dynamic_growth_steps=1).adjust(f))(jnp.bool_(True))
+    assert float(grown.loss_scale) == 16.0 and grown.dynamic_growth_steps == 1
+    assert len(jax.tree_util.tree_leaves(mp.StaticLossScale(2.0))) == 1
+    assert jax.tree_util.tree_leaves(mp.NoLossScale()) == []
+
+
+def test_jmp_policy_conversion_prints():
+    require_module("jax")
+    require_module("jmp", "jax")
+    jmp = require_module("jmp", "jax")
+    text = str(mp.Policy("mixed_bfloat16").to_jmp())
+    assert text == "p=full,c=bf16,o=bf16" and mp.Policy(text) == mp.Policy("mixed_bfloat16")
+    assert jmp.get_policy(text) == mp.Policy("mixed_bfloat16").to_jmp()
+
+
+# -- optax -------------------------------------------------------------------------
+def _optax_step(opt, w, grads=None):
+    jax = require_module("jax")
+    optax = require_module("optax", "jax")
+    state = opt.init(w)
+    if grads is None:
+        grads = jax.grad(lambda w: opt.scale_loss(w.sum(), state))(w)
+    updates, state = opt.update(grads, state, w)
+    return optax.apply_updates(w, updates), state
+
+
+def test_optax_static_scale_unscales():
+    jnp = require_module("jax").numpy
+    optax = require_module("optax", "jax")
+    w, _ = _optax_step(mp.LossScaleOptimizer(optax.sgd(1.0), loss_scale=mp.StaticLossScale(64.0)),
+                       jnp.ones(3, jnp.float32))
+    np.testing.assert_array_equal(np.asarray(w), np.zeros(3, np.float32))
+
+
+def test_optax_no_loss_scale_still_skips_a_non_finite_step():
+    jnp = require_module("jax").numpy
+    optax = require_module("optax", "jax")
+    opt = mp.LossScaleOptimizer(optax.sgd(1.0), loss_scale=mp.NoLossScale())
+    w, state = _optax_step(opt, jnp.ones(3, jnp.float32), jnp.asarray([1.0, jnp.nan, 1.0]))
+    np.testing.assert_array_equal(np.asarray(w), np.ones(3, np.float32))
+    assert bool(state.last_step_skipped) and int(state.num_skipped_steps) == 1
+
+
+def test_optax_double_wrapping_is_refused_and_multisteps_accepted():
+    jnp = require_module("jax").numpy
+    optax = require_module("optax", "jax")
+    with pytest.raises(TypeError, match="already scales"):
+        mp.LossScaleOptimizer(mp.LossScaleOptimizer(optax.sgd(1.0)))
+    chained = mp.LossScaleOptimizer(optax.chain(mp.LossScaleOptimizer(optax.sgd(1.0)), optax.sgd(1.0)))
+    with pytest.raises(TypeError, match="two loss scales"):
+        chained.init(jnp.ones(3))
+    opt = mp.LossScaleOptimizer(optax.MultiSteps(optax.sgd(1.0), every_k_schedule=2))
+    with require_module("jax").numpy_dtype_promotion("standard"):  # optax's own mixing
+        w, _ = _optax_step(opt, jnp.ones(3, jnp.float32))
+    np.testing.assert_array_equal(np.asarray(w), np.ones(3, np.float32))  # accumulating
+
+
+# -- torch -------------------------------------------------------------------------
+def _torch_setup(loss_scale=None):
+    torch = require_module("torch")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    kwargs = {} if loss_scale is None else {"loss_scale": loss_scale}
+    return torch, model, mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
+
+
+def test_torch_double_wrapping_is_refused():
+    torch, model, opt = _torch_setup()
+    with pytest.raises(TypeError, match="already scales"):
+        mp.LossScaleOptimizer(opt)
+
+
+def test_torch_no_loss_scale_skips_and_survives_its_state_dict():
+    torch, model, opt = _torch_setup(mp.NoLossScale())
+    before = model.weight.detach().clone()
+    opt.scale_loss(model(torch.ones(2, 4)).sum() * float("inf")).backward()
+    opt.step()
+    assert opt.last_step_skipped and torch.equal(model.weight, before)
+    opt.load_state_dict(opt.state_dict())
+    assert isinstance(opt._config, mp.NoLossScale)
+    assert opt.scale_loss(torch.tensor(3.0)).item() == 3.0
+
+
+def test_torch_half_parameters_after_wrapping_are_refused_at_step():
+    torch, model, opt = _torch_setup()
+    model.half()
+    opt.scale_loss(model(torch.ones(2, 4, dtype=torch.float16)).float().sum()).backward()
+    with pytest.raises(ValueError, match="float16 gradients"):
+        opt.step()
+
+
+def test_torch_add_param_group_checks_like_the_constructor():
+    torch, model, opt = _torch_setup()
+    with pytest.raises(ValueError, match="master weights"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))]})
+    extra = torch.nn.Parameter(torch.ones(2))
+    opt.add_param_group({"params": [extra]})
+    assert opt.param_groups[-1]["params"] == [extra]
+    a, b = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))]), torch.optim.SGD([torch.nn.Parameter(torch.ones(1))])
+    with pytest.raises(TypeError, match="inner_optimizers"):
+        mp.LossScaleOptimizer([a, b]).add_param_group({"params": [extra]})
+
+
+def test_torch_step_without_gradients_is_refused_not_counted():
+    torch, model, opt = _torch_setup(mp.DynamicLossScale(8.0, dynamic_growth_steps=1))
+    with pytest.raises(RuntimeError, match="no gradients"):
+        opt.step()
+    assert opt.loss_scale.item() == 8.0
+
+
+def test_torch_step_and_state_dict_hooks_run():
+    torch, model, opt = _torch_setup()
+    calls = []
+    opt.register_step_pre_hook(lambda o, a, k: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, a, k: calls.append("post"))
+    opt.register_state_dict_post_hook(lambda o, sd: calls.append("sd"))
+    opt.register_load_state_dict_pre_hook(lambda o, sd: calls.append("load"))
+    opt.scale_loss(model(torch.ones(2, 4)).sum()).backward()
+    opt.step()
+    opt.load_state_dict(opt.state_dict())
+    assert calls == ["pre", "post", "sd", "load"]
+
+
+def test_torch_wrapper_pickles_and_deep_copies():
+    torch, model, opt = _torch_setup()
+    for clone in (pickle.loads(pickle.dumps(opt)), copy.deepcopy(opt)):
+        assert len(clone.inner_optimizers) == 1 and clone.loss_scale.item() == opt.loss_scale.item()
+
+
+def test_torch_scale_loss_takes_lists_and_refuses_numbers():
+    torch, model, opt = _torch_setup()
+    a, b = opt.scale_loss([torch.tensor(1.0), torch.tensor(2.0)])
+    assert a.item() == 2.0**15 and b.item() == 2.0**16
+    with pytest.raises(TypeError, match="loss tensor"):
+        opt.scale_loss(3.0)
+
+
+def test_torch_state_of_another_optimizer_count_is_refused_and_nothing_loads():
+    torch = require_module("torch")
+    ps = [torch.nn.Parameter(torch.ones(1)) for _ in range(3)]
+    two = mp.LossScaleOptimizer([torch.optim.SGD([p], lr=0.1) for p in ps[:2]])
+    three = mp.LossScaleOptimizer([torch.optim.SGD([p], lr=0.5) for p in ps])
+    one = mp.LossScaleOptimizer(torch.optim.SGD([ps[0]], lr=0.5))
+    with pytest.raises(ValueError, match="over 2 optimizer"):
+        three.load_state_dict(two.state_dict())
+    assert [g["lr"] for g in three.param_groups] == [0.5] * 3
+    with pytest.raises(ValueError, match="over 1 optimizer"):
+        three.load_state_dict(one.state_dict())
+    with pytest.raises(ValueError, match="over 2 optimizer"):
+        one.load_state_dict(two.state_dict())
