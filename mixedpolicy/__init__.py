@@ -9,9 +9,9 @@ True
 """
 
 from mixedpolicy.api import LossScaleOptimizer, apply_policy, describe, remove_policy
-from mixedpolicy.describe import LayerPolicy, PolicyTable
+from mixedpolicy.table import LayerPolicy, PolicyTable
 from mixedpolicy.function import PolicyFunction
-from mixedpolicy.global_policy import global_policy, policy_scope, set_global_policy
+from mixedpolicy.scope import global_policy, policy_scope, set_global_policy
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale
 from mixedpolicy.policy import Policy
 from mixedpolicy.policy_map import LayerInfo, PolicyMap, Resolution

@@ -18,10 +18,18 @@ HALF_DTYPES = ("float16", "bfloat16")
 _ALIASES = {
     "float16": ("float16", "f16", "fp16", "half"),
     "bfloat16": ("bfloat16", "bf16"),
-    "float32": ("float32", "f32", "fp32", "full", "single", "float"),
+    "float32": ("float32", "f32", "fp32", "full", "single"),
     "float64": ("float64", "f64", "fp64", "double"),
 }
 _BY_ALIAS = {alias: name for name, aliases in _ALIASES.items() for alias in aliases}
+
+
+def show(value: object, limit: int = 80) -> str:
+    """``repr(value)``, cut short for an error message (a 1 MB string is not echoed whole)."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
 
 
 def canonical_dtype(value: object, *, what: str = "dtype") -> str:
@@ -44,13 +52,17 @@ def canonical_dtype(value: object, *, what: str = "dtype") -> str:
     >>> canonical_dtype("half")
     'float16'
     """
+    if value is float or (isinstance(value, str) and value.strip().lower() == "float"):
+        raise ValueError(
+            f"Received {what}={show(value)}, which is ambiguous: numpy reads `float` as float64, "
+            f"PyTorch and Keras read it as float32. Write 'float32' or 'float64'.")
     name = _dtype_name(value, what)
     key = name.strip().lower()
     if key in _BY_ALIAS:
         return _BY_ALIAS[key]
     valid = ", ".join(f"{n!r}" for n in FLOATING_DTYPES)
     raise ValueError(
-        f"Received {what}={value!r}, which is not a floating dtype mixedpolicy "
+        f"Received {what}={show(value)}, which is not a floating dtype mixedpolicy "
         f"supports. Expected one of {valid} (short forms such as 'f16', 'bf16', "
         f"'f32', 'half' and 'full' are accepted too). Integer and boolean tensors "
         f"are never cast, so they need no policy."
@@ -63,7 +75,7 @@ def _dtype_name(value: object, what: str) -> str:
         return value
     if isinstance(value, bool) or value is None:
         raise TypeError(
-            f"Received {what}={value!r} of type {type(value).__name__}; expected a "
+            f"Received {what}={show(value)} of type {type(value).__name__}; expected a "
             f"dtype name such as 'float32' or 'bfloat16', or a dtype object."
         )
     # torch.dtype prints as "torch.float16" and has no .name.
@@ -83,7 +95,7 @@ def _dtype_name(value: object, what: str) -> str:
     except TypeError:
         pass
     raise TypeError(
-        f"Received {what}={value!r} of type {type(value).__name__}; expected a dtype "
+        f"Received {what}={show(value)} of type {type(value).__name__}; expected a dtype "
         f"name such as 'float32' or 'bfloat16', or a dtype object of numpy, JAX, "
         f"PyTorch or TensorFlow."
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from mixedpolicy import backends
-from mixedpolicy.describe import LayerPolicy, PolicyTable
+from mixedpolicy.table import LayerPolicy, PolicyTable
 from mixedpolicy.function import PolicyFunction
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale, _check_scale
 from mixedpolicy.policy_map import as_policy_map
@@ -102,10 +102,8 @@ def describe(model: Any) -> PolicyTable:
 class _FactoryMeta(type):
     """Lets ``isinstance(x, LossScaleOptimizer)`` recognise every framework's wrapper."""
 
-    _wrapper_types: tuple[type, ...] = ()
-
     def __instancecheck__(cls, obj: Any) -> bool:
-        return isinstance(obj, cls._wrapper_types)
+        return backends.is_loss_scale_wrapper(obj)
 
 
 class LossScaleOptimizer(metaclass=_FactoryMeta):
@@ -155,7 +153,4 @@ class LossScaleOptimizer(metaclass=_FactoryMeta):
         adapter = backends.adapter_for(inner, "optimizer")
         if adapter is None:
             raise _no_adapter(inner, "optimizer")
-        wrapper = adapter.wrap_optimizer(inner, loss_scale, axis_name)
-        if not isinstance(wrapper, _FactoryMeta._wrapper_types):
-            _FactoryMeta._wrapper_types += (type(wrapper),)
-        return wrapper
+        return adapter.wrap_optimizer(inner, loss_scale, axis_name)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from mixedpolicy._dtypes import FLOATING_DTYPES, HALF_DTYPES, canonical_dtype
+from mixedpolicy._dtypes import FLOATING_DTYPES, HALF_DTYPES, canonical_dtype, show
 
 # Lightning's `precision=` strings, normalised to (variable, compute) dtypes.
 _LIGHTNING = {
@@ -34,10 +34,10 @@ def _parse_name(name: str) -> tuple[str, str, str | None]:
     text = name.strip()
     key = text.lower()
     if key.startswith("mixed_"):
-        compute = canonical_dtype(key[len("mixed_"):], what=f"the dtype in {name!r}")
+        compute = canonical_dtype(key[len("mixed_"):], what=f"the dtype in {show(name)}")
         if compute not in HALF_DTYPES:
             raise ValueError(
-                f"Received policy name {name!r}: a mixed policy computes in half "
+                f"Received policy name {show(name)}: a mixed policy computes in half "
                 f"precision, so it must be 'mixed_float16' or 'mixed_bfloat16'. For "
                 f"full precision use {compute!r} itself."
             )
@@ -50,7 +50,7 @@ def _parse_name(name: str) -> tuple[str, str, str | None]:
     try:
         dtype = canonical_dtype(key, what="policy name")
     except ValueError:
-        raise ValueError(f"Received policy name {name!r}, which is not a policy "
+        raise ValueError(f"Received policy name {show(name)}, which is not a policy "
                          f"mixedpolicy knows. {_valid_names_hint()}") from None
     return dtype, dtype, None
 
@@ -62,14 +62,14 @@ def _parse_jmp(name: str) -> tuple[str, str, str | None]:
         field = _JMP_KEYS.get(key.strip().lower())
         if not sep or field is None:
             raise ValueError(
-                f"Received policy name {name!r}: the part {part.strip()!r} is not "
+                f"Received policy name {show(name)}: the part {part.strip()!r} is not "
                 f"'key=dtype' with key one of 'params' ('p'), 'compute' ('c') or "
                 f"'output' ('o'). Example: 'params=float32,compute=bfloat16,output=float32'."
             )
         if field in found:
-            raise ValueError(f"Received policy name {name!r}, which sets {field!r} "
+            raise ValueError(f"Received policy name {show(name)}, which sets {field!r} "
                              f"twice; give each of params, compute, output at most once.")
-        found[field] = canonical_dtype(value, what=f"{field} in policy {name!r}")
+        found[field] = canonical_dtype(value, what=f"{field} in policy {show(name)}")
     # jmp's rule: params default to float32, compute follows params, output follows compute.
     variable = found.get("params", "float32")
     compute = found.get("compute", variable)
@@ -139,7 +139,7 @@ class Policy:
                         "'16-mixed' or 'mixed_float16' for float16 compute with float32 "
                         "variables, or 'float16' for float16 everywhere.")
             raise TypeError(
-                f"Received policy name {name!r} of type {type(name).__name__}; expected "
+                f"Received policy name {show(name)} of type {type(name).__name__}; expected "
                 f"a string such as 'mixed_float16' or a Policy.{hint} To convert a "
                 f"Keras DTypePolicy or a jmp Policy use Policy.from_keras / Policy.from_jmp."
             )
@@ -189,13 +189,30 @@ class Policy:
         if not isinstance(config, Mapping):
             raise TypeError(f"Received config of type {type(config).__name__}; expected "
                             f"the dict returned by Policy.get_config().")
+        if "class_name" in config and isinstance(config.get("config"), Mapping):
+            config = config["config"]  # Keras's serialized form: {"class_name": ..., "config": {...}}
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(config) - known)
         if unknown:
             raise ValueError(f"Received a policy config with unknown keys {unknown}; "
                              f"expected only {sorted(known)}.")
-        return cls(config.get("name", "float32"),
-                   **{k: config[k] for k in sorted(known - {"name"}) if k in config})
+        dtypes = {k: config[k] for k in sorted(known - {"name"}) if k in config}
+        if "name" not in config and "compute_dtype" not in dtypes and "variable_dtype" not in dtypes:
+            raise ValueError(f"Received the policy config {show(dict(config))}, which names no "
+                             f"policy; expected the dict returned by Policy.get_config(), such "
+                             f"as {Policy('mixed_float16').get_config()}.")
+        if "name" not in config:
+            return cls(None, **dtypes)
+        named = cls(config["name"])
+        built = cls(config["name"], **dtypes)
+        if built != named:
+            clash = {k: v for k, v in dtypes.items() if getattr(built, k) != getattr(named, k)}
+            raise ValueError(
+                f"Received a policy config whose name {show(config['name'])} contradicts its dtypes "
+                f"({', '.join(f'{k}={getattr(built, k)!r}' for k in clash)}; the name means "
+                f"{', '.join(f'{k}={getattr(named, k)!r}' for k in clash)}). Fix one of them; "
+                f"Policy.get_config() writes consistent configs.")
+        return built
 
     # -- conversions ----------------------------------------------------------
     @classmethod

@@ -29,7 +29,7 @@ import fnmatch
 import warnings
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
-from mixedpolicy.global_policy import global_policy
+from mixedpolicy.scope import global_policy
 from mixedpolicy.policy import Policy, as_policy
 
 _GLOB_CHARS = frozenset("*?[")
@@ -79,6 +79,33 @@ def _is_glob(key: str) -> bool:
     return any(c in _GLOB_CHARS for c in key)
 
 
+def _check_glob(key: str) -> None:
+    """Refuses a glob whose character sets are unclosed or empty ('[', '[z-a]')."""
+    i = 0
+    while i < len(key):
+        if key[i] == "[":
+            j = i + 1
+            if j < len(key) and key[j] == "!":
+                j += 1
+            if j < len(key) and key[j] == "]":
+                j += 1
+            end = key.find("]", j)
+            if end < 0:
+                raise ValueError(
+                    f"Received override key {key[:80]!r}, a glob whose '[' at position {i} is never "
+                    f"closed; expected a set such as 'layers.[0-3].norm', or escape a literal "
+                    f"bracket as '[[]'.")
+            body = key[i + 1:end].lstrip("!")
+            for k in range(len(body) - 2):
+                if body[k + 1] == "-" and body[k] > body[k + 2]:
+                    raise ValueError(
+                        f"Received override key {key[:80]!r}, whose range "
+                        f"'{body[k]}-{body[k + 2]}' is reversed and matches nothing; expected "
+                        f"'{body[k + 2]}-{body[k]}'.")
+            i = end
+        i += 1
+
+
 def _literal_chars(pattern: str) -> int:
     return sum(c not in _GLOB_CHARS for c in pattern)
 
@@ -120,6 +147,13 @@ class PolicyMap:
                 if not key.strip() and key != "":
                     raise ValueError(f"Received the blank override key {key!r}; expected a layer "
                                      f"path (\"\" for the root), a glob or a layer class.")
+                if _is_glob(key):
+                    _check_glob(key)
+            elif isinstance(key, type) and key.__module__ == "builtins":
+                raise TypeError(
+                    f"Received override key {key.__name__!r}, a Python built-in type, which is "
+                    f"no layer class; expected a layer class such as torch.nn.LayerNorm or "
+                    f"keras.layers.Dense, a layer path or a glob.")
             elif not isinstance(key, type):
                 raise TypeError(
                     f"Received override key {key!r} of type {type(key).__name__}; expected "

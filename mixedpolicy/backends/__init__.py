@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import sys
 import threading
+import weakref
 from typing import Any, NamedTuple
 
 from mixedpolicy.backends.base import Adapter
@@ -44,9 +45,20 @@ _ENTRIES: list[_Entry] = [
 # Frameworks with a global dtype policy of their own, kept in step with mixedpolicy's.
 _GLOBAL_POLICY_MODULES = ("keras",)
 
+# The classes each framework's LossScaleOptimizer returns: an object can only be one
+# once its module is loaded, so `isinstance` reads them from sys.modules (no import).
+_WRAPPER_TYPES = (
+    ("mixedpolicy.backends.torch_optimizer", "TorchLossScaleOptimizer"),
+    ("mixedpolicy.backends.jax_optimizer", "LossScaleTransformation"),
+    ("mixedpolicy.backends.keras_optimizer", "LossScaleOptimizer"),
+)
+
 _lock = threading.Lock()
 _loaded: dict[str, Adapter] = {}
-_by_type: dict[type, tuple[Adapter | None, str | None]] = {}
+# Weak keys: classes made per object (torch.fx GraphModule) are not kept alive.
+_by_type: "weakref.WeakKeyDictionary[type, tuple[Adapter | None, str | None]]" = weakref.WeakKeyDictionary()
+# Containers are judged by their contents, so their answer is never cached per type.
+_UNCACHED = (list, tuple, dict)
 
 
 def _load(entry: _Entry) -> Adapter:
@@ -84,9 +96,18 @@ def adapter_names() -> list[str]:
     return [e.name for e in _ENTRIES]
 
 
+def is_loss_scale_wrapper(obj: Any) -> bool:
+    """Is `obj` what some framework's LossScaleOptimizer returned? Imports nothing."""
+    for module_name, cls_name in _WRAPPER_TYPES:
+        module = sys.modules.get(module_name)
+        if module is not None and isinstance(obj, getattr(module, cls_name)):
+            return True
+    return False
+
+
 def _classify(obj: Any) -> tuple[Adapter | None, str | None]:
     cls = type(obj)
-    hit = _by_type.get(cls)
+    hit = None if isinstance(obj, _UNCACHED) else _by_type.get(cls)
     if hit is None:
         hit = (None, None)
         for adapter in _live_adapters():
@@ -97,7 +118,11 @@ def _classify(obj: Any) -> tuple[Adapter | None, str | None]:
             if role is not None:
                 hit = (adapter, role)
                 break
-        _by_type[cls] = hit
+        if not isinstance(obj, _UNCACHED):
+            try:
+                _by_type[cls] = hit
+            except TypeError:  # a class that takes no weak reference: not cached
+                pass
     return hit
 
 

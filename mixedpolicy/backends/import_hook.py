@@ -60,7 +60,7 @@ def _sync_global_policy(module: Any) -> None:
     from mixedpolicy import backends
 
     # the global policy itself, not a policy_scope of the importing thread
-    backends.global_policy_changed(sys.modules["mixedpolicy.global_policy"]._global)
+    backends.global_policy_changed(sys.modules["mixedpolicy.scope"]._global)
 
 
 def when_imported(module_name: str, callback: Any) -> None:

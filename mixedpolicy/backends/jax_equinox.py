@@ -27,7 +27,7 @@ import jax
 
 from mixedpolicy.backends.base import check_master_weights
 from mixedpolicy.backends.jax_backend import cast_leaf, dtype_name
-from mixedpolicy.describe import LayerPolicy
+from mixedpolicy.table import LayerPolicy
 from mixedpolicy.policy import Policy
 from mixedpolicy.policy_map import NORMALIZATION, LayerInfo, PolicyMap
 

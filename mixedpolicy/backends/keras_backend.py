@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable
 import keras
 
 from mixedpolicy.backends.base import Adapter
-from mixedpolicy.describe import LayerPolicy
+from mixedpolicy.table import LayerPolicy
 from mixedpolicy.policy import Policy
 from mixedpolicy.policy_map import NORMALIZATION, LayerInfo
 

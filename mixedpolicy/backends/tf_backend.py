@@ -31,7 +31,7 @@ import tensorflow as tf
 from mixedpolicy._dtypes import FLOATING_DTYPES
 from mixedpolicy.backends._subclass import policy_subclass
 from mixedpolicy.backends.base import Adapter, check_master_weights
-from mixedpolicy.describe import LayerPolicy
+from mixedpolicy.table import LayerPolicy
 from mixedpolicy.policy import Policy
 from mixedpolicy.policy_map import NORMALIZATION, LayerInfo, PolicyMap
 

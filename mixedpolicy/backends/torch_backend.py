@@ -36,7 +36,7 @@ from torch.utils import _pytree as pytree
 
 from mixedpolicy._dtypes import FLOATING_DTYPES
 from mixedpolicy.backends.base import Adapter, check_master_weights
-from mixedpolicy.describe import LayerPolicy
+from mixedpolicy.table import LayerPolicy
 from mixedpolicy.policy import Policy
 from mixedpolicy.policy_map import LOSS, NORMALIZATION, LayerInfo
 

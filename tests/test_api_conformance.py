@@ -1,0 +1,85 @@
+"""Regressions from the conformance review: nonsense refused, dispatch and names that hold."""
+
+import gc
+import importlib
+import weakref
+
+import pytest
+
+from conftest import require_module
+
+import mixedpolicy as mp
+
+
+def test_an_empty_config_and_a_self_contradicting_one_are_refused():
+    with pytest.raises(ValueError, match="names no policy"):
+        mp.Policy.from_config({})
+    with pytest.raises(ValueError, match="contradicts"):
+        mp.Policy.from_config({"name": "mixed_float16", "compute_dtype": "bfloat16"})
+    assert mp.Policy.from_config({"compute_dtype": "bfloat16"}) == mp.Policy("mixed_bfloat16")
+    keras_form = {"module": "keras", "class_name": "DTypePolicy", "config": {"name": "mixed_bfloat16"}}
+    assert mp.Policy.from_config(keras_form) == mp.Policy("mixed_bfloat16")
+
+
+@pytest.mark.parametrize("value", ["float", float, " Float "])
+def test_float_without_a_width_is_refused_as_ambiguous(value):
+    with pytest.raises(ValueError, match="ambiguous.*float32.*float64"):
+        mp.Policy(compute_dtype=value)
+
+
+def test_a_huge_name_is_not_echoed_whole():
+    with pytest.raises(ValueError) as info:
+        mp.Policy("x" * 1_000_000)
+    assert len(str(info.value)) < 1000 and "1000002 characters" in str(info.value)
+
+
+@pytest.mark.parametrize("key", ["[", "layers.[z-a]", "a[!"])
+def test_broken_globs_are_refused(key):
+    with pytest.raises(ValueError, match="Received override key"):
+        mp.PolicyMap("float32", {key: "float32"})
+
+
+def test_escaped_brackets_and_ranges_are_accepted():
+    mp.PolicyMap("float32", {"layers.[0-3].norm": "float32", "x.[[]": "float16"})
+
+
+@pytest.mark.parametrize("key", [int, str, object])
+def test_builtin_types_are_no_layer_classes(key):
+    with pytest.raises(TypeError, match="built-in type"):
+        mp.PolicyMap("float32", {key: "float32"})
+
+
+def test_module_names_do_not_clash_with_the_functions():
+    assert importlib.import_module("mixedpolicy.table").PolicyTable is mp.PolicyTable
+    import mixedpolicy.scope as scope
+
+    assert scope.global_policy is mp.global_policy
+    assert callable(mp.describe) and callable(mp.global_policy)
+
+
+def test_isinstance_works_before_any_wrapper_was_made_by_the_factory():
+    torch = require_module("torch")
+    from mixedpolicy.backends.torch_optimizer import TorchLossScaleOptimizer
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))])
+    assert isinstance(TorchLossScaleOptimizer(opt, mp.DynamicLossScale()), mp.LossScaleOptimizer)
+    assert not isinstance(opt, mp.LossScaleOptimizer)
+
+
+def test_a_refused_list_does_not_poison_the_dispatch_of_lists():
+    torch = require_module("torch")
+    with pytest.raises(TypeError):
+        mp.LossScaleOptimizer([])
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))])
+    assert len(mp.LossScaleOptimizer([opt]).inner_optimizers) == 1
+
+
+def test_the_dispatch_cache_keeps_no_class_alive():
+    torch = require_module("torch")
+
+    cls = type("Made", (torch.nn.Module,), {})
+    mp.describe(cls())
+    ref = weakref.ref(cls)
+    del cls
+    gc.collect()
+    assert ref() is None
