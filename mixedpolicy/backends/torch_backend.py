@@ -29,6 +29,7 @@ How a policy reaches a module tree:
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Iterable
 
 import torch
@@ -38,7 +39,7 @@ from mixedpolicy._dtypes import FLOATING_DTYPES
 from mixedpolicy.backends.base import Adapter, check_master_weights
 from mixedpolicy.table import LayerPolicy
 from mixedpolicy.policy import Policy
-from mixedpolicy.policy_map import LOSS, NORMALIZATION, LayerInfo
+from mixedpolicy.policy_map import LOSS, NORMALIZATION, LayerInfo, Resolution
 
 _TORCH_DTYPES = {name: getattr(torch, name) for name in FLOATING_DTYPES}
 _TORCH_DTYPES.update(bool=torch.bool, int32=torch.int32, int64=torch.int64)
@@ -80,35 +81,53 @@ def _device_type(args: tuple, kwargs: dict, module: torch.nn.Module) -> str:
     return "cpu"
 
 
-def _region_forward(forward: Callable, policy: Policy, module: torch.nn.Module) -> Callable:
-    """A forward that runs `forward` under `policy`."""
-    compute = _TORCH_DTYPES[policy.compute_dtype]
-    output = _TORCH_DTYPES[policy.output_dtype]
-    use_autocast = _autocasts(policy)
+class _Region:
+    """A module's forward run under a policy: what `apply_policy` puts on ``module.forward``.
 
-    if use_autocast and policy.output_dtype == policy.compute_dtype:
-        # Outputs as autocast makes them (half for matmul-like ops, float32 for
-        # float32 ops and for sub-regions overridden to float32), as in hand-written AMP.
-        def region(*args, **kwargs):
-            with torch.autocast(_device_type(args, kwargs, module), dtype=compute):
-                return forward(*args, **kwargs)
-    elif use_autocast:
-        def region(*args, **kwargs):
-            with torch.autocast(_device_type(args, kwargs, module), dtype=compute):
+    An object rather than a closure, so the model pickles (``torch.save(model)``) and
+    ``copy.deepcopy`` gives a copy whose region runs the copy's own forward on the
+    copy's weights (the module is an attribute, which deepcopy and pickle remap).
+    """
+
+    def __init__(self, module: torch.nn.Module, policy: Policy, inner: Callable | None = None):
+        self.module, self.policy, self.inner = module, policy, inner
+        self._prepare()
+
+    def _prepare(self) -> None:
+        policy = self.policy
+        self._compute = _TORCH_DTYPES[policy.compute_dtype]
+        self._output = _TORCH_DTYPES[policy.output_dtype]
+        self._autocast = _autocasts(policy)
+        # Under autocast with output == compute, outputs are left as autocast makes them
+        # (half for matmul-like ops, float32 for float32 ops and float32 sub-regions).
+        self._cast_out = not (self._autocast and policy.output_dtype == policy.compute_dtype)
+
+    def __getstate__(self) -> dict:
+        return {"module": self.module, "policy": self.policy, "inner": self.inner}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._prepare()
+
+    @property
+    def __wrapped__(self) -> Callable:
+        return self.inner if self.inner is not None else type(self.module).forward.__get__(self.module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module
+        forward = self.inner if self.inner is not None else type(module).forward.__get__(module)
+        if self._autocast:
+            with torch.autocast(_device_type(args, kwargs, module), dtype=self._compute):
                 out = forward(*args, **kwargs)
-            return _cast_floating(out, output)
-    else:
-        def region(*args, **kwargs):
-            args, kwargs = _cast_floating((args, kwargs), compute)
+        else:
+            args, kwargs = _cast_floating((args, kwargs), self._compute)
             device = _device_type(args, kwargs, module)
             if torch.is_autocast_enabled(device):
                 with torch.autocast(device, enabled=False):
                     out = forward(*args, **kwargs)
             else:
                 out = forward(*args, **kwargs)
-            return _cast_floating(out, output)
-    region.__wrapped__ = forward
-    return region
+        return _cast_floating(out, self._output) if self._cast_out else out
 
 
 class TorchAdapter(Adapter):
@@ -175,20 +194,24 @@ class TorchAdapter(Adapter):
             policy = resolution.policy
             state = {"policy": policy, "source": resolution.source, "dtypes": {}}
             target = _TORCH_DTYPES[policy.variable_dtype]
+            # A narrowing cast keeps the original values, so remove_policy can give back
+            # every value that was not changed since (see remove_policy).
             for name, p in module.named_parameters(recurse=False):
                 if p.is_floating_point() and p.dtype != target:
                     state["dtypes"][name] = p.dtype
+                    state.setdefault("originals", {})[name] = p.data
                     p.data = p.data.to(target)
             for name, b in module.named_buffers(recurse=False):
                 if b is not None and b.is_floating_point() and b.dtype != target:
                     state["dtypes"][name] = b.dtype
+                    state.setdefault("originals", {})[name] = b
                     setattr(module, name, b.to(target))
             # A region where the policy changes; a plain float32 root needs none (plain
             # PyTorch). A loss or norm root still casts its half-precision inputs.
             plain_root = parent_policy is None and policy == _FLOAT32 and info.kind is None
             if parent_policy != policy and not plain_root and not _kernel_norm(module, resolution, parent_policy):
                 state["forward"] = module.__dict__.get("forward")
-                module.forward = _region_forward(module.forward, policy, module)
+                module.forward = _Region(module, policy, state["forward"])
             changed[path] = state
         for path, state in changed.items():
             setattr(model.get_submodule(path), _STATE, state)
@@ -232,6 +255,16 @@ def _resolve(model: torch.nn.Module, policy_map: Any) -> dict:
         chains[path] = chain
         resolution = policy_map.resolve(chain)
         parent_policy = out[parent][1].policy if parent is not None else None
+        if parent is not None and isinstance(model.get_submodule(parent), torch.nn.MultiheadAttention) \
+                and resolution.policy != parent_policy:
+            # torch's attention reads out_proj.weight itself and never calls out_proj's forward,
+            # so a policy of its own would be reported but never computed: it follows its parent.
+            warnings.warn(
+                f"The override {resolution.source!r} reaches {path!r}, which cannot take a policy of "
+                f"its own: torch.nn.MultiheadAttention reads its weight directly and never calls its "
+                f"forward. It follows {parent or 'the root'!r} ({parent_policy}); to change it, put "
+                f"the override on the MultiheadAttention module itself.", stacklevel=4)
+            resolution = Resolution(parent_policy, f"follows its MultiheadAttention {parent!r}")
         out[path] = (info, resolution, parent_policy)
     return out
 
@@ -268,10 +301,26 @@ def remove_policy(model: torch.nn.Module) -> torch.nn.Module:
                 module.__dict__.pop("forward", None)
             else:
                 module.forward = state["forward"]
+        originals = state.get("originals", {})
         for name, dtype in state["dtypes"].items():
             tensor = getattr(module, name)
+            value = _restored(tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor,
+                              originals.get(name), dtype)
             if isinstance(tensor, torch.nn.Parameter):
-                tensor.data = tensor.data.to(dtype)
+                tensor.data = value
             else:
-                setattr(module, name, tensor.to(dtype))
+                setattr(module, name, value)
     return model
+
+
+def _restored(current: torch.Tensor, original: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """`current` back in `dtype`: the original value wherever it was not changed since the cast.
+
+    A value trained under the policy is kept (widened); one still equal to the
+    rounded original gets its original, unrounded value back.
+    """
+    wide = current.to(dtype)
+    if original is None or original.shape != current.shape or original.device != current.device:
+        return wide
+    untouched = current == original.to(current.dtype)
+    return torch.where(untouched, original.to(dtype), wide)
