@@ -26,7 +26,7 @@ def train(policy, epochs=15, seed=0):
     model = keras.Sequential([
         keras.Input((64,)),
         keras.layers.Dense(128, activation="relu"),
-        keras.layers.LayerNormalization(),             # float32 by the built-in rule
+        keras.layers.LayerNormalization(),             # float32 statistics and variables (built-in rule)
         keras.layers.Dense(10),
         keras.layers.Activation("softmax", dtype="float32", name="probabilities"),
     ])

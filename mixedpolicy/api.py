@@ -123,6 +123,9 @@ class LossScaleOptimizer(metaclass=_FactoryMeta):
         settings above.
       axis_name: JAX only: the ``pmap`` / ``shard_map`` axis over which replicas agree
         to skip a step.
+      **kwargs: Keras only: what ``keras.optimizers.LossScaleOptimizer`` takes besides
+        (``name``, ``dynamic=True``); its base-optimizer arguments are refused as Keras
+        refuses them (ValueError: set them on the inner optimizer).
 
     Raises:
       TypeError: `inner` is not an optimizer of an installed framework, or an
@@ -134,7 +137,8 @@ class LossScaleOptimizer(metaclass=_FactoryMeta):
                 *, growth_factor: float = 2.0, backoff_factor: float = 0.5, min_scale: float = 1.0,
                 max_scale: float = 2.0**24, loss_scale: LossScale | None = None,
                 axis_name: Any = None, **kwargs: Any):
-        if kwargs:
+        adapter = backends.adapter_for(inner, "optimizer")
+        if kwargs and not (adapter is not None and adapter.takes_optimizer_options):
             raise TypeError(
                 f"LossScaleOptimizer received unexpected arguments {sorted(kwargs)}. Settings "
                 f"such as learning_rate or weight_decay belong to the inner optimizer: pass "
@@ -150,7 +154,21 @@ class LossScaleOptimizer(metaclass=_FactoryMeta):
         elif not isinstance(loss_scale, LossScale):
             raise TypeError(f"Received loss_scale of type {type(loss_scale).__name__}; expected "
                             f"a DynamicLossScale, StaticLossScale or NoLossScale.")
-        adapter = backends.adapter_for(inner, "optimizer")
         if adapter is None:
             raise _no_adapter(inner, "optimizer")
+        if kwargs:  # a framework's own options (Keras: name, dynamic, its base arguments)
+            return adapter.wrap_optimizer(inner, loss_scale, axis_name, **kwargs)
         return adapter.wrap_optimizer(inner, loss_scale, axis_name)
+
+    @staticmethod
+    def from_config(config: Mapping[str, Any], custom_objects: Any = None) -> Any:
+        """Rebuilds a wrapper from its ``get_config()``, or from Keras's own LossScaleOptimizer's.
+
+        Raises:
+          TypeError: `config` is not a dict.
+          ValueError: no imported framework reads this config.
+        """
+        if not isinstance(config, Mapping):
+            raise TypeError(f"Received config of type {type(config).__name__}; expected the "
+                            f"dict from a LossScaleOptimizer's get_config().")
+        return backends.optimizer_from_config(dict(config), custom_objects)

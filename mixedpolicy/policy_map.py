@@ -61,11 +61,14 @@ class LayerInfo(NamedTuple):
       path: the layer's path in its framework's own naming ("" for the root).
       type: the layer's class.
       kind: ``"normalization"``, ``"loss"`` or ``None``, for the built-in rules.
+      aliases: other names an exact key may use for this layer (Keras: ``layer.name``,
+        the name a Keras user sees, beside its path). A path key wins over an alias.
     """
 
     path: str
     type: type
     kind: str | None = None
+    aliases: tuple = ()
 
 
 class Resolution(NamedTuple):
@@ -172,6 +175,9 @@ class PolicyMap:
         for key, policy in self.overrides:
             if isinstance(key, str) and not _is_glob(key) and key == layer.path:
                 return key, policy
+        for key, policy in self.overrides:
+            if isinstance(key, str) and not _is_glob(key) and key in layer.aliases:
+                return key, policy
         globs = [(_literal_chars(k), k, p) for k, p in self.overrides
                  if isinstance(k, str) and _is_glob(k) and fnmatch.fnmatchcase(layer.path, k)]
         if globs:
@@ -222,6 +228,7 @@ class PolicyMap:
         """Warns about each override key that matches none of `layers`, naming the nearest paths."""
         layers = list(layers)
         paths = [layer.path for layer in layers]
+        names = {alias for layer in layers for alias in layer.aliases}
         for key, _ in self.overrides:
             if isinstance(key, type):
                 if not any(key in getattr(layer.type, "__mro__", ()) for layer in layers):
@@ -232,7 +239,7 @@ class PolicyMap:
             if _is_glob(key):
                 hit = any(fnmatch.fnmatchcase(p, key) for p in paths)
             else:
-                hit = key in paths
+                hit = key in paths or key in names
             if not hit:
                 near = difflib.get_close_matches(key, paths, n=3, cutoff=0.4) or paths[:3]
                 warnings.warn(f"PolicyMap key {key!r} matches no layer path, so the override "

@@ -154,6 +154,28 @@ def supported(role: str) -> str:
     return "; ".join(w for w in words if w) or "none yet"
 
 
+def optimizer_from_config(config: dict, custom_objects: Any = None) -> Any:
+    """The LossScaleOptimizer an imported framework rebuilds from `config`.
+
+    Raises:
+      ValueError: no imported framework's adapter reads it.
+    """
+    for adapter in _live_adapters():
+        wrapper = adapter.optimizer_from_config(config, custom_objects)
+        if wrapper is not None:
+            return wrapper
+    raise ValueError(
+        f"Received a config with keys {sorted(config)}, which no imported framework reads as a "
+        f"LossScaleOptimizer config. Expected the get_config() of a Keras LossScaleOptimizer "
+        f"(keys name, inner_optimizer, initial_scale, dynamic_growth_steps); import keras "
+        f"first. torch wrappers restore with load_state_dict, optax ones from their state.")
+
+
+def _register_keras_classes(keras: Any) -> None:
+    """Registers the Keras LossScaleOptimizer so a saved model loads after `import mixedpolicy`."""
+    importlib.import_module("mixedpolicy.backends.keras_optimizer")
+
+
 def cast_tree(tree: Any, dtype: str) -> Any:
     """Casts the floating leaves of `tree` to `dtype`; other leaves pass unchanged."""
     from mixedpolicy._dtypes import canonical_dtype
@@ -170,3 +192,12 @@ def global_policy_changed(policy: Any) -> None:
         adapter.sync_global_policy(policy)
     for module in _GLOBAL_POLICY_MODULES:
         notify_on_import(module)
+
+
+def _install_import_hooks() -> None:
+    from mixedpolicy.backends.import_hook import when_imported
+
+    when_imported("keras", _register_keras_classes)
+
+
+_install_import_hooks()

@@ -49,6 +49,9 @@ class Adapter(abc.ABC):
     #: (Keras on its backend's): its array operations work on those, and the registry
     #: leaves them to their own framework's adapter.
     owns_arrays: ClassVar[bool] = True
+    #: True for an adapter whose `wrap_optimizer` takes the framework's own keyword
+    #: options (Keras: ``name``, ``dynamic``); others get a TypeError naming the fix.
+    takes_optimizer_options: ClassVar[bool] = False
 
     # -- arrays ---------------------------------------------------------------
     @abc.abstractmethod
@@ -119,6 +122,10 @@ class Adapter(abc.ABC):
         `axis_name` names the replica axis to agree on skipped steps over, for
         frameworks whose replicas are named axes (JAX); others reject it.
         """
+
+    def optimizer_from_config(self, config: dict, custom_objects: Any = None) -> Any:
+        """Rebuilds this framework's LossScaleOptimizer from a config, or None if it is not one."""
+        return None
 
     def sync_global_policy(self, policy: Any) -> None:
         """Mirrors mixedpolicy's global policy into the framework's own, where it has one.

@@ -6,9 +6,16 @@
 - `apply_policy` resolves each layer's policy by its ``layer.path``, a glob or its
   class and sets ``layer.dtype_policy``: before the model is built, or after it
   (mixed and float32 policies keep float32 variables, so no variable changes);
-- normalisation layers under a half-precision policy get ``"float32"``: statistics,
-  scale and output in float32, and the next layer casts back to its compute dtype;
+- normalisation layers under a half-precision policy keep float32 variables and hand
+  on the surrounding compute dtype (``mixed_<compute>``): Keras's own batch, layer and
+  group norms already compute their statistics in float32 and cast the result to the
+  compute dtype, so ``x + norm(x)`` stays in half precision on every backend;
+- a ``dtype=`` the user wrote on a layer wins over the map's default, an enclosing
+  override and the built-in rules; only a key that names the layer itself (its path,
+  its ``layer.name``, a glob or its class) replaces it;
 - `describe` reads each layer's ``dtype_policy`` back, so it shows what Keras runs.
+- Keras keeps its global policy per thread; once mixedpolicy has set one, a thread
+  that never set its own sees mixedpolicy's (the documented "visible to every thread").
 
 Keras layers output their compute dtype; a policy with another output dtype
 (jmp-style ``o=f32``) has no Keras equivalent and is refused with the fix.
@@ -18,9 +25,12 @@ from __future__ import annotations
 
 import threading
 import warnings
+import weakref
 from typing import Any, Callable, Iterable
 
 import keras
+from keras.src.backend.common import global_state
+from keras.src.dtype_policies import dtype_policy as _keras_dtype_policy
 
 from mixedpolicy.backends.base import Adapter
 from mixedpolicy.table import LayerPolicy
@@ -31,6 +41,42 @@ _STATE = "_mixedpolicy"
 _NORM_NAMES = ("BatchNormalization", "LayerNormalization", "GroupNormalization",
                "RMSNormalization", "UnitNormalization", "SpectralNormalization")
 _NORM_TYPES = tuple(getattr(keras.layers, n) for n in _NORM_NAMES if hasattr(keras.layers, n))
+# Norms whose Keras kernels compute their statistics in float32 whatever the compute dtype.
+_FLOAT32_STAT_NORMS = tuple(getattr(keras.layers, n) for n in
+                            ("BatchNormalization", "LayerNormalization", "GroupNormalization")
+                            if hasattr(keras.layers, n))
+
+# Every Keras global DTypePolicy object seen: a layer built with dtype=None holds the very
+# object in force then, so a policy object not among these was written by the user.
+# (DTypePolicy defines __eq__ without __hash__: kept by id, weakly.)
+_globals: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+_process_policy: list = [None]  # the Keras policy mixedpolicy's global policy maps to
+
+
+def _note_global() -> None:
+    current = global_state.get_global_attribute("dtype_policy", None)
+    if current is not None:
+        _globals[id(current)] = current
+
+
+def _explicit_dtype(layer: Any) -> Any:
+    """The DTypePolicy the user wrote on `layer` (``dtype=...``), or None if it follows a global."""
+    state = layer.__dict__.get(_STATE)
+    policy = state[0] if state is not None else layer._dtype_policy
+    if policy is None or _globals.get(id(policy)) is policy or isinstance(policy, keras.dtype_policies.DTypePolicyMap):
+        return None
+    return policy
+
+
+def _dtype_policy_for_this_thread() -> Any:
+    """Keras's ``dtype_policy()``, falling back on mixedpolicy's global in a thread with none."""
+    if global_state.get_global_attribute("dtype_policy", None) is None and _process_policy[0] is not None:
+        global_state.set_global_attribute("dtype_policy", _process_policy[0])
+    return _original_dtype_policy()
+
+
+_original_dtype_policy = _keras_dtype_policy.dtype_policy
+_note_global()
 
 
 def keras_name(policy: Policy) -> str | None:
@@ -65,7 +111,8 @@ def _layers(model: Any) -> list[tuple[Any, list[LayerInfo]]]:
         # Keras assigns paths when a model is built; before that, the same path
         # from the layer names (parent's path / name).
         path = layer.path or (f"{chain[-1].path}/{layer.name}" if chain else layer.name)
-        chain = chain + [LayerInfo(path, type(layer), kind)]
+        aliases = (layer.name,) if layer.name != path else ()
+        chain = chain + [LayerInfo(path, type(layer), kind, aliases)]
         out.append((layer, chain))
         for child in layer._flatten_layers(include_self=False, recursive=False):
             visit(child, chain)
@@ -78,6 +125,7 @@ class KerasAdapter(Adapter):
     name = "keras"
     module = "keras"
     owns_arrays = False
+    takes_optimizer_options = True
 
     # Keras tensors are the backend's own (jax, torch or tensorflow arrays), held by
     # that backend's adapter; Keras itself holds no array type.
@@ -123,14 +171,25 @@ class KerasAdapter(Adapter):
         return None
 
     def apply_policy(self, model: Any, policy_map: Any) -> Any:
+        _note_global()
         layers = _layers(model)
         policy_map.warn_unmatched(chain[-1] for _, chain in layers)
         plan = []
         for layer, chain in layers:
             resolution = policy_map.resolve(chain)
-            policy = resolution.policy
-            if chain[-1].kind == NORMALIZATION and "built-in rule" in resolution.source:
-                policy = Policy("float32")  # statistics, scale and output in float32
+            policy, source = resolution.policy, resolution.source
+            explicit = _explicit_dtype(layer)
+            own_key = source.startswith("map key") and "(inherited" not in source
+            if explicit is not None and not own_key and layer is not model:
+                plan.append((layer, explicit.name, f"the layer's own dtype={explicit.name!r}"))
+                continue
+            if chain[-1].kind == NORMALIZATION and source.startswith("built-in rule"):
+                # float32 variables; Keras's own kernels compute the statistics in float32
+                # and output the surrounding compute dtype (policy.output_dtype here)
+                surrounding = policy.output_dtype
+                policy = Policy(f"mixed_{surrounding}") if surrounding in ("float16", "bfloat16") else policy
+                if not isinstance(layer, _FLOAT32_STAT_NORMS):
+                    source += f" (float32 variables; {type(layer).__name__} computes in {surrounding})"
             name = _keras_policy(policy, chain[-1].path)
             own_variables = layer._trainable_variables + layer._non_trainable_variables
             if own_variables and keras.DTypePolicy(name).variable_dtype != layer.dtype_policy.variable_dtype:
@@ -140,7 +199,7 @@ class KerasAdapter(Adapter):
                     f"dtype of existing variables. Apply the policy before the model is built "
                     f"(before its first call or model.build), or choose a policy with "
                     f"{layer.dtype_policy.variable_dtype} variables.")
-            plan.append((layer, name, resolution.source))
+            plan.append((layer, name, source))
         remove_policy(model)
         for layer, name, source in plan:
             object.__setattr__(layer, _STATE, (layer.dtype_policy, source))
@@ -165,13 +224,20 @@ class KerasAdapter(Adapter):
             rows.append(LayerPolicy(chain[-1].path, type(layer).__name__, policy, source))
         return rows
 
-    def wrap_optimizer(self, optimizer: Any, loss_scale: Any, axis_name: Any = None) -> Any:
+    def wrap_optimizer(self, optimizer: Any, loss_scale: Any, axis_name: Any = None, **kwargs: Any) -> Any:
         if axis_name is not None:
             raise TypeError(f"Received axis_name={axis_name!r} for a Keras optimizer; axis_name "
                             f"names a JAX replica axis. Keras agrees across replicas by itself.")
         from mixedpolicy.backends.keras_optimizer import LossScaleOptimizer
 
-        return LossScaleOptimizer(optimizer, loss_scale=loss_scale)
+        return LossScaleOptimizer(optimizer, loss_scale=loss_scale, **kwargs)
+
+    def optimizer_from_config(self, config: dict, custom_objects: Any = None) -> Any:
+        if "inner_optimizer" not in config:
+            return None
+        from mixedpolicy.backends.keras_optimizer import LossScaleOptimizer
+
+        return LossScaleOptimizer.from_config(config, custom_objects)
 
     def sync_global_policy(self, policy: Any) -> None:
         sync_global_policy(policy)
@@ -215,7 +281,12 @@ def sync_global_policy(policy: Policy) -> None:
         warnings.warn(f"The global policy {policy.name} asks for {policy.output_dtype} outputs; "
                       f"Keras layers output their compute dtype, so Keras follows {name}.",
                       UserWarning, stacklevel=4)
+    _note_global()
     keras.config.set_dtype_policy(name)
+    _note_global()
+    # Keras keeps the policy per thread: a thread that set none sees this one.
+    _process_policy[0] = global_state.get_global_attribute("dtype_policy")
+    _keras_dtype_policy.dtype_policy = _dtype_policy_for_this_thread
     if name in ("float16", "mixed_float16"):
         use_bounded_loss_scale_in_compile()
 

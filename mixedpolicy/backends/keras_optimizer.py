@@ -53,8 +53,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
       inner_optimizer: the Keras optimizer to wrap.
       initial_scale, dynamic_growth_steps, growth_factor, backoff_factor, min_scale,
         max_scale: as for `mixedpolicy.DynamicLossScale`.
-      dynamic: False keeps the scale at `initial_scale` (steps are still skipped).
+      dynamic: True, as Keras accepts it; False is refused as Keras refuses it (pass
+        ``loss_scale=mp.StaticLossScale(scale)`` for a fixed scale).
       loss_scale: a `DynamicLossScale` or `StaticLossScale` instead of the settings.
+      name, **kwargs: as Keras's: a base-optimizer argument (``clipnorm``...) is a
+        ValueError saying it belongs on the inner optimizer.
     """
 
     def __init__(self, inner_optimizer: Any, initial_scale: float = 2.0**15,
@@ -68,18 +71,30 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
             raise TypeError("Received a LossScaleOptimizer to wrap; it already scales the loss. "
                             "Wrap the inner optimizer once.")
+        if not dynamic:
+            raise ValueError(
+                "LossScaleOptimizer no longer supports `dynamic=False`. Instead, simply set "
+                "`loss_scale_factor` directly on the `inner_optimizer` (Keras's own answer), or "
+                "pass loss_scale=mp.StaticLossScale(scale) to keep skipping non-finite steps.")
         if loss_scale is None:
             loss_scale = DynamicLossScale(
                 loss_scale=initial_scale, dynamic_growth_steps=dynamic_growth_steps,
                 growth_factor=growth_factor, backoff_factor=backoff_factor,
-                min_scale=min_scale, max_scale=max_scale) if dynamic else StaticLossScale(initial_scale)
+                min_scale=min_scale, max_scale=max_scale)
         if isinstance(loss_scale, NoLossScale) or not isinstance(loss_scale, LossScale):
             raise TypeError(f"Received loss_scale={loss_scale!r}; a Keras LossScaleOptimizer takes "
                             f"a DynamicLossScale or a StaticLossScale. Without loss scaling, use "
                             f"the inner optimizer as it is.")
         steps = getattr(loss_scale, "dynamic_growth_steps", dynamic_growth_steps)
-        super().__init__(inner_optimizer, initial_scale=float(loss_scale.loss_scale),
-                         dynamic_growth_steps=steps, name=name, **kwargs)
+        try:
+            super().__init__(inner_optimizer, initial_scale=float(loss_scale.loss_scale),
+                             dynamic_growth_steps=steps, name=name, **kwargs)
+        except ValueError as err:
+            if "does not support arguments" not in str(err):
+                raise
+            raise ValueError(f"{err} Settings of the optimizer itself (learning_rate, momentum...) "
+                             f"belong to the inner optimizer: pass them when you create it, then "
+                             f"wrap it.") from None
         self._config = loss_scale
 
     def build(self, var_list: Any) -> None:
@@ -195,11 +210,33 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     # -- saving --------------------------------------------------------------
     def get_config(self) -> dict:
+        """Keras's four keys; the settings Keras's own cannot express only where they are set.
+
+        A default wrapper's config is exactly Keras's (``name``, ``inner_optimizer``,
+        ``initial_scale``, ``dynamic_growth_steps``).
+        """
         config = super().get_config()
-        dynamic = isinstance(self._config, DynamicLossScale)
-        config.update(dynamic=dynamic)
-        if dynamic:
-            config.update(growth_factor=self._config.growth_factor,
-                          backoff_factor=self._config.backoff_factor,
-                          min_scale=self._config.min_scale, max_scale=self._config.max_scale)
+        cfg = self._config
+        if isinstance(cfg, DynamicLossScale):
+            for key, default in _DEFAULTS.items():
+                if getattr(cfg, key) != default:
+                    config[key] = getattr(cfg, key)
+        else:
+            config["static"] = True
         return config
+
+    @classmethod
+    def from_config(cls, config: dict, custom_objects: Any = None) -> "LossScaleOptimizer":
+        """Reads this class's configs and Keras's own (its current and its older layout)."""
+        config = dict(config)
+        inner = keras.saving.deserialize_keras_object(config.pop("inner_optimizer"),
+                                                      custom_objects=custom_objects)
+        static = config.pop("static", False) or config.pop("dynamic", True) is False
+        if static:  # also this class's configs from before, which said dynamic=False
+            scale = StaticLossScale(config.pop("initial_scale", 2.0**15))
+            config.pop("dynamic_growth_steps", None)
+            return cls(inner, loss_scale=scale, **config)
+        return cls(inner, **config)
+
+
+_DEFAULTS = {"growth_factor": 2.0, "backoff_factor": 0.5, "min_scale": 1.0, "max_scale": 2.0**24}
