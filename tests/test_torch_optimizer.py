@@ -262,6 +262,8 @@ def test_closure_is_refused():
     opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(TypeError, match="takes no closure"):
         opt.step(lambda: 0.0)
+    with pytest.raises(TypeError, match="LBFGS.*re-evaluates"):  # at construction, not at step
+        mp.LossScaleOptimizer(torch.optim.LBFGS(model.parameters()))
 
 
 def test_isinstance_and_type():

@@ -80,6 +80,11 @@ class TorchLossScaleOptimizer(torch.optim.Optimizer):
                     "Received a mixedpolicy LossScaleOptimizer to wrap; it already scales the loss, "
                     "and wrapping it again would divide the gradients by two scales. Wrap the "
                     "torch optimizer once (use .inner_optimizers to get at the optimizers inside).")
+            if isinstance(opt, torch.optim.LBFGS):
+                raise TypeError(
+                    "Received torch.optim.LBFGS, which re-evaluates the loss inside step(closure); "
+                    "loss scaling cannot follow those re-evaluations. Use LBFGS without a "
+                    "LossScaleOptimizer, under a bfloat16 or float32 policy (they need no loss scale).")
             for group in opt.param_groups:
                 _check_master_weights(group, loss_scale)
             _check_capturable(opt)
