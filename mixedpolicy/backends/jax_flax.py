@@ -272,8 +272,12 @@ class PolicyLinen:
 
     def _intercept(self, next_fun: Any, args: tuple, kwargs: dict, context: Any) -> Any:
         module = context.module
-        if context.method_name != "__call__" and module.path:
-            return next_fun(*args, **kwargs)  # helpers and setup of submodules run as they are
+        root_call = not module.path and type(module) is type(self.module)
+        if context.method_name != "__call__" and not root_call:
+            # helpers, setup of submodules, and the wrappers of lifted transforms (nn.remat,
+            # nn.scan: a clone of the lifted class at path () in a scope of its own) run as
+            # they are; the module they wrap is intercepted at its own path
+            return next_fun(*args, **kwargs)
         policy = self._resolve(module).policy
         fields = {f.name for f in dataclasses.fields(module)}
         changed = {}
@@ -282,7 +286,11 @@ class PolicyLinen:
                 changed[name] = getattr(module, name)
                 object.__setattr__(module, name, jnp_dtype(dtype))
         try:
-            args, kwargs = _cast_tree((args, kwargs), policy.compute_dtype)
+            # Only a layer that computes in its dtype gets its inputs cast: a container's
+            # layers cast for themselves, so a float32 layer inside a half-precision model
+            # sees the unrounded inputs (as Flax's own dtype=float32 and the NNX adapter do).
+            if "dtype" in changed:
+                args, kwargs = _cast_tree((args, kwargs), policy.compute_dtype)
             out = next_fun(*args, **kwargs)
         finally:
             for name, value in changed.items():
