@@ -62,3 +62,30 @@ def test_a_float32_first_layer_sees_unrounded_inputs():
         theirs = nn.Dense(3, dtype=jnp.float32).apply({"params": variables["params"]["first"]}, x)
     assert ours.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+
+
+@pytest.mark.parametrize("policy", ["bfloat16", "float16"])
+def test_nnx_remove_policy_gives_back_unrounded_values(policy):
+    nnx = require_module("flax.nnx", "jax")
+    model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+    before = np.asarray(model.kernel.get_value()).copy()
+    mp.apply_policy(model, policy)
+    assert model.kernel.get_value().dtype == jnp.dtype(policy)
+    model.bias.set_value(model.bias.get_value().at[0].set(0.5))
+    mp.remove_policy(model)
+    assert model.kernel.get_value().dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(model.kernel.get_value()), before)
+    assert float(model.bias.get_value()[0]) == 0.5
+
+
+def test_equinox_remove_policy_gives_back_unrounded_values():
+    eqx = require_module("equinox", "jax")
+    model = eqx.nn.Linear(4, 3, key=jax.random.key(0))
+    before = np.asarray(model.weight).copy()
+    wrapped = mp.apply_policy(model, "bfloat16")
+    assert wrapped.module.weight.dtype == jnp.bfloat16
+    # trained under the policy: the rounded leaves go through a jitted update untouched
+    wrapped = jax.jit(lambda m: m)(wrapped)
+    plain = mp.remove_policy(wrapped)
+    assert plain.weight.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(plain.weight), before)

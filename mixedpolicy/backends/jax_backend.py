@@ -59,6 +59,35 @@ def cast_leaf(x: Any, dtype: str) -> Any:
     return x
 
 
+class Kept:
+    """Arrays kept aside by `apply_policy` (originals of narrowed variables), never a pytree leaf.
+
+    Hashed by identity, so it can sit in a static field (Equinox) or a module's static
+    metadata (NNX) without being traced, trained or compared element by element.
+    """
+
+    __slots__ = ("arrays",)
+
+    def __init__(self, arrays: dict):
+        self.arrays = arrays
+
+    def __repr__(self) -> str:
+        return f"Kept({sorted(self.arrays)})"
+
+
+def restore_leaf(current: Any, original: Any, dtype: str) -> Any:
+    """`current` back in `dtype`: the original value wherever it is unchanged since the narrowing.
+
+    A value trained under the policy is kept (widened); one still equal to the rounded
+    original gets its original, unrounded value back.
+    """
+    wide = cast_leaf(current, dtype)
+    if original is None or getattr(original, "shape", None) != getattr(current, "shape", None):
+        return wide
+    untouched = jnp.asarray(current) == jnp.asarray(original).astype(jnp.asarray(current).dtype)
+    return jnp.where(untouched, original, wide)
+
+
 def _path_text(path: tuple) -> str:
     return jax.tree_util.keystr(path) or "(the root)"
 

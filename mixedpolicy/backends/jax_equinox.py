@@ -26,7 +26,7 @@ import equinox as eqx
 import jax
 
 from mixedpolicy.backends.base import check_master_weights
-from mixedpolicy.backends.jax_backend import cast_leaf, dtype_name
+from mixedpolicy.backends.jax_backend import Kept, cast_leaf, dtype_name, restore_leaf
 from mixedpolicy.table import LayerPolicy
 from mixedpolicy.policy import Policy
 from mixedpolicy.policy_map import NORMALIZATION, LayerInfo, PolicyMap
@@ -82,12 +82,15 @@ class PolicyModule(eqx.nn.StatefulLayer):
       policy: its policy.
       source: where the policy came from (global, map key, built-in rule).
       casts: (array path within the module, dtype before) for each array cast.
+      originals: the values of those arrays before the cast (kept aside, not a leaf),
+        so `remove_policy` gives back every value not changed since.
     """
 
     module: Any
     policy: Policy = eqx.field(static=True)
     source: str = eqx.field(static=True)
     casts: tuple = eqx.field(static=True, default=())
+    originals: Any = eqx.field(static=True, default=None)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._run("__call__", args, kwargs)
@@ -141,7 +144,7 @@ def apply_policy(model: Any, policy_map: PolicyMap) -> PolicyModule:
         resolution = policy_map.resolve(chain)
         policy = resolution.policy
         leaves, treedef = _children(module)
-        new, casts = [], []
+        new, casts, kept = [], [], {}
         for keys, leaf in leaves:
             if isinstance(leaf, eqx.nn.StateIndex):
                 new.append(leaf)
@@ -154,10 +157,11 @@ def apply_policy(model: Any, policy_map: PolicyMap) -> PolicyModule:
                                  "Create the module with float32 arrays (or cast them with jax.tree.map)")
             if dtype is not None and dtype != policy.variable_dtype:
                 casts.append((_join("", keys), dtype))
+                kept[_join("", keys)] = leaf
                 leaf = cast_leaf(leaf, policy.variable_dtype)
             new.append(leaf)
         return PolicyModule(jax.tree_util.tree_unflatten(treedef, new), policy, resolution.source,
-                            tuple(casts))
+                            tuple(casts), Kept(kept) if kept else None)
 
     wrapped = rebuild(model, "", [])
     policy_map.warn_unmatched(infos)
@@ -169,14 +173,16 @@ def remove_policy(model: Any) -> Any:
     if not isinstance(model, eqx.Module):
         return model
     casts = dict(model.casts) if isinstance(model, PolicyModule) else {}
+    kept = model.originals.arrays if isinstance(model, PolicyModule) and model.originals else {}
     inner = model.module if isinstance(model, PolicyModule) else model
     leaves, treedef = _children(inner)
     new = []
     for keys, leaf in leaves:
         before = casts.get(_join("", keys))
         layer = isinstance(leaf, eqx.Module) and not isinstance(leaf, eqx.nn.StateIndex)
+        path = _join("", keys)
         new.append(remove_policy(leaf) if layer
-                   else cast_leaf(leaf, before) if before else leaf)
+                   else restore_leaf(leaf, kept.get(path), before) if before else leaf)
     return jax.tree_util.tree_unflatten(treedef, new)
 
 

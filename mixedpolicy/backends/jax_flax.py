@@ -36,7 +36,7 @@ import jax
 
 from mixedpolicy.backends._subclass import policy_subclass
 from mixedpolicy.backends.base import check_master_weights
-from mixedpolicy.backends.jax_backend import cast_leaf, dtype_name, jnp_dtype
+from mixedpolicy.backends.jax_backend import Kept, cast_leaf, dtype_name, jnp_dtype, restore_leaf
 from mixedpolicy.table import LayerPolicy
 from mixedpolicy.policy import Policy
 from mixedpolicy.policy_map import NORMALIZATION, LayerInfo, PolicyMap, Resolution
@@ -102,6 +102,7 @@ class _Applied(NamedTuple):
     param_dtype: Any         # ... and its param_dtype
     cls: type                # its class before a swap
     variables: tuple         # (attribute, dtype name) of variables cast
+    originals: Any = None    # a Kept of their values before a narrowing cast
 
 
 _MISSING = "<missing>"
@@ -155,11 +156,12 @@ def _nnx_apply(model: Any, policy_map: PolicyMap) -> Any:
             module.dtype = jnp_dtype(policy.compute_dtype)
         if before_param is not _MISSING:
             module.param_dtype = jnp_dtype(policy.variable_dtype)
-        cast = []
+        cast, kept = [], {}
         for name, var in _own_variables(module):
             dtype = dtype_name(var.get_value().dtype)
             if dtype is not None and dtype != policy.variable_dtype:
                 cast.append((name, dtype))
+                kept[name] = var.get_value()
                 var.set_value(var.get_value().astype(jnp_dtype(policy.variable_dtype)))
         cls = type(module)
         parent = path.rpartition(".")[0] if path else None
@@ -167,7 +169,7 @@ def _nnx_apply(model: Any, policy_map: PolicyMap) -> Any:
         if region and policy.output_dtype != policy.compute_dtype:
             module.__class__ = policy_subclass("jax", cls, _cast_outputs)
         setattr(module, _STATE, _Applied(policy, resolution.source, before_dtype, before_param,
-                                         cls, tuple(cast)))
+                                         cls, tuple(cast), Kept(kept) if kept else None))
     return model
 
 
@@ -182,9 +184,10 @@ def _nnx_remove(model: Any) -> Any:
             module.dtype = applied.dtype
         if applied.param_dtype is not _MISSING:
             module.param_dtype = applied.param_dtype
+        kept = applied.originals.arrays if applied.originals is not None else {}
         for name, dtype in applied.variables:
             var = getattr(module, name)
-            var.set_value(var.get_value().astype(jnp_dtype(dtype)))
+            var.set_value(restore_leaf(var.get_value(), kept.get(name), dtype))
     return model
 
 

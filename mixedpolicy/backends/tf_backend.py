@@ -24,6 +24,7 @@ runs on this adapter's array operations.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, Iterable, NamedTuple
 
 import tensorflow as tf
@@ -118,6 +119,8 @@ class _Applied(NamedTuple):
     cls: type                  # the class before a swap
     cast: tuple                # names of own variables shown in the compute dtype
     replaced: dict             # name -> original variable, for pure policies
+    variables: dict            # name -> the variable each cast name stands for
+    lock: Any                  # one call at a time swaps the variables (threads)
 
 
 def _modules(model: tf.Module) -> list[tuple[str, tf.Module]]:
@@ -150,13 +153,19 @@ def _call_under_policy(module: tf.Module, call_super: Any, args: tuple, kwargs: 
     state = module.__dict__[_STATE]
     compute = _TF_DTYPES[state.policy.compute_dtype]
     args, kwargs = _cast_floating((args, kwargs), compute)
-    originals = {name: module.__dict__[name] for name in state.cast}
-    for name, var in originals.items():
-        module.__dict__[name] = tf.cast(var, compute)  # untracked, for this call only
-    try:
+    if state.cast:
+        # The swap is held under the module's lock and undone from the variables recorded
+        # at apply time, so calls from several threads can neither see each other's cast
+        # copies nor leave one behind in place of a variable.
+        with state.lock:
+            for name in state.cast:
+                module.__dict__[name] = tf.cast(state.variables[name], compute)  # this call only
+            try:
+                out = call_super(*args, **kwargs)
+            finally:
+                module.__dict__.update(state.variables)
+    else:
         out = call_super(*args, **kwargs)
-    finally:
-        module.__dict__.update(originals)
     if state.policy.output_dtype != state.policy.compute_dtype:
         out = _cast_floating(out, _TF_DTYPES[state.policy.output_dtype])
     return out
@@ -202,7 +211,9 @@ def apply_policy(model: tf.Module, policy_map: PolicyMap) -> tf.Module:
         cls = type(module)
         if cast or differs:
             module.__class__ = policy_subclass("tensorflow", cls, _call_under_policy)
-        module.__dict__[_STATE] = _Applied(policy, resolution.source, cls, cast, replaced)
+        module.__dict__[_STATE] = _Applied(policy, resolution.source, cls, cast, replaced,
+                                           {name: module.__dict__[name] for name in cast},
+                                           threading.RLock())
     return model
 
 
@@ -213,6 +224,10 @@ def remove_policy(model: tf.Module) -> tf.Module:
             continue
         module.__class__ = state.cls
         for name, original in state.replaced.items():
-            original.assign(tf.cast(getattr(module, name), original.dtype))
+            # the original value wherever it is unchanged since the narrowing; a value
+            # trained under the policy is kept, widened
+            current = tf.convert_to_tensor(getattr(module, name))
+            untouched = tf.equal(current, tf.cast(original, current.dtype))
+            original.assign(tf.where(untouched, original, tf.cast(current, original.dtype)))
             setattr(module, name, original)
     return model
