@@ -27,11 +27,59 @@ FIELDS = {"framework", "policy", "model", "batch_size", "steps", "step_time_s", 
     (["--steps", "0"], r"--steps 0; expected a whole number >= 1"),
     (["--device", "tpu"], r"--device 'tpu'"),
     (["--device", "cuda"], r"--device cuda, but this machine has no NVIDIA GPU"),
+    (["--batch-size", "100000"], r"--batch-size 100000, larger than the 1347 training samples"),
+    (["--min-block-time", "inf"], r"--min-block-time inf; expected seconds from 0 to 60"),
+    (["--min-block-time", "nan"], r"--min-block-time nan"),
+    (["--seed", "-1"], r"--seed -1; expected a whole number from 0"),
 ])
-def test_bad_options_stop_before_any_run(args, message, capsys, tmp_path):
+def test_bad_options_stop_before_any_run(args, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr("mixedpolicy.bench.cli.has_nvidia_gpu", lambda: False)  # also on a GPU machine
     assert bench(args + ["--out", str(tmp_path / "out")]) == 2
     assert __import__("re").search(message, capsys.readouterr().err)
     assert not (tmp_path / "out").exists()  # nothing ran, nothing was written
+
+
+def test_an_out_that_is_a_file_or_read_only_is_refused_before_anything_is_written(capsys, tmp_path):
+    import os
+
+    afile = tmp_path / "results"
+    afile.write_text("keep me")
+    assert bench(["--out", str(afile)]) == 2
+    assert "which is a file" in capsys.readouterr().err and afile.read_text() == "keep me"
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if os.access(locked, os.W_OK):  # root ignores permissions: nothing to test here
+            pytest.skip("running as a user who can write anywhere")
+        assert bench(["--out", str(locked / "out")]) == 2
+        assert "cannot be written" in capsys.readouterr().err and list(locked.iterdir()) == []
+    finally:
+        locked.chmod(0o700)
+
+
+def test_without_scikit_learn_the_bench_says_so(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "sklearn", None)
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
+    assert bench(["--frameworks", "torch", "--out", str(tmp_path / "out")]) == 2
+    assert "scikit-learn cannot be imported" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_without_matplotlib_the_bench_says_so_first_and_still_prints_the_table(monkeypatch, capsys, tmp_path):
+    from mixedpolicy.bench import cli as bench_cli, report
+
+    record = {"framework": "torch", "policy": "float32", "step_time_s": {"median": 1e-3},
+              "throughput_samples_per_s": 64000.0, "peak_memory_bytes": 2**20, "final_loss": 0.5,
+              "accuracy": 0.9, "skipped_steps": 0, "final_loss_scale": None,
+              "timed_steps_per_block": 10, "overhead_vs_native": 1.0}
+    monkeypatch.setattr(report, "can_plot", lambda: False)
+    monkeypatch.setattr(report, "plots", lambda *a: pytest.fail("plots without matplotlib"))
+    monkeypatch.setattr(bench_cli, "run_one", lambda spec: dict(record))
+    assert bench(["--frameworks", "torch", "--policies", "float32", "--out", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert "matplotlib is not installed" in err and "overhead vs native" in out
+    assert (tmp_path / "results.json").exists() and not (tmp_path / "step_time.png").exists()
 
 
 def test_a_framework_not_installed_names_the_installed_ones(monkeypatch, capsys, tmp_path):

@@ -54,14 +54,44 @@ def _check_positive(args: argparse.Namespace) -> None:
             raise ValueError(f"Received --{name.replace('_', '-')} {value}; expected a whole number >= 1.")
     if args.warmup < 0:
         raise ValueError(f"Received --warmup {args.warmup}; expected a whole number >= 0.")
-    if not args.min_block_time >= 0:
-        raise ValueError(f"Received --min-block-time {args.min_block_time}; expected seconds >= 0 "
-                         f"(0 times the common schedule's blocks whatever their length).")
+    if not 0 <= args.min_block_time <= 60:
+        raise ValueError(f"Received --min-block-time {args.min_block_time}; expected seconds from 0 "
+                         f"to 60 (0 times the common schedule's blocks whatever their length).")
+    if not 0 <= args.seed < 2**31:
+        raise ValueError(f"Received --seed {args.seed}; expected a whole number from 0 to 2**31 - 1 "
+                         f"(every framework's seeded generators take it).")
     if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
         raise ValueError(f"Received --device {args.device!r}; expected cpu, cuda or cuda:N.")
-    if args.device != "cpu" and not any(os.path.exists(p) for p in ("/dev/nvidia0", "/dev/nvidiactl")):
+    if args.device != "cpu" and not has_nvidia_gpu():
         raise ValueError(f"Received --device {args.device}, but this machine has no NVIDIA GPU "
                          f"(no /dev/nvidia0); run with --device cpu.")
+
+
+def has_nvidia_gpu() -> bool:
+    """Does this machine have an NVIDIA GPU (its device files), without importing a framework?"""
+    return any(os.path.exists(p) for p in ("/dev/nvidia0", "/dev/nvidiactl"))
+
+
+def _check_out(out: str) -> None:
+    """Refuses an --out that is a file or cannot be written, before anything is written."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"Received --out {out!r}, which is a file; expected a folder (new or "
+                         f"existing) for results.json, report.md and the plots.")
+    parent = out
+    while not os.path.exists(parent):
+        parent = os.path.dirname(os.path.abspath(parent))
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"Received --out {out!r}, but {parent!r} cannot be written; choose a "
+                         f"folder you can write to.")
+
+
+def _load_digits(seed: int) -> tuple:
+    try:
+        return data.digits(seed)
+    except ImportError as err:
+        raise ValueError(f"the bench trains on scikit-learn's digits data set, but scikit-learn "
+                         f"cannot be imported ({err}); install it: pip install "
+                         f"'mixedpolicy[bench]' (or scikit-learn).") from None
 
 
 def _worker_env(framework: str, device: str) -> dict:
@@ -94,15 +124,25 @@ def main(argv: list[str] | None = None) -> int:
         policies = resolve_policies(args.policies)
         model = resolve_model(args.model)
         _check_positive(args)
+        _check_out(args.out)
+        split = _load_digits(args.seed)
+        if args.batch_size > len(split[0]):
+            raise ValueError(f"Received --batch-size {args.batch_size}, larger than the "
+                             f"{len(split[0])} training samples; choose at most {len(split[0])}.")
     except ValueError as err:
         print(f"mixedpolicy bench: error: {err}", file=sys.stderr)
         return 2
+    with_plots = report.can_plot()
+    if not with_plots:
+        print("mixedpolicy bench: matplotlib is not installed, so no PNG plots will be written "
+              "(pip install 'mixedpolicy[bench]'); the table, results.json and report.md will be.",
+              file=sys.stderr)
     os.makedirs(args.out, exist_ok=True)
     weights_path = os.path.join(args.out, f"initial_weights_{model}.npz")
     cfg = models.config(model, args.device)
     models.save_weights(weights_path, models.init_weights(model, cfg, args.seed))
     data_path = os.path.abspath(os.path.join(args.out, "digits_split.npz"))
-    data.save(data_path, data.digits(args.seed))
+    data.save(data_path, split)
     specs = [RunSpec(f, p, model, args.batch_size, args.steps, args.repeats, args.warmup, args.device,
                      os.path.abspath(weights_path), args.seed, args.min_block_time, data_path)
              for f in frameworks for p in policies]
@@ -122,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f" {record['step_time_s']['median'] * 1e3:.2f} ms/step, accuracy {record['accuracy']:.3f}, "
               f"overhead {record['overhead_vs_native']:.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
     results = {"environment": {**report.environment(args, frameworks), "model_config": cfg}, "runs": runs}
-    paths = report.write(results, args.out)
+    paths = report.write(results, args.out, with_plots)
     print()
     print(report.table(runs))
     print(f"\n{len(runs)} runs in {time.perf_counter() - start:.0f} s; wrote " + ", ".join(paths))

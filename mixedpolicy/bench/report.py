@@ -131,11 +131,18 @@ def plots(results: dict, out: str) -> list[str]:
     return [step_png, loss_png]
 
 
-def write(results: dict, out: str) -> list[str]:
+def can_plot() -> bool:
+    """Is matplotlib installed (checked before the runs, so its absence is said up front)?"""
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def write(results: dict, out: str, with_plots: bool = True) -> list[str]:
     json_path = os.path.join(out, "results.json")
     with open(json_path, "w") as f:
         json.dump(results, f, indent=2)
     md_path = os.path.join(out, "report.md")
     with open(md_path, "w") as f:
         f.write(markdown(results))
-    return [json_path, md_path] + plots(results, out)
+    return [json_path, md_path] + (plots(results, out) if with_plots else [])
