@@ -125,6 +125,11 @@ def test_optax_double_wrapping_is_refused_and_multisteps_accepted():
     chained = mp.LossScaleOptimizer(optax.chain(mp.LossScaleOptimizer(optax.sgd(1.0)), optax.sgd(1.0)))
     with pytest.raises(TypeError, match="two loss scales"):
         chained.init(jnp.ones(3))
+    siblings = optax.chain(mp.LossScaleOptimizer(optax.sgd(1.0)), mp.LossScaleOptimizer(optax.sgd(1.0)))
+    state = siblings.init(jnp.ones(3))
+    for run in (lambda f: f(), lambda f: require_module("jax").jit(f)()):
+        with pytest.raises(TypeError, match="another mixedpolicy LossScaleOptimizer"):
+            run(lambda: siblings.update(jnp.ones(3), state, jnp.ones(3)))
     opt = mp.LossScaleOptimizer(optax.MultiSteps(optax.sgd(1.0), every_k_schedule=2))
     with require_module("jax").numpy_dtype_promotion("standard"):  # optax's own mixing
         w, _ = _optax_step(opt, jnp.ones(3, jnp.float32))

@@ -27,6 +27,7 @@ A typical step::
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, NamedTuple
 
 import jax
@@ -37,6 +38,14 @@ from mixedpolicy.backends.jax_backend import JaxAdapter
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale
 
 _ops = JaxAdapter()
+# The updates each LossScaleOptimizer handed on (their first leaf, weakly): a second
+# wrapper in the same optax.chain receives exactly these and would unscale them again.
+_handed_on: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+
+
+def _first_leaf(tree: Any) -> Any:
+    leaves = jax.tree_util.tree_leaves(tree)
+    return leaves[0] if leaves else None
 
 
 def _value(x: Any) -> Any:
@@ -142,6 +151,13 @@ def loss_scale_transformation(inner: Any, config: LossScale, axis_name: Any = No
         if not isinstance(state, LossScaleState):
             raise TypeError(f"Received a state of type {type(state).__name__}; expected the "
                             f"LossScaleState that this LossScaleOptimizer's init returned.")
+        first = _first_leaf(grads)
+        if first is not None and _handed_on.get(id(first)) is first:
+            raise TypeError(
+                "Received as gradients the updates of another mixedpolicy LossScaleOptimizer "
+                "(two in one optax.chain?): they are already unscaled, and dividing them by a "
+                "second scale would make them 32768x too small. Use one LossScaleOptimizer around "
+                "the whole chain: mp.LossScaleOptimizer(optax.chain(...)).")
         scale = _scale_state(config, state)  # NoLossScale: no unscale, but the skip all the same
         grads = scale.unscale(grads)
         finite = _ops.all_finite(grads)
@@ -154,6 +170,9 @@ def loss_scale_transformation(inner: Any, config: LossScale, axis_name: Any = No
         scale = scale.adjust(finite)
         skipped = (~finite).astype(jnp.int32)
         counter = jnp.asarray(getattr(scale, "counter", state.counter), jnp.int32)
+        handed = _first_leaf(updates)
+        if handed is not None:
+            _handed_on[id(handed)] = handed
         return updates, LossScaleState(inner_state, jnp.asarray(scale.loss_scale, jnp.float32),
                                        jnp.stack([counter, skipped, state.num_skipped_steps + skipped]))
 
