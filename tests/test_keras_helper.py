@@ -6,12 +6,13 @@ from keras_helper import KERAS_BACKENDS, run_under_keras_backends
 
 def test_each_backend_runs_in_its_own_process():
     require_module("keras")
+    two = KERAS_BACKENDS[:2]  # two are enough to see it switch (all three run tests/keras_suite)
     out = run_under_keras_backends("""
         import keras, os
         print(keras.backend.backend(), os.getpid())
-    """)
-    assert [out[b].split()[0] for b in KERAS_BACKENDS] == list(KERAS_BACKENDS)
-    assert len({out[b].split()[1] for b in KERAS_BACKENDS}) == 3
+    """, backends=two)
+    assert [out[b].split()[0] for b in two] == list(two)
+    assert len({out[b].split()[1] for b in two}) == 2
 
 
 def test_failure_reports_the_backend_and_output():

@@ -167,26 +167,3 @@ def main(argv: list[str] | None = None) -> int:
     print(report.table(runs))
     print(f"\n{len(runs)} runs in {time.perf_counter() - start:.0f} s; wrote " + ", ".join(paths))
     return 0
-
-
-def overhead(frameworks: list[str], argv: list[str] | None = None) -> dict:
-    """`mixedpolicy bench` on `frameworks` alone, the other options taken from `argv` (its
-    `--out` defaults to bench-results/overhead-<frameworks>); returns {(framework, policy):
-    overhead ratio}. The scripts in benchmarks/ are this, for one framework family each.
-
-    Raises SystemExit with bench's exit status when the run stops (bad options, a failed run).
-    """
-    fixed = ",".join(frameworks)
-    argv = ["--frameworks", fixed, "--out", os.path.join("bench-results", "overhead-" + "-".join(frameworks)),
-            *(sys.argv[1:] if argv is None else argv)]
-    args, _ = parser().parse_known_args(argv)
-    if args.frameworks != fixed:
-        print(f"error: this benchmark runs --frameworks {fixed}; received --frameworks "
-              f"{args.frameworks}. For others run `mixedpolicy bench --frameworks ...`.", file=sys.stderr)
-        raise SystemExit(2)
-    status = main(argv)
-    if status:
-        raise SystemExit(status)
-    with open(os.path.join(args.out, "results.json")) as f:
-        runs = json.load(f)["runs"]
-    return {(r["framework"], r["policy"]): r["overhead_vs_native"] for r in runs}

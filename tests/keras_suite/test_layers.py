@@ -1,0 +1,103 @@
+"""Keras layers under mixedpolicy: per-layer maps, explicit dtypes, names, norms, threads.
+
+Run by tests/test_keras.py once per Keras backend, in a pytest process of its own
+(KERAS_BACKEND is chosen per process); not collected by the main run.
+"""
+
+import warnings
+
+import numpy as np
+import keras
+
+import mixedpolicy as mp
+
+
+def test_per_layer_maps():
+    """Paths, globs, classes, inheritance, the norm rule, before and after build."""
+    x = np.random.default_rng(0).normal(size=(4, 8)).astype("float32")
+
+    def make(name="net", built=True):
+        block = keras.Sequential([keras.layers.Dense(16, name="dense"),
+                                  keras.layers.LayerNormalization(name="norm")], name="block")
+        head = [keras.Input((8,))] if built else []  # with an Input, Sequential builds at once
+        return keras.Sequential(head + [keras.layers.Dense(16, name="embed"), block,
+                                        keras.layers.Dense(3, name="head")], name=name)
+
+    def rows(model):
+        return {r.path: r for r in mp.describe(model)}
+
+    # before build: path, glob, class, inheritance and the norm rule
+    model = make(built=False)
+    mp.apply_policy(model, "mixed_bfloat16", {"net/head": "float32", "*/block": "mixed_float16"})
+    table = rows(model)
+    assert table["net/embed"].compute_dtype == "bfloat16" and table["net/embed"].source == "map default"
+    assert table["net/head"].policy == mp.Policy("float32") and table["net/head"].source == "map key 'net/head'"
+    assert table["net/block/dense"].compute_dtype == "float16", table
+    assert "inherited from 'net/block'" in table["net/block/dense"].source
+    # the norm keeps float32 variables and statistics and hands on the surrounding compute dtype
+    assert table["net/block/norm"].policy == mp.Policy("mixed_float16"), table["net/block/norm"]
+    assert table["net/block/norm"].source == "built-in rule: normalization"
+    assert model(x).dtype == "float32" or str(model(x).dtype).endswith("float32")
+    embed_out = model.get_layer("embed")(x)
+    assert keras.backend.standardize_dtype(embed_out.dtype) == "bfloat16"
+    norm = model.get_layer("block").get_layer("norm")
+    assert keras.backend.standardize_dtype(norm(keras.ops.ones((2, 16), "float16")).dtype) == "float16"
+    assert keras.backend.standardize_dtype(norm.gamma.dtype) == "float32"
+    assert all(keras.backend.standardize_dtype(w.dtype) == "float32" for w in model.weights)
+
+    by_class = rows(mp.apply_policy(make(), "mixed_float16", {keras.layers.LayerNormalization: "mixed_float16"}))
+    assert by_class["net/block/norm"].policy == mp.Policy("mixed_float16")
+    assert by_class["net/block/norm"].source.startswith("map key keras")
+
+    # after build: a mixed policy keeps the float32 variables and applies
+    built = make()
+    built(x)
+    mp.apply_policy(built, "mixed_float16")
+    assert keras.backend.standardize_dtype(built.get_layer("embed")(x).dtype) == "float16"
+    # a pure policy would need new variables: refused, nothing changed
+    try:
+        mp.apply_policy(built, "bfloat16")
+        raise AssertionError("expected a ValueError")
+    except ValueError as err:
+        assert "cannot change the dtype of existing variables" in str(err), err
+    assert built.get_layer("embed").dtype_policy.name == "mixed_float16"
+
+    # a pure policy before build stores the variables in half precision (norms in float32)
+    pure = mp.apply_policy(make(built=False), "bfloat16")
+    pure(x)
+    assert keras.backend.standardize_dtype(pure.get_layer("embed").kernel.dtype) == "bfloat16"
+    assert keras.backend.standardize_dtype(pure.get_layer("block").get_layer("norm").gamma.dtype) == "float32"
+
+    # remove_policy restores what was there
+    mp.remove_policy(built)
+    assert {r.policy.name for r in mp.describe(built)} == {"float32"}
+    assert {r.source for r in mp.describe(built)} == {"no policy applied"}
+
+    # what Keras cannot express is refused with the fix
+    try:
+        mp.apply_policy(make(), "p=f32,c=bf16,o=f32")
+        raise AssertionError("expected a ValueError")
+    except ValueError as err:
+        assert "Keras layers output their compute dtype" in str(err)
+
+    # a key that matches nothing warns with the nearest paths
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mp.apply_policy(make(), "mixed_float16", {"net/haed": "float32"})
+    assert any("'net/haed' matches no layer path" in str(w.message) and "net/head" in str(w.message)
+               for w in caught), [str(w.message) for w in caught]
+
+    # compile wraps a plain optimizer in the bounded loss-scale optimizer under any float16
+    from mixedpolicy.backends.keras_optimizer import LossScaleOptimizer
+    m = mp.apply_policy(make(), "float32", {"net/embed": "mixed_float16"})
+    m.compile(optimizer="sgd", loss="mse")
+    assert isinstance(m.optimizer, LossScaleOptimizer), type(m.optimizer)
+    mp.set_global_policy("mixed_float16")
+    g = make("global_net")
+    assert g.dtype_policy.name == "mixed_float16"
+    g.compile(keras.optimizers.SGD(0.1), loss="mse")
+    assert isinstance(g.optimizer, LossScaleOptimizer), type(g.optimizer)
+    # Keras's own, passed explicitly, is kept as it is
+    g.compile(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    assert type(g.optimizer) is keras.optimizers.LossScaleOptimizer
+    mp.set_global_policy(None)

@@ -1,0 +1,126 @@
+"""mixedpolicy's Keras LossScaleOptimizer: Keras's own tests, skips, fit, saving.
+
+Run by tests/test_keras.py once per Keras backend, in a pytest process of its own
+(KERAS_BACKEND is chosen per process); not collected by the main run.
+"""
+
+import os
+import sys
+import unittest
+import tempfile
+
+import numpy as np
+import keras
+
+import mixedpolicy as mp
+
+
+def test_keras_own_loss_scale_optimizer_tests():
+    """Keras's own LossScaleOptimizer tests, through the class and the factory."""
+    import keras.src.optimizers.loss_scale_optimizer_test as keras_tests
+    from mixedpolicy.backends.keras_optimizer import LossScaleOptimizer
+
+    # Every one of Keras's own tests, through the class and through the factory.
+    for under_test in (LossScaleOptimizer, mp.LossScaleOptimizer):
+        keras_tests.LossScaleOptimizer = under_test
+        suite = unittest.TestLoader().loadTestsFromTestCase(keras_tests.LossScaleOptimizerTest)
+        result = unittest.TextTestRunner(stream=sys.stdout, verbosity=0).run(suite)
+        assert result.wasSuccessful() and result.testsRun >= 25, (under_test, result.failures, result.errors)
+    # the settings Keras cannot express travel only where they are set, and come back
+    config = LossScaleOptimizer(keras.optimizers.SGD(0.5), 3.0, 2, name="t", min_scale=0.5).get_config()
+    assert set(config) == {"name", "inner_optimizer", "initial_scale", "dynamic_growth_steps", "min_scale"}
+    again = mp.LossScaleOptimizer.from_config(config)
+    assert (again.initial_scale, again.dynamic_growth_steps, again._config.min_scale) == (3.0, 2, 0.5)
+    static = LossScaleOptimizer(keras.optimizers.SGD(0.5), loss_scale=mp.StaticLossScale(8.0))
+    assert LossScaleOptimizer.from_config(static.get_config())._config == mp.StaticLossScale(8.0)
+    # a config written by Keras's own LossScaleOptimizer reads back, and ours reads in Keras's
+    own = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.5), 4.0, 3, name="k").get_config()
+    mine = mp.LossScaleOptimizer.from_config(own)
+    assert isinstance(mine, LossScaleOptimizer) and (mine.initial_scale, mine.dynamic_growth_steps, mine.name) == (4.0, 3, "k")
+    theirs = keras.optimizers.LossScaleOptimizer.from_config(mp.LossScaleOptimizer(keras.optimizers.SGD(0.5)).get_config())
+    assert theirs.initial_scale == 2.0**15
+
+
+def test_bounded_scale_skips_and_checkpoints():
+    """Bounded scale, visible skips, compiled loops, fit, save and load."""
+    from keras import ops
+
+    backend = keras.backend.backend()
+    opt = mp.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    assert isinstance(opt, mp.LossScaleOptimizer) and isinstance(opt, keras.optimizers.LossScaleOptimizer)
+    try:  # Keras's exception type, with the fix
+        mp.LossScaleOptimizer(keras.optimizers.SGD(0.1), learning_rate=0.1)
+        raise AssertionError("expected a ValueError")
+    except ValueError as err:
+        assert "belong to the inner optimizer" in str(err), err
+    named = mp.LossScaleOptimizer(keras.optimizers.SGD(0.1), name="opt", dynamic=True)
+    assert named.name == "opt"
+
+    # 200 overflows in a row, eagerly (Keras's own fails on jax here, and reaches a
+    # scale of 0 on the others): weights untouched, scale at its floor, no iteration
+    w = keras.Variable(np.array([1.0, 2.0, 3.0], "float32"))
+    opt.build([w])
+    inf = ops.convert_to_tensor(np.array([np.inf, 1.0, 1.0], "float32"))
+    for _ in range(200):
+        opt.apply([inf], [w])
+    np.testing.assert_array_equal(ops.convert_to_numpy(w), [1.0, 2.0, 3.0])
+    assert opt.loss_scale == 1.0 and opt.num_skipped_steps == 200 and opt.last_step_skipped
+    assert int(ops.convert_to_numpy(opt.iterations)) == 0
+    opt.apply([ops.convert_to_tensor(np.array([1.0, 1.0, 1.0], "float32"))], [w])
+    np.testing.assert_allclose(ops.convert_to_numpy(w), [0.9, 1.9, 2.9], rtol=1e-6)
+    assert not opt.last_step_skipped and int(ops.convert_to_numpy(opt.iterations)) == 1
+
+    # the scaled loss is float32, whatever the loss dtype
+    assert keras.backend.standardize_dtype(opt.scale_loss(ops.ones((), "float16")).dtype) == "float32"
+
+    # compiled custom loops
+    def compiled_apply(opt, grads, w):
+        if backend == "tensorflow":
+            import tensorflow as tf
+            tf.function(lambda: opt.apply(grads, [w]))()
+        elif backend == "jax":
+            import jax
+            values, opt_values = jax.jit(opt.stateless_apply)(
+                [v.value for v in opt.variables], grads, [w.value])
+            w.assign(values[0])
+            for v, value in zip(opt.variables, opt_values):
+                v.assign(value)
+        else:
+            opt.apply(grads, [w])
+
+    opt2 = mp.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=4.0)
+    w2 = keras.Variable(np.array([1.0, 2.0, 3.0], "float32"))
+    opt2.build([w2])
+    compiled_apply(opt2, [inf], w2)
+    np.testing.assert_array_equal(ops.convert_to_numpy(w2), [1.0, 2.0, 3.0])
+    assert opt2.loss_scale == 2.0 and opt2.num_skipped_steps == 1
+    compiled_apply(opt2, [ops.convert_to_tensor(np.array([2.0, 2.0, 2.0], "float32"))], w2)
+    np.testing.assert_allclose(ops.convert_to_numpy(w2), [0.9, 1.9, 2.9], rtol=1e-6)
+    assert opt2.num_skipped_steps == 1 and not opt2.last_step_skipped
+
+    # model.fit with one poisoned batch per epoch: that step is skipped, counted, the rest train
+    # (a first step may also overflow in float16 at the initial scale of 2**15: skipped too)
+    mp.set_global_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 8)).astype("float32")
+    y = rng.normal(size=(64, 1)).astype("float32")
+    x[16:32] = np.nan  # the second batch of 16
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    from mixedpolicy.backends.keras_optimizer import LossScaleOptimizer
+    assert isinstance(model.optimizer, LossScaleOptimizer)
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    skipped = model.optimizer.num_skipped_steps
+    assert skipped >= 2, skipped
+    assert int(ops.convert_to_numpy(model.optimizer.iterations)) + skipped == 8
+    assert all(np.isfinite(ops.convert_to_numpy(v)).all() for v in model.weights)
+
+    # saved and restored with the model
+    path = os.path.join(tempfile.mkdtemp(), "model.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert type(loaded.optimizer) is LossScaleOptimizer
+    assert loaded.optimizer.num_skipped_steps == skipped
+    assert loaded.optimizer.loss_scale == model.optimizer.loss_scale
+    mp.set_global_policy(None)
