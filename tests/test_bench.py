@@ -163,6 +163,7 @@ def test_block_steps_reaches_the_minimum_block_time(elapsed_per_step, expected):
     assert block_steps(lambda n: n * elapsed_per_step, 0.05) == expected  # a timer reading 0: capped
 
 
+@pytest.mark.slow
 def test_a_small_run_writes_every_output_with_every_field(tmp_path):
     from conftest import require_module
 
@@ -197,6 +198,7 @@ def test_model_input_shapes_and_sizes():
     assert "stage1.block0.proj.kernel" in weights and "stage0.block0.proj.kernel" not in weights
 
 
+@pytest.mark.slow
 def test_every_framework_builds_the_same_model_from_the_shared_weights(tmp_path):
     """Each framework's mlp, cnn, transformer and resnet compute the same float32 logits from
     the shared weights, ours and hand-written alike; one step gives the same loss; under a

@@ -5,6 +5,10 @@ import subprocess
 import sys
 import venv
 
+import pytest
+
+pytestmark = pytest.mark.slow  # starts processes of its own (see docs/contributing.md)
+
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

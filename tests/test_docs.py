@@ -23,6 +23,8 @@ import pytest
 
 from keras_helper import KERAS_BACKENDS
 
+pytestmark = pytest.mark.slow  # starts processes of its own (see docs/contributing.md)
+
 ROOT = Path(__file__).resolve().parent.parent
 FILES = ["README.md"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))
 _BLOCK = re.compile(r"(?:<!-- doc-setup\n(?P<setup>.*?)-->\n)?```python\n(?P<code>.*?)```\n"

@@ -17,6 +17,7 @@ def test_there_are_examples():
     assert EXAMPLES
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", SMOKE, ids=lambda p: p.name)
 def test_example_runs(script):
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
@@ -51,6 +52,7 @@ def test_guide_policy_table_is_true():
             assert mp.Policy(name).name == canonical, name
 
 
+@pytest.mark.slow
 def test_jax_example_trains_every_policy_near_float32():
     from conftest import require_module
 

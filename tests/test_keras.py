@@ -12,6 +12,8 @@ import pytest
 from conftest import require_module
 from keras_helper import KERAS_BACKENDS, run_under_keras_backends
 
+pytestmark = pytest.mark.slow  # starts processes of its own (see docs/contributing.md)
+
 ROOT = Path(__file__).resolve().parent.parent
 
 _PRELUDE = """

@@ -1,9 +1,12 @@
 """The helper that runs a test body under each Keras backend really switches backends."""
 
+import pytest
+
 from conftest import require_module
 from keras_helper import KERAS_BACKENDS, run_under_keras_backends
 
 
+@pytest.mark.slow
 def test_each_backend_runs_in_its_own_process():
     require_module("keras")
     two = KERAS_BACKENDS[:2]  # two are enough to see it switch (all three run tests/keras_suite)

@@ -6,7 +6,11 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from conftest import require_module
+
+pytestmark = pytest.mark.slow  # starts processes of its own (see docs/contributing.md)
 
 BODY = textwrap.dedent("""
     import os, warnings

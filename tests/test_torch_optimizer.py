@@ -304,6 +304,7 @@ DDP_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_ddp_overflow_on_one_rank_skips_every_rank(tmp_path):
     import socket
 
