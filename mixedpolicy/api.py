@@ -7,7 +7,8 @@ from typing import Any, Mapping
 from mixedpolicy import backends
 from mixedpolicy.table import LayerPolicy, PolicyTable
 from mixedpolicy.function import PolicyFunction
-from mixedpolicy.loss_scale import DynamicLossScale, LossScale, _check_scale
+from mixedpolicy._scale_checks import _check_scale
+from mixedpolicy.loss_scale import DynamicLossScale, LossScale
 from mixedpolicy.policy_map import as_policy_map
 
 

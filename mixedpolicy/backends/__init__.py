@@ -186,12 +186,21 @@ def cast_tree(tree: Any, dtype: str) -> Any:
 
 def global_policy_changed(policy: Any) -> None:
     """Tells every framework with a global dtype policy of its own, now or when it is imported."""
-    from mixedpolicy.backends.import_hook import notify_on_import
+    from mixedpolicy.backends.import_hook import when_imported
 
     for adapter in _live_adapters():
         adapter.sync_global_policy(policy)
     for module in _GLOBAL_POLICY_MODULES:
-        notify_on_import(module)
+        if module not in sys.modules:
+            when_imported(module, _sync_imported)
+
+
+def _sync_imported(module: Any) -> None:
+    """Hands a framework imported after `set_global_policy` the global policy in force then."""
+    # the global policy itself, not a policy_scope of the importing thread
+    policy = sys.modules["mixedpolicy.scope"]._global
+    for adapter in _live_adapters():
+        adapter.sync_global_policy(policy)
 
 
 def _install_import_hooks() -> None:

@@ -56,13 +56,6 @@ class _Loader(importlib.abc.Loader):
             callback(module)
 
 
-def _sync_global_policy(module: Any) -> None:
-    from mixedpolicy import backends
-
-    # the global policy itself, not a policy_scope of the importing thread
-    backends.global_policy_changed(sys.modules["mixedpolicy.scope"]._global)
-
-
 def when_imported(module_name: str, callback: Any) -> None:
     """Calls ``callback(module)`` once `module_name` is imported: now if it already is, else right after."""
     with _lock:
@@ -77,9 +70,3 @@ def when_imported(module_name: str, callback: Any) -> None:
                 finder.callbacks.append(callback)
             return
     callback(module)
-
-
-def notify_on_import(module_name: str) -> None:
-    """Passes the global policy to `module_name`'s adapter once that module is imported (once)."""
-    if module_name not in sys.modules:
-        when_imported(module_name, _sync_global_policy)

@@ -26,7 +26,7 @@ import equinox as eqx
 import jax
 
 from mixedpolicy.backends.base import check_master_weights
-from mixedpolicy.backends.jax_backend import Kept, cast_leaf, dtype_name, restore_leaf
+from mixedpolicy.backends.jax_arrays import Kept, cast_leaf, dtype_name, restore_leaf
 from mixedpolicy.table import LayerPolicy
 from mixedpolicy.policy import Policy
 from mixedpolicy.policy_map import NORMALIZATION, LayerInfo, PolicyMap

@@ -36,7 +36,7 @@ import jax
 
 from mixedpolicy.backends._subclass import policy_subclass
 from mixedpolicy.backends.base import check_master_weights
-from mixedpolicy.backends.jax_backend import Kept, cast_leaf, dtype_name, jnp_dtype, restore_leaf
+from mixedpolicy.backends.jax_arrays import Kept, cast_leaf, dtype_name, jnp_dtype, restore_leaf
 from mixedpolicy.table import LayerPolicy
 from mixedpolicy.policy import Policy
 from mixedpolicy.policy_map import NORMALIZATION, LayerInfo, PolicyMap, Resolution

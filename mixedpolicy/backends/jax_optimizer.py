@@ -34,10 +34,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from mixedpolicy.backends.jax_backend import JaxAdapter
+from mixedpolicy.backends.jax_arrays import all_finite
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale
 
-_ops = JaxAdapter()
 # The updates each LossScaleOptimizer handed on (their first leaf, weakly): a second
 # wrapper in the same optax.chain receives exactly these and would unscale them again.
 _handed_on: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
@@ -160,7 +159,7 @@ def loss_scale_transformation(inner: Any, config: LossScale, axis_name: Any = No
                 "the whole chain: mp.LossScaleOptimizer(optax.chain(...)).")
         scale = _scale_state(config, state)  # NoLossScale: no unscale, but the skip all the same
         grads = scale.unscale(grads)
-        finite = _ops.all_finite(grads)
+        finite = all_finite(grads)
         if axis_name is not None:
             finite = jax.lax.psum((~finite).astype(jnp.int32), axis_name) == 0
         updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)

@@ -8,60 +8,22 @@ Used like the optimizer it wraps::
     opt.step()                          # unscale, skip or apply, update the scale
     opt.zero_grad()
 
-The scale lives on the device. Per step there is at most one host sync, the one
-``torch.amp.GradScaler`` makes to decide the skip; with fused optimizers
-(``fused=True``) there is none: the fused kernel unscales and skips on the device.
-The update of the scale is ``GradScaler``'s own kernel followed by a clamp into
-``[min_scale, max_scale]``, which is exactly `DynamicLossScale.adjust`.
+The scale lives on the device. Per step at most one host sync (``GradScaler``'s, for the
+skip); none with fused optimizers (``fused=True``), whose kernel unscales and skips. The
+scale moves by ``GradScaler``'s own kernel and a clamp to ``[min_scale, max_scale]``:
+exactly `DynamicLossScale.adjust`.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict
 from typing import Any
 
 import torch
 
-from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale
-
-
-def _capturable_devices() -> list:
-    try:
-        from torch.optim.optimizer import _get_capturable_supported_devices
-
-        return list(_get_capturable_supported_devices())
-    except ImportError:  # a torch that moved the private helper
-        return ["cuda", "xpu", "hpu", "xla"]
-
-
-def _check_capturable(opt: torch.optim.Optimizer) -> None:
-    """Refuses ``capturable=True`` (a CUDA-graph setting) on parameters of a device without it."""
-    supported = None
-    for group in opt.param_groups:
-        if not group.get("capturable"):
-            continue
-        supported = supported or _capturable_devices()
-        for p in group["params"]:
-            if p.device.type not in supported:
-                raise ValueError(
-                    f"Received {type(opt).__name__}(capturable=True) whose parameters (one of shape "
-                    f"{tuple(p.shape)}) are on {p.device}. capturable=True keeps the optimizer step "
-                    f"on the device for CUDA-graph capture and works only on {supported}; on "
-                    f"{p.device.type} torch would stop at the first step. Create the optimizer with "
-                    f"capturable=False (the default), or move the model to the GPU before creating it.")
-
-
-def _check_master_weights(group: dict, loss_scale: LossScale) -> None:
-    if isinstance(loss_scale, NoLossScale):
-        return
-    for p in group["params"]:
-        if p.dtype in (torch.float16, torch.bfloat16):
-            raise ValueError(
-                f"Received an optimizer whose parameters are {p.dtype} master weights. "
-                f"Loss scaling protects float16 gradients, but updates to half-precision "
-                f"weights are lost to rounding. Keep the weights in float32 (apply a "
-                f"mixed policy such as 'mixed_float16', which stores variables in "
-                f"float32), or wrap with loss_scale=mp.NoLossScale() if intended.")
+from mixedpolicy.backends.torch_checks import (_check_capturable, _check_master_weights, config_from_scaler_state,
+                                               grads_by_device_and_dtype)
+from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale
 
 
 class TorchLossScaleOptimizer(torch.optim.Optimizer):
@@ -96,12 +58,9 @@ class TorchLossScaleOptimizer(torch.optim.Optimizer):
         self._unscaled = False
         self._skipped: torch.Tensor | None = None
         self._last_skipped: torch.Tensor | None = None
-        self._optimizer_step_pre_hooks: dict = OrderedDict()
-        self._optimizer_step_post_hooks: dict = OrderedDict()
-        self._optimizer_state_dict_pre_hooks: dict = OrderedDict()
-        self._optimizer_state_dict_post_hooks: dict = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: dict = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks: dict = OrderedDict()
+        for kind in ("step_pre", "step_post", "state_dict_pre", "state_dict_post",
+                     "load_state_dict_pre", "load_state_dict_post"):  # torch.optim's hook tables
+            setattr(self, f"_optimizer_{kind}_hooks", OrderedDict())
         self.defaults = inners[0].defaults
 
     def __getstate__(self) -> dict:  # torch.optim.Optimizer keeps only defaults/state/groups
@@ -210,23 +169,7 @@ class TorchLossScaleOptimizer(torch.optim.Optimizer):
 
     # -- unscale and step -----------------------------------------------------
     def _grads_by_device_and_dtype(self) -> dict:
-        groups: dict = defaultdict(list)
-        for group in self.param_groups:
-            for p in group["params"]:
-                g = p.grad
-                if g is None:
-                    continue
-                if p.dtype == torch.float16 and not isinstance(self._config, NoLossScale):
-                    raise ValueError(
-                        "Attempting to unscale float16 gradients of float16 parameters (as "
-                        "torch.amp.GradScaler refuses to): the model was made half precision "
-                        "(.half()) after the optimizer was wrapped, so its master weights are "
-                        "float16 and updates are lost to rounding. Keep parameters in float32 and "
-                        "compute in float16 with apply_policy(model, 'mixed_float16').")
-                if g.is_sparse:
-                    g = g.coalesce()._values() if g.dtype == torch.float16 else g._values()
-                groups[(g.device, g.dtype)].append(g)
-        return groups
+        return grads_by_device_and_dtype(self.param_groups, half_allowed=isinstance(self._config, NoLossScale))
 
     def _check(self, inv_scale: torch.Tensor) -> torch.Tensor:
         """Multiplies every gradient by `inv_scale` and returns one found-inf flag (no sync)."""
@@ -334,38 +277,7 @@ class TorchLossScaleOptimizer(torch.optim.Optimizer):
 
     def _scale_state_from(self, state: Any) -> tuple:
         """(loss-scale config, skip count or None) from a scaler state dict; changes nothing."""
-        if not isinstance(state, dict):
-            raise TypeError(f"Received a scaler state of type {type(state).__name__}; expected the "
-                            f"dict from torch.amp.GradScaler.state_dict() or scaler_state_dict().")
-        if not state:
-            raise ValueError(
-                "Received an empty scaler state dict. That is what a disabled torch.amp.GradScaler "
-                "saves: GradScaler('cuda') on a machine without CUDA disables itself (with only a "
-                "warning), as does enabled=False, so its loss scaling never ran and there is no "
-                "scale to load. On CPU create it as GradScaler('cpu'); or skip this load and keep "
-                "this optimizer's own scale.")
-        missing = [k for k in ("scale", "_growth_tracker") if k not in state]
-        if missing:
-            raise ValueError(f"Received a scaler state dict without {missing}; expected the "
-                             f"dict from torch.amp.GradScaler.state_dict() or scaler_state_dict().")
-        cfg, scale = self._config, state["scale"]
-        if isinstance(cfg, DynamicLossScale):
-            cfg = DynamicLossScale(
-                loss_scale=scale, counter=int(state["_growth_tracker"]),
-                dynamic_growth_steps=int(state.get("growth_interval", cfg.dynamic_growth_steps)),
-                growth_factor=state.get("growth_factor", cfg.growth_factor),
-                backoff_factor=state.get("backoff_factor", cfg.backoff_factor),
-                min_scale=state.get("min_scale") or min(cfg.min_scale, scale),
-                max_scale=state.get("max_scale") or max(cfg.max_scale, scale))
-        elif isinstance(cfg, NoLossScale):
-            if float(scale) != 1.0:
-                raise ValueError(
-                    f"Received a scaler state with scale={scale} for a LossScaleOptimizer made with "
-                    f"NoLossScale(), which never scales. Load it into a wrapper made with a "
-                    f"DynamicLossScale or StaticLossScale, or drop the 'loss_scale' entry.")
-        else:
-            cfg = StaticLossScale(scale)
-        return cfg, state.get("num_skipped_steps")
+        return config_from_scaler_state(self._config, state)
 
     def _set_scale_state(self, cfg: LossScale, skipped: int | None) -> None:
         if skipped is None:

@@ -10,7 +10,7 @@ from flax import nnx
 
 import mixedpolicy as mp
 from mixedpolicy.bench.models import BN_EPSILON, BN_MOMENTUM, LN_EPSILON, LR, MOMENTUM, resnet_blocks
-from mixedpolicy.bench.worker import Trainer, pin_tf32
+from mixedpolicy.bench.trainer import Trainer, pin_tf32
 
 _COMPUTE = {"float32": jnp.float32, "mixed_bfloat16": jnp.bfloat16, "mixed_float16": jnp.float16}
 

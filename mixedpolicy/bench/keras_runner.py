@@ -11,7 +11,7 @@ import numpy as np
 import mixedpolicy as mp
 from mixedpolicy.bench.models import (BN_EPSILON, BN_MOMENTUM, CLASSES, LN_EPSILON, LR, MOMENTUM,
                                       resnet_blocks)
-from mixedpolicy.bench.worker import Trainer, pin_tf32
+from mixedpolicy.bench.trainer import Trainer, pin_tf32
 
 
 

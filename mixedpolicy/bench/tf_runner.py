@@ -13,7 +13,7 @@ import tensorflow as tf  # noqa: E402
 
 import mixedpolicy as mp  # noqa: E402
 from mixedpolicy.bench.models import BN_EPSILON, BN_MOMENTUM, LN_EPSILON, LR, MOMENTUM, resnet_blocks  # noqa: E402
-from mixedpolicy.bench.worker import Trainer, pin_tf32  # noqa: E402
+from mixedpolicy.bench.trainer import Trainer, pin_tf32  # noqa: E402
 
 _COMPUTE = {"float32": tf.float32, "mixed_bfloat16": tf.bfloat16, "mixed_float16": tf.float16}
 

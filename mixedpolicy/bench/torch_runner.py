@@ -7,7 +7,7 @@ import torch
 
 import mixedpolicy as mp
 from mixedpolicy.bench.models import BN_EPSILON, BN_MOMENTUM, LN_EPSILON, LR, MOMENTUM, resnet_blocks
-from mixedpolicy.bench.worker import Trainer, pin_tf32
+from mixedpolicy.bench.trainer import Trainer, pin_tf32
 
 _HALF = {"mixed_bfloat16": torch.bfloat16, "mixed_float16": torch.float16}
 

@@ -1,0 +1,84 @@
+"""JAX array helpers shared by the JAX adapter and its Flax, Equinox and optax modules.
+
+The ground floor of the JAX side: it imports no other mixedpolicy JAX module, so the
+adapter (`jax_backend`) and the modules it dispatches to (`jax_flax`, `jax_equinox`,
+`jax_optimizer`) all import downwards from here, with no cycle.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mixedpolicy._dtypes import FLOATING_DTYPES
+
+_JNP_DTYPES = {name: jnp.dtype(name) for name in FLOATING_DTYPES}
+_JNP_DTYPES.update(bool=jnp.dtype("bool"), int32=jnp.dtype("int32"), int64=jnp.dtype("int64"))
+_NAMES = {v: k for k, v in _JNP_DTYPES.items() if k in FLOATING_DTYPES}
+_SCALARS = (bool, int, float, complex, np.ndarray, np.generic)
+
+
+def dtype_name(dtype: Any) -> str | None:
+    """The plain name of a floating dtype (``jnp.bfloat16``, ``np.float32``...), else None."""
+    if dtype is None:
+        return None
+    try:
+        return _NAMES.get(jnp.dtype(dtype))
+    except TypeError:
+        return None
+
+
+def jnp_dtype(name: str) -> Any:
+    """The jnp dtype of a plain name; float64 only where JAX has 64-bit types enabled."""
+    if name == "float64" and not jax.config.jax_enable_x64:
+        raise ValueError(
+            "Received a float64 policy, but JAX runs with 64-bit types disabled, so it would "
+            "silently compute in float32. Enable them first: "
+            "jax.config.update('jax_enable_x64', True), or JAX_ENABLE_X64=1.")
+    return _JNP_DTYPES[name]
+
+
+def cast_leaf(x: Any, dtype: str) -> Any:
+    """Casts one floating array (jax or numpy) to `dtype`; anything else passes unchanged."""
+    if isinstance(x, (jax.Array, np.ndarray, np.generic)) and dtype_name(x.dtype) not in (None, dtype):
+        return jnp.asarray(x).astype(jnp_dtype(dtype))
+    return x
+
+
+class Kept:
+    """Arrays kept aside by `apply_policy` (originals of narrowed variables), never a pytree leaf.
+
+    Hashed by identity, so it can sit in a static field (Equinox) or a module's static
+    metadata (NNX) without being traced, trained or compared element by element.
+    """
+
+    __slots__ = ("arrays",)
+
+    def __init__(self, arrays: dict):
+        self.arrays = arrays
+
+    def __repr__(self) -> str:
+        return f"Kept({sorted(self.arrays)})"
+
+
+def restore_leaf(current: Any, original: Any, dtype: str) -> Any:
+    """`current` back in `dtype`: the original value wherever it is unchanged since the narrowing.
+
+    A value trained under the policy is kept (widened); one still equal to the rounded
+    original gets its original, unrounded value back.
+    """
+    wide = cast_leaf(current, dtype)
+    if original is None or getattr(original, "shape", None) != getattr(current, "shape", None):
+        return wide
+    untouched = jnp.asarray(current) == jnp.asarray(original).astype(jnp.asarray(current).dtype)
+    return jnp.where(untouched, original, wide)
+
+
+def all_finite(tree: Any) -> Any:
+    """A boolean scalar: are all floating leaves free of inf and NaN? (no host sync)"""
+    flags = [jnp.isfinite(x).all() for x in jax.tree_util.tree_leaves(tree)
+             if isinstance(x, jax.Array) and dtype_name(x.dtype) is not None]
+    return jnp.stack(flags).all() if flags else jnp.asarray(True)

@@ -1,0 +1,112 @@
+"""Checks and conversions of the torch LossScaleOptimizer: what it refuses up front, and the
+scale a ``torch.amp.GradScaler`` state dict describes.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale
+
+
+def _capturable_devices() -> list:
+    try:
+        from torch.optim.optimizer import _get_capturable_supported_devices
+
+        return list(_get_capturable_supported_devices())
+    except ImportError:  # a torch that moved the private helper
+        return ["cuda", "xpu", "hpu", "xla"]
+
+
+def _check_capturable(opt: torch.optim.Optimizer) -> None:
+    """Refuses ``capturable=True`` (a CUDA-graph setting) on parameters of a device without it."""
+    supported = None
+    for group in opt.param_groups:
+        if not group.get("capturable"):
+            continue
+        supported = supported or _capturable_devices()
+        for p in group["params"]:
+            if p.device.type not in supported:
+                raise ValueError(
+                    f"Received {type(opt).__name__}(capturable=True) whose parameters (one of shape "
+                    f"{tuple(p.shape)}) are on {p.device}. capturable=True keeps the optimizer step "
+                    f"on the device for CUDA-graph capture and works only on {supported}; on "
+                    f"{p.device.type} torch would stop at the first step. Create the optimizer with "
+                    f"capturable=False (the default), or move the model to the GPU before creating it.")
+
+
+def _check_master_weights(group: dict, loss_scale: LossScale) -> None:
+    if isinstance(loss_scale, NoLossScale):
+        return
+    for p in group["params"]:
+        if p.dtype in (torch.float16, torch.bfloat16):
+            raise ValueError(
+                f"Received an optimizer whose parameters are {p.dtype} master weights. "
+                f"Loss scaling protects float16 gradients, but updates to half-precision "
+                f"weights are lost to rounding. Keep the weights in float32 (apply a "
+                f"mixed policy such as 'mixed_float16', which stores variables in "
+                f"float32), or wrap with loss_scale=mp.NoLossScale() if intended.")
+
+
+def config_from_scaler_state(cfg: LossScale, state: Any) -> tuple:
+    """(the loss scale `state` describes, skip count or None), `cfg` giving the kind; changes nothing."""
+    if not isinstance(state, dict):
+        raise TypeError(f"Received a scaler state of type {type(state).__name__}; expected the "
+                        f"dict from torch.amp.GradScaler.state_dict() or scaler_state_dict().")
+    if not state:
+        raise ValueError(
+            "Received an empty scaler state dict. That is what a disabled torch.amp.GradScaler "
+            "saves: GradScaler('cuda') on a machine without CUDA disables itself (with only a "
+            "warning), as does enabled=False, so its loss scaling never ran and there is no "
+            "scale to load. On CPU create it as GradScaler('cpu'); or skip this load and keep "
+            "this optimizer's own scale.")
+    missing = [k for k in ("scale", "_growth_tracker") if k not in state]
+    if missing:
+        raise ValueError(f"Received a scaler state dict without {missing}; expected the "
+                         f"dict from torch.amp.GradScaler.state_dict() or scaler_state_dict().")
+    scale = state["scale"]
+    if isinstance(cfg, DynamicLossScale):
+        cfg = DynamicLossScale(
+            loss_scale=scale, counter=int(state["_growth_tracker"]),
+            dynamic_growth_steps=int(state.get("growth_interval", cfg.dynamic_growth_steps)),
+            growth_factor=state.get("growth_factor", cfg.growth_factor),
+            backoff_factor=state.get("backoff_factor", cfg.backoff_factor),
+            min_scale=state.get("min_scale") or min(cfg.min_scale, scale),
+            max_scale=state.get("max_scale") or max(cfg.max_scale, scale))
+    elif isinstance(cfg, NoLossScale):
+        if float(scale) != 1.0:
+            raise ValueError(
+                f"Received a scaler state with scale={scale} for a LossScaleOptimizer made with "
+                f"NoLossScale(), which never scales. Load it into a wrapper made with a "
+                f"DynamicLossScale or StaticLossScale, or drop the 'loss_scale' entry.")
+    else:
+        cfg = StaticLossScale(scale)
+    return cfg, state.get("num_skipped_steps")
+
+
+def grads_by_device_and_dtype(param_groups: list, half_allowed: bool) -> dict:
+    """The gradients of the groups, by (device, dtype), as torch's foreach kernels take them.
+
+    Raises:
+      ValueError: a float16 parameter has a gradient (and `half_allowed` is false).
+    """
+    groups: dict = defaultdict(list)
+    for group in param_groups:
+        for p in group["params"]:
+            g = p.grad
+            if g is None:
+                continue
+            if p.dtype == torch.float16 and not half_allowed:
+                raise ValueError(
+                    "Attempting to unscale float16 gradients of float16 parameters (as "
+                    "torch.amp.GradScaler refuses to): the model was made half precision "
+                    "(.half()) after the optimizer was wrapped, so its master weights are "
+                    "float16 and updates are lost to rounding. Keep parameters in float32 and "
+                    "compute in float16 with apply_policy(model, 'mixed_float16').")
+            if g.is_sparse:
+                g = g.coalesce()._values() if g.dtype == torch.float16 else g._values()
+            groups[(g.device, g.dtype)].append(g)
+    return groups

@@ -1,0 +1,71 @@
+"""What every framework runner of `mixedpolicy bench` builds: a `Trainer`, and the TF32 pin.
+
+The runners (`torch_runner`, `jax_runner`, `tf_runner`, `keras_runner`) import this and
+nothing of the worker, which imports them: no cycle, and the worker (run as ``__main__``)
+is never loaded a second time by a runner.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import numpy as np
+
+
+class Trainer(abc.ABC):
+    """What a framework runner builds, twice (ours and native)."""
+
+    @abc.abstractmethod
+    def step(self, x: np.ndarray, y: np.ndarray) -> None:
+        """One training step on a batch."""
+
+    def steps(self, batches: list) -> None:
+        """One training step on each (x, y) batch, in order, the framework's usual way."""
+        for x, y in batches:
+            self.step(x, y)
+
+    def sync(self) -> None:
+        """Waits for the device (frameworks that run eagerly on the CPU need nothing)."""
+
+    @abc.abstractmethod
+    def last_loss(self) -> float:
+        """The loss of the last step (a host read)."""
+
+    @abc.abstractmethod
+    def predict(self, x: np.ndarray) -> np.ndarray:
+        """float32 logits of the current weights on inputs `x` (inference mode)."""
+
+    def accuracy(self, x: np.ndarray, y: np.ndarray) -> float:
+        """Accuracy of the current weights on (x, y)."""
+        return float(np.mean(np.argmax(self.predict(x), -1) == y))
+
+    def skipped_steps(self) -> int:
+        return 0
+
+    def loss_scale(self) -> float | None:
+        return None
+
+    def peak_memory_bytes(self) -> int | None:  # device memory where the framework reports it
+        return None
+
+
+def pin_tf32(backend: str, device: str) -> None:
+    """TF32 off, so float32 matmuls and convolutions are float32 on GPUs (CPUs have no TF32).
+
+    JAX's pin is a matmul precision of "highest", which XLA's CPU backend refuses for
+    float16 dots, so it is set only off the CPU.
+    """
+    if backend == "torch":
+        import torch
+
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    elif backend == "jax":
+        if device != "cpu":
+            import jax
+
+            jax.config.update("jax_default_matmul_precision", "highest")
+    elif backend == "tensorflow":
+        import tensorflow as tf
+
+        tf.config.experimental.enable_tensor_float_32_execution(False)
