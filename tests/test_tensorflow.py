@@ -135,6 +135,32 @@ BODY = textwrap.dedent("""
     distributed_step(x, tf.constant(False))
     assert opt.num_skipped_steps == 1 and int(opt.iterations.numpy()) == 1
     assert not all(np.array_equal(a, v.numpy()) for a, v in zip(before, model.trainable_variables))
+
+    # (conformance review) four threads calling one module at once leave its variables in place
+    import threading
+    layer = mp.apply_policy(Dense(8, 8, 1), "mixed_bfloat16")
+    errors = []
+    def work():
+        try:
+            for _ in range(50):
+                assert layer(tf.ones((2, 8))).dtype == tf.bfloat16
+        except Exception as err:  # noqa: BLE001
+            errors.append(err)
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert not errors, errors
+    assert len(layer.trainable_variables) == 2, layer.trainable_variables
+    assert all(isinstance(v, tf.Variable) for v in (layer.w, layer.b))
+
+    # a pure policy, removed, gives back the unrounded values (trained ones are kept)
+    layer = Dense(4, 3, 2)
+    before = layer.w.numpy().copy()
+    mp.apply_policy(layer, "bfloat16")
+    layer.b.assign(tf.constant([0.5, 0.0, 0.0], tf.bfloat16))
+    mp.remove_policy(layer)
+    assert layer.w.dtype == tf.float32 and np.array_equal(layer.w.numpy(), before)
+    assert layer.b.numpy()[0] == 0.5
     print("ok")
 """)
 
