@@ -172,8 +172,10 @@ def optimizer_from_config(config: dict, custom_objects: Any = None) -> Any:
 
 
 def _register_keras_classes(keras: Any) -> None:
-    """Registers the Keras LossScaleOptimizer so a saved model loads after `import mixedpolicy`."""
+    """Right after `import keras`: registers the Keras LossScaleOptimizer (a saved model loads
+    after `import mixedpolicy`) and loads the adapter, which tracks Keras's global policies."""
     importlib.import_module("mixedpolicy.backends.keras_optimizer")
+    importlib.import_module("mixedpolicy.backends.keras_backend")
 
 
 def cast_tree(tree: Any, dtype: str) -> Any:

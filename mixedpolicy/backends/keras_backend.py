@@ -59,23 +59,41 @@ def _note_global() -> None:
         _globals[id(current)] = current
 
 
-def _explicit_dtype(layer: Any) -> Any:
-    """The DTypePolicy the user wrote on `layer` (``dtype=...``), or None if it follows a global."""
+def _original_policy(layer: Any) -> Any:
+    """The layer's dtype policy before mixedpolicy set one."""
     state = layer.__dict__.get(_STATE)
-    policy = state[0] if state is not None else layer._dtype_policy
+    return state[0] if state is not None else layer._dtype_policy
+
+
+def _explicit_dtype(layer: Any, parent: Any) -> Any:
+    """The DTypePolicy the user wrote on `layer` (``dtype=...``), or None if it follows another.
+
+    A layer follows the global policy when it holds a global policy object, and its
+    parent when it holds the parent's very object (Keras layers such as
+    MultiHeadAttention build their sublayers with ``dtype=self.dtype_policy``).
+    """
+    policy = _original_policy(layer)
     if policy is None or _globals.get(id(policy)) is policy or isinstance(policy, keras.dtype_policies.DTypePolicyMap):
+        return None
+    if parent is not None and _original_policy(parent) is policy:
         return None
     return policy
 
 
 def _dtype_policy_for_this_thread() -> Any:
-    """Keras's ``dtype_policy()``, falling back on mixedpolicy's global in a thread with none."""
+    """Keras's ``dtype_policy()``: notes each global policy object it hands to a layer, and
+    falls back on mixedpolicy's global in a thread that set none."""
     if global_state.get_global_attribute("dtype_policy", None) is None and _process_policy[0] is not None:
         global_state.set_global_attribute("dtype_policy", _process_policy[0])
-    return _original_dtype_policy()
+    policy = _original_dtype_policy()
+    _globals[id(policy)] = policy
+    return policy
 
 
 _original_dtype_policy = _keras_dtype_policy.dtype_policy
+# Installed when Keras is imported (mixedpolicy's import hook loads this module then), so
+# every global policy object a layer is built with is known, whoever set it.
+_keras_dtype_policy.dtype_policy = _dtype_policy_for_this_thread
 _note_global()
 
 
@@ -174,11 +192,12 @@ class KerasAdapter(Adapter):
         _note_global()
         layers = _layers(model)
         policy_map.warn_unmatched(chain[-1] for _, chain in layers)
+        by_path = {chain[-1].path: layer for layer, chain in layers}
         plan = []
         for layer, chain in layers:
             resolution = policy_map.resolve(chain)
             policy, source = resolution.policy, resolution.source
-            explicit = _explicit_dtype(layer)
+            explicit = _explicit_dtype(layer, by_path.get(chain[-2].path) if len(chain) > 1 else None)
             own_key = source.startswith("map key") and "(inherited" not in source
             if explicit is not None and not own_key and layer is not model:
                 plan.append((layer, explicit.name, f"the layer's own dtype={explicit.name!r}"))
@@ -286,7 +305,6 @@ def sync_global_policy(policy: Policy) -> None:
     _note_global()
     # Keras keeps the policy per thread: a thread that set none sees this one.
     _process_policy[0] = global_state.get_global_attribute("dtype_policy")
-    _keras_dtype_policy.dtype_policy = _dtype_policy_for_this_thread
     if name in ("float16", "mixed_float16"):
         use_bounded_loss_scale_in_compile()
 
