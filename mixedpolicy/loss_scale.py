@@ -77,6 +77,7 @@ class LossScale(abc.ABC):
         """
         ops = _tree_ops(grads)
         scale = self.loss_scale
+        inverses: dict = {}  # one reciprocal per width, not one per leaf
 
         def leaf(g):
             if isinstance(g, float):
@@ -85,8 +86,9 @@ class LossScale(abc.ABC):
             if dtype is None:
                 return g
             wide = "float64" if dtype == "float64" else "float32"
-            inv = 1.0 / ops.cast(_like(ops, scale, g), wide)
-            return ops.cast(ops.cast(g, wide) * inv, dtype)
+            if wide not in inverses:
+                inverses[wide] = 1.0 / ops.cast(_like(ops, scale, g), wide)
+            return ops.cast(ops.cast(g, wide) * inverses[wide], dtype)
 
         return ops.tree_map(leaf, grads)
 
