@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # The backends CI expects: a test for one of these that cannot import it fails.
 EXPECT_BACKENDS ?= numpy,torch,jax,tensorflow,keras
 
-.PHONY: setup test test-fast bench clean
+.PHONY: setup test test-fast test-gpu bench clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,10 @@ test: setup
 # The suite without the tests that start processes of their own (marked slow).
 test-fast: setup
 	MIXEDPOLICY_EXPECT_BACKENDS=$(EXPECT_BACKENDS) $(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# The checks only a CUDA GPU can make (marked gpu; they skip on a machine without one).
+test-gpu: setup
+	MIXEDPOLICY_EXPECT_BACKENDS=$(EXPECT_BACKENDS) $(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
 
 # The framework comparison on its built-in default (digits MLP, every installed
 # framework, three policies); BENCH_ARGS passes options, e.g. BENCH_ARGS="--frameworks torch".
