@@ -15,8 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from mixedpolicy._scale_checks import _check_finite_flag, _check_scale, _dtype_name, _is_number
-
+from mixedpolicy._scale_checks import _check_finite_flag, _check_scale, _dtype_name
 
 
 def _ops(array: Any):
@@ -44,10 +43,7 @@ def all_finite(tree: Any) -> Any:
 
 def _like(ops: Any, scale: Any, x: Any) -> Any:
     """The scale as a float32 array of `x`'s framework (and device), if it is not one already."""
-    if ops.is_array(scale):
-        return scale
-    return ops.asarray(np.asarray(scale, np.float32) if _is_number(scale) or
-                       isinstance(scale, (np.ndarray, np.generic)) else scale, "float32", like=x)
+    return scale if ops.is_array(scale) else ops.asarray(scale, "float32", like=x)
 
 
 class LossScale(abc.ABC):
@@ -228,7 +224,7 @@ class DynamicLossScale(LossScale):
         counter = self.counter
         if isinstance(counter, (int, np.integer)) and not isinstance(counter, bool):
             if not 0 <= counter < 2**31:
-                raise ValueError(f"Received counter={counter}; expected a count >= 0.")
+                raise ValueError(f"Received counter={counter}; expected a count from 0 to 2**31 - 1.")
             counter = np.asarray(counter, np.int32)
         elif isinstance(counter, bool) or "int" not in _dtype_name(counter):
             raise TypeError(f"Received counter={counter!r:.80} of type {type(counter).__name__}; "

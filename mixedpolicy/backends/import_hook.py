@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.abc
 import sys
 import threading
+import warnings
 from typing import Any
 
 _lock = threading.Lock()
@@ -53,7 +54,13 @@ class _Loader(importlib.abc.Loader):
             if self._finder in sys.meta_path:
                 sys.meta_path.remove(self._finder)
         for callback in self._finder.callbacks:
-            callback(module)
+            try:
+                callback(module)
+            except Exception as err:  # noqa: BLE001 - never break the user's own import
+                warnings.warn(f"mixedpolicy could not prepare {self._finder.module_name} after its "
+                              f"import ({type(err).__name__}: {err}); mixedpolicy's support for it "
+                              f"may be incomplete. Please report this with your versions.",
+                              RuntimeWarning, stacklevel=2)
 
 
 def when_imported(module_name: str, callback: Any) -> None:
