@@ -106,6 +106,9 @@ class _FactoryMeta(type):
     def __instancecheck__(cls, obj: Any) -> bool:
         return backends.is_loss_scale_wrapper(obj)
 
+    def __subclasscheck__(cls, sub: Any) -> bool:
+        return isinstance(sub, type) and (sub is cls or issubclass(sub, backends.loss_scale_wrapper_types()))
+
 
 class LossScaleOptimizer(metaclass=_FactoryMeta):
     """Wraps an optimizer of any supported framework with a bounded dynamic loss scale.

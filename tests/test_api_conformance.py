@@ -64,6 +64,8 @@ def test_isinstance_works_before_any_wrapper_was_made_by_the_factory():
     opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))])
     assert isinstance(TorchLossScaleOptimizer(opt, mp.DynamicLossScale()), mp.LossScaleOptimizer)
     assert not isinstance(opt, mp.LossScaleOptimizer)
+    assert issubclass(TorchLossScaleOptimizer, mp.LossScaleOptimizer)
+    assert not issubclass(torch.optim.SGD, mp.LossScaleOptimizer) and not issubclass(int, mp.LossScaleOptimizer)
 
 
 def test_a_refused_list_does_not_poison_the_dispatch_of_lists():

@@ -96,13 +96,14 @@ def adapter_names() -> list[str]:
     return [e.name for e in _ENTRIES]
 
 
+def loss_scale_wrapper_types() -> tuple:
+    """The wrapper classes of the frameworks whose wrapper module is loaded. Imports nothing."""
+    return tuple(getattr(sys.modules[m], c) for m, c in _WRAPPER_TYPES if m in sys.modules)
+
+
 def is_loss_scale_wrapper(obj: Any) -> bool:
     """Is `obj` what some framework's LossScaleOptimizer returned? Imports nothing."""
-    for module_name, cls_name in _WRAPPER_TYPES:
-        module = sys.modules.get(module_name)
-        if module is not None and isinstance(obj, getattr(module, cls_name)):
-            return True
-    return False
+    return isinstance(obj, loss_scale_wrapper_types())
 
 
 def _classify(obj: Any) -> tuple[Adapter | None, str | None]:
