@@ -209,6 +209,19 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._update_scale(ops.convert_to_tensor(False))
 
     # -- saving --------------------------------------------------------------
+    def load_own_variables(self, store: Any) -> None:
+        """Keras's restore, then a check: a saved scale that is not a finite number > 0 is refused."""
+        super().load_own_variables(store)
+        if not self.built:
+            return
+        scale = float(ops.convert_to_numpy(self.dynamic_scale))
+        if not (scale > 0 and scale < float("inf")):
+            raise ValueError(
+                f"Received a checkpoint whose loss scale is {scale}; expected a finite number > 0 "
+                f"(a scale of 0, NaN or inf turns the weights into NaN at the next step). The "
+                f"file was written by an optimizer whose scale had collapsed; load the model with "
+                f"compile=False and compile it with a fresh LossScaleOptimizer.")
+
     def get_config(self) -> dict:
         """Keras's four keys; the settings Keras's own cannot express only where they are set.
 

@@ -124,3 +124,21 @@ def test_bounded_scale_skips_and_checkpoints():
     assert loaded.optimizer.num_skipped_steps == skipped
     assert loaded.optimizer.loss_scale == model.optimizer.loss_scale
     mp.set_global_policy(None)
+
+
+def test_a_checkpoint_with_a_collapsed_scale_is_refused_on_load():
+    w = keras.Variable(np.ones(3, "float32"))
+    opt = mp.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    opt.build([w])
+    store = {str(i): keras.ops.convert_to_numpy(v) for i, v in enumerate(opt.variables)}
+    index = [i for i, v in enumerate(opt.variables) if v is opt.dynamic_scale][0]
+    store[str(index)] = np.asarray(np.nan, "float32")
+    fresh = mp.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    fresh.build([keras.Variable(np.ones(3, "float32"))])
+    try:
+        fresh.load_own_variables(store)
+        raise AssertionError("expected a ValueError")
+    except ValueError as err:
+        assert "loss scale is nan" in str(err), err
+    fresh.load_own_variables({str(i): keras.ops.convert_to_numpy(v) for i, v in enumerate(opt.variables)})
+    assert fresh.loss_scale == 2.0**15
