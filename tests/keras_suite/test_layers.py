@@ -1,4 +1,4 @@
-"""Keras layers under mixedpolicy: per-layer maps, explicit dtypes, names, norms, threads.
+"""Keras layers under mixedpolicy maps: paths, globs, classes, inheritance, the norm rule, built or not.
 
 Run by tests/test_keras.py once per Keras backend, in a pytest process of its own
 (KERAS_BACKEND is chosen per process); not collected by the main run.
