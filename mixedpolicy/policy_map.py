@@ -71,11 +71,31 @@ class LayerInfo(NamedTuple):
     aliases: tuple = ()
 
 
-class Resolution(NamedTuple):
-    """The policy chosen for a layer and where it came from (for `describe`)."""
-
+class _ResolutionFields(NamedTuple):
     policy: Policy
     source: str
+
+
+class Resolution(_ResolutionFields):
+    """The policy chosen for a layer and where it came from: a ``(policy, source)`` pair.
+
+    Attributes:
+      policy: the chosen policy.
+      source: where it came from, in words (what `describe` prints).
+      origin: which rule of the precedence chose it, as a value adapters test (never the
+        words): ``"key"`` (a key matching the layer itself), ``"rule"`` (a built-in rule),
+        ``"inherited"`` (a key matching an enclosing layer), ``"default"`` (the map's
+        default) or ``"global"`` (the global policy). Not part of the pair, so a
+        Resolution still equals ``(policy, source)``.
+    """
+
+    def __new__(cls, policy: Policy, source: str, origin: str = "") -> "Resolution":
+        self = super().__new__(cls, policy, source)
+        self.origin = origin
+        return self
+
+    def __getnewargs__(self) -> tuple:
+        return (self.policy, self.source, self.origin)
 
 
 def _is_glob(key: str) -> bool:
@@ -207,11 +227,11 @@ class PolicyMap:
         layer = chain[-1]
         own = self._match(layer)
         if own is not None:
-            return Resolution(own[1], f"map key {_key_text(own[0])}")
+            return Resolution(own[1], f"map key {_key_text(own[0])}", "key")
         base = self._inherited(chain[:-1])
         rule = _RULES.get(layer.kind) if self.builtin_rules else None
         if rule is not None and base.policy.compute_dtype in ("float16", "bfloat16"):
-            return Resolution(rule(base.policy), f"built-in rule: {layer.kind}")
+            return Resolution(rule(base.policy), f"built-in rule: {layer.kind}", "rule")
         return base
 
     def _inherited(self, ancestors: Sequence[LayerInfo]) -> Resolution:
@@ -219,10 +239,10 @@ class PolicyMap:
             match = self._match(ancestor)
             if match is not None:
                 return Resolution(match[1], f"map key {_key_text(match[0])} (inherited "
-                                            f"from {ancestor.path!r})")
+                                            f"from {ancestor.path!r})", "inherited")
         if self.default is not None:
-            return Resolution(self.default, "map default")
-        return Resolution(global_policy(), "global policy")
+            return Resolution(self.default, "map default", "default")
+        return Resolution(global_policy(), "global policy", "global")
 
     def warn_unmatched(self, layers: Iterable[LayerInfo]) -> None:
         """Warns about each override key that matches none of `layers`, naming the nearest paths."""

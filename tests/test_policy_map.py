@@ -148,3 +148,18 @@ def test_norm_rule_keeps_norm_variables_in_float32_under_pure_half():
 def test_blank_key_is_a_value_error():
     with pytest.raises(ValueError, match="blank override key"):
         PolicyMap("float32", {"  ": "float16"})
+
+
+def test_a_resolution_carries_its_origin_as_a_value_and_stays_a_pair():
+    from mixedpolicy import LayerInfo, PolicyMap
+
+    m = PolicyMap("mixed_bfloat16", {"head": "float32", "enc": "float16"})
+    chain = [LayerInfo("", object), LayerInfo("enc", object)]
+    origins = [m.resolve([LayerInfo("", object), LayerInfo("head", object)]).origin,
+               m.resolve(chain + [LayerInfo("enc.norm", object, "normalization")]).origin,
+               m.resolve(chain + [LayerInfo("enc.fc", object)]).origin,
+               m.resolve([LayerInfo("", object)]).origin,
+               PolicyMap().resolve([LayerInfo("", object)]).origin]
+    assert origins == ["key", "rule", "inherited", "default", "global"]
+    r = m.resolve([LayerInfo("", object), LayerInfo("head", object)])
+    assert r == (r.policy, r.source) and len(r) == 2

@@ -198,11 +198,10 @@ class KerasAdapter(Adapter):
             resolution = policy_map.resolve(chain)
             policy, source = resolution.policy, resolution.source
             explicit = _explicit_dtype(layer, by_path.get(chain[-2].path) if len(chain) > 1 else None)
-            own_key = source.startswith("map key") and "(inherited" not in source
-            if explicit is not None and not own_key and layer is not model:
+            if explicit is not None and resolution.origin != "key" and layer is not model:
                 plan.append((layer, explicit.name, f"the layer's own dtype={explicit.name!r}"))
                 continue
-            if chain[-1].kind == NORMALIZATION and source.startswith("built-in rule"):
+            if resolution.origin == "rule" and chain[-1].kind == NORMALIZATION:
                 # float32 variables; Keras's own kernels compute the statistics in float32
                 # and output the surrounding compute dtype (policy.output_dtype here)
                 surrounding = policy.output_dtype

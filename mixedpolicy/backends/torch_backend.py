@@ -264,7 +264,7 @@ def _resolve(model: torch.nn.Module, policy_map: Any) -> dict:
                 f"its own: torch.nn.MultiheadAttention reads its weight directly and never calls its "
                 f"forward. It follows {parent or 'the root'!r} ({parent_policy}); to change it, put "
                 f"the override on the MultiheadAttention module itself.", stacklevel=4)
-            resolution = Resolution(parent_policy, f"follows its MultiheadAttention {parent!r}")
+            resolution = Resolution(parent_policy, f"follows its MultiheadAttention {parent!r}", "inherited")
         out[path] = (info, resolution, parent_policy)
     return out
 
@@ -278,7 +278,7 @@ def _kernel_norm(module: torch.nn.Module, resolution: Any, parent_policy: Policy
     policy = resolution.policy
     # Without float32 affine parameters the kernels compute in the input's dtype.
     return (isinstance(module, _FLOAT32_KERNEL_NORMS) and getattr(module, "weight", None) is not None
-            and resolution.source.startswith("built-in rule")
+            and resolution.origin == "rule"
             and parent_policy is not None and _autocasts(parent_policy)
             and policy.compute_dtype == policy.variable_dtype == "float32"
             and policy.output_dtype == parent_policy.compute_dtype)
