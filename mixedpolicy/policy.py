@@ -294,7 +294,7 @@ def as_policy(value: Any, *, what: str = "policy") -> Policy:
     if hasattr(value, "variable_dtype") and hasattr(value, "compute_dtype"):
         return Policy.from_keras(value)
     raise TypeError(
-        f"Received {what}={value!r} of type {type(value).__name__}; expected a Policy, "
+        f"Received {what}={show(value)} of type {type(value).__name__}; expected a Policy, "
         f"a policy name such as 'mixed_float16', a config dict, a Keras DTypePolicy or "
         f"a jmp Policy."
     )

@@ -30,6 +30,7 @@ import warnings
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 from mixedpolicy.scope import global_policy
+from mixedpolicy._dtypes import show
 from mixedpolicy.policy import Policy, as_policy
 
 _GLOB_CHARS = frozenset("*?[")
@@ -115,14 +116,14 @@ def _check_glob(key: str) -> None:
             end = key.find("]", j)
             if end < 0:
                 raise ValueError(
-                    f"Received override key {key[:80]!r}, a glob whose '[' at position {i} is never "
+                    f"Received override key {show(key)}, a glob whose '[' at position {i} is never "
                     f"closed; expected a set such as 'layers.[0-3].norm', or escape a literal "
                     f"bracket as '[[]'.")
             body = key[i + 1:end].lstrip("!")
             for k in range(len(body) - 2):
                 if body[k + 1] == "-" and body[k] > body[k + 2]:
                     raise ValueError(
-                        f"Received override key {key[:80]!r}, whose range "
+                        f"Received override key {show(key)}, whose range "
                         f"'{body[k]}-{body[k + 2]}' is reversed and matches nothing; expected "
                         f"'{body[k + 2]}-{body[k]}'.")
             i = end
@@ -168,7 +169,7 @@ class PolicyMap:
         for key, value in overrides.items():
             if isinstance(key, str):
                 if not key.strip() and key != "":
-                    raise ValueError(f"Received the blank override key {key!r}; expected a layer "
+                    raise ValueError(f"Received the blank override key {show(key)}; expected a layer "
                                      f"path (\"\" for the root), a glob or a layer class.")
                 if _is_glob(key):
                     _check_glob(key)
@@ -179,10 +180,10 @@ class PolicyMap:
                     f"keras.layers.Dense, a layer path or a glob.")
             elif not isinstance(key, type):
                 raise TypeError(
-                    f"Received override key {key!r} of type {type(key).__name__}; expected "
+                    f"Received override key {show(key)} of type {type(key).__name__}; expected "
                     f"a layer path ('encoder.norm'), a glob ('encoder.*.norm') or a layer "
                     f"class (torch.nn.LayerNorm, keras.layers.BatchNormalization).")
-            pairs.append((key, as_policy(value, what=f"overrides[{key!r}]")))
+            pairs.append((key, as_policy(value, what=f"overrides[{show(key, 60) if isinstance(key, str) else _key_text(key)}]")))
         if not isinstance(builtin_rules, bool):
             raise TypeError(f"Received builtin_rules={builtin_rules!r}; expected True or False.")
         object.__setattr__(self, "default", None if default is None else as_policy(default, what="default"))
@@ -262,7 +263,7 @@ class PolicyMap:
                 hit = key in paths or key in names
             if not hit:
                 near = difflib.get_close_matches(key, paths, n=3, cutoff=0.4) or paths[:3]
-                warnings.warn(f"PolicyMap key {key!r} matches no layer path, so the override "
+                warnings.warn(f"PolicyMap key {show(key)} matches no layer path, so the override "
                               f"has no effect. Nearest paths: {near}.", UserWarning, stacklevel=3)
 
 

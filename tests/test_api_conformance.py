@@ -85,3 +85,12 @@ def test_the_dispatch_cache_keeps_no_class_alive():
     del cls
     gc.collect()
     assert ref() is None
+
+
+def test_huge_keys_and_values_are_cut_short_in_map_errors():
+    with pytest.raises(ValueError) as info:
+        mp.PolicyMap("float32", {"k" * 1_000_000 + "[": "float32"})
+    assert len(str(info.value)) < 1000
+    with pytest.raises((TypeError, ValueError)) as info:
+        mp.PolicyMap("float32", {"head": "x" * 1_000_000})
+    assert len(str(info.value)) < 1000
