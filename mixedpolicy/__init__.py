@@ -12,7 +12,7 @@ from mixedpolicy.api import LossScaleOptimizer, apply_policy, describe, remove_p
 from mixedpolicy.table import LayerPolicy, PolicyTable
 from mixedpolicy.function import PolicyFunction
 from mixedpolicy.scope import global_policy, policy_scope, set_global_policy
-from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale
+from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale, all_finite
 from mixedpolicy.policy import Policy
 from mixedpolicy.policy_map import LayerInfo, PolicyMap, Resolution
 
@@ -31,6 +31,7 @@ __all__ = [
     "PolicyTable",
     "Resolution",
     "StaticLossScale",
+    "all_finite",
     "apply_policy",
     "remove_policy",
     "describe",
