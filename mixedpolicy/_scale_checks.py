@@ -15,7 +15,7 @@ import numpy as np
 _F32_MAX = float(np.finfo(np.float32).max)
 
 
-def _dtype_name(value: Any) -> str:
+def array_dtype_name(value: Any) -> str:
     """The plain dtype name of an array of any framework ("" for none): "float32", "bool"..."""
     dtype = getattr(value, "dtype", None)
     if dtype is None:
@@ -24,31 +24,32 @@ def _dtype_name(value: Any) -> str:
     return name if isinstance(name, str) else str(dtype).rpartition(".")[2]
 
 
-def _is_number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
     return isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool)
 
 
-def _check_scale(value: Any, what: str) -> Any:
+def check_scale(value: Any, what: str) -> Any:
     """Validates a scale; returns a float32 numpy scalar, or a framework array as given.
 
     A framework array is checked for its dtype and, where its value can be read
     without tracing (outside ``jax.jit``), for its value; a traced one passes.
     """
-    dtype = _dtype_name(value)
+    dtype = array_dtype_name(value)
     if dtype in ("float16", "bfloat16"):
         raise ValueError(
             f"Received {what} as a {dtype} value; the scale is kept in float32 whatever the "
             f"compute dtype (float16 overflows above 65504, and the scale grows past that). "
             f"Pass a Python number such as 2**15, or a float32 array.")
-    if dtype and not _is_number(value) and not dtype.startswith("float"):
+    if dtype and not is_number(value) and not dtype.startswith("float"):
         raise TypeError(f"Received {what} as an array of dtype {dtype}; expected a float32 "
                         f"scalar or a Python number such as 2**15 (the scale is kept in float32).")
-    if isinstance(value, bool) or not (_is_number(value) or hasattr(value, "dtype")):
+    if isinstance(value, bool) or not (is_number(value) or hasattr(value, "dtype")):
         raise TypeError(f"Received {what}={value!r:.80} of type {type(value).__name__}; "
                         f"expected a positive number such as 2**15.")
     framework_array = not isinstance(value, (int, float, np.generic, np.ndarray))
-    if getattr(value, "shape", ()) not in ((), (1,), [1]) and tuple(getattr(value, "shape", ())) != ():
-        raise ValueError(f"Received {what} of shape {tuple(value.shape)}; expected a scalar.")
+    shape = tuple(getattr(value, "shape", ()))
+    if shape not in ((), (1,)):
+        raise ValueError(f"Received {what} of shape {shape}; expected a scalar.")
     try:
         number = float(value) if framework_array else float(np.asarray(value))
     except Exception:  # a traced array (jax.jit): checked where it was made
@@ -66,12 +67,12 @@ def _check_scale(value: Any, what: str) -> Any:
     return value if framework_array else np.asarray(number, np.float32)
 
 
-def _check_finite_flag(grads_finite: Any) -> Any:
+def check_finite_flag(grads_finite: Any) -> Any:
     """Refuses what cannot be a 'were the gradients finite' flag (None, NaN, a list...)."""
     if isinstance(grads_finite, (bool, np.bool_)):
         return grads_finite
     shape = tuple(getattr(grads_finite, "shape", (None,)))
-    if _dtype_name(grads_finite) == "bool" and shape in ((), (1,)):
+    if array_dtype_name(grads_finite) == "bool" and shape in ((), (1,)):
         return grads_finite
     raise TypeError(
         f"Received grads_finite={grads_finite!r:.80} of type {type(grads_finite).__name__}; "

@@ -7,7 +7,7 @@ from typing import Any, Mapping
 from mixedpolicy import backends
 from mixedpolicy.table import LayerPolicy, PolicyTable
 from mixedpolicy.function import PolicyFunction
-from mixedpolicy._scale_checks import _check_scale
+from mixedpolicy._scale_checks import check_scale
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale
 from mixedpolicy.policy_map import as_policy_map
 
@@ -150,7 +150,7 @@ class LossScaleOptimizer(metaclass=_FactoryMeta):
                 f"dynamic_growth_steps, growth_factor, backoff_factor, min_scale, max_scale, "
                 f"loss_scale and axis_name.")
         if loss_scale is None:
-            _check_scale(initial_scale, "initial_scale")
+            check_scale(initial_scale, "initial_scale")
             loss_scale = DynamicLossScale(
                 loss_scale=initial_scale, dynamic_growth_steps=dynamic_growth_steps,
                 growth_factor=growth_factor, backoff_factor=backoff_factor,

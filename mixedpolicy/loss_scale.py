@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from mixedpolicy._scale_checks import _check_finite_flag, _check_scale, _dtype_name
+from mixedpolicy._scale_checks import check_finite_flag, check_scale, array_dtype_name
 
 
 def _ops(array: Any):
@@ -112,7 +112,7 @@ class NoLossScale(LossScale):
         return grads
 
     def adjust(self, grads_finite: Any) -> "NoLossScale":
-        _check_finite_flag(grads_finite)
+        check_finite_flag(grads_finite)
         return self
 
     def __eq__(self, other: object) -> bool:
@@ -136,10 +136,10 @@ class StaticLossScale(LossScale):
     loss_scale: Any = 2.0**15
 
     def __post_init__(self):
-        object.__setattr__(self, "loss_scale", _check_scale(self.loss_scale, "loss_scale"))
+        object.__setattr__(self, "loss_scale", check_scale(self.loss_scale, "loss_scale"))
 
     def adjust(self, grads_finite: Any) -> "StaticLossScale":
-        _check_finite_flag(grads_finite)
+        check_finite_flag(grads_finite)
         return self
 
     def __eq__(self, other: object) -> bool:
@@ -211,12 +211,12 @@ class DynamicLossScale(LossScale):
             if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) \
                     or not low < float(value) < high:
                 raise ValueError(f"Received {name}={value!r}; expected {hint}.")
-        min_scale = float(_check_scale(self.min_scale, "min_scale"))
-        max_scale = float(_check_scale(self.max_scale, "max_scale"))
+        min_scale = float(check_scale(self.min_scale, "min_scale"))
+        max_scale = float(check_scale(self.max_scale, "max_scale"))
         if min_scale > max_scale:
             raise ValueError(f"Received min_scale={min_scale} > max_scale={max_scale}; "
                              f"expected min_scale <= max_scale.")
-        scale = _check_scale(self.loss_scale, "loss_scale")
+        scale = check_scale(self.loss_scale, "loss_scale")
         if isinstance(scale, np.ndarray) and not min_scale <= float(scale) <= max_scale:
             raise ValueError(f"Received loss_scale={float(scale)}, outside [min_scale, "
                              f"max_scale] = [{min_scale}, {max_scale}]; widen the bounds or "
@@ -226,7 +226,7 @@ class DynamicLossScale(LossScale):
             if not 0 <= counter < 2**31:
                 raise ValueError(f"Received counter={counter}; expected a count from 0 to 2**31 - 1.")
             counter = np.asarray(counter, np.int32)
-        elif isinstance(counter, bool) or "int" not in _dtype_name(counter):
+        elif isinstance(counter, bool) or "int" not in array_dtype_name(counter):
             raise TypeError(f"Received counter={counter!r:.80} of type {type(counter).__name__}; "
                             f"expected a whole number >= 0 (finite steps since the scale last "
                             f"changed), or an integer array.")
@@ -244,7 +244,7 @@ class DynamicLossScale(LossScale):
         Args:
           grads_finite: a boolean scalar (array or Python bool): were all gradients finite?
         """
-        _check_finite_flag(grads_finite)
+        check_finite_flag(grads_finite)
         # the flag's framework, when it is an array (a traced one under jit), else the scale's
         ops = _ops(grads_finite)
         if ops.name == "numpy":

@@ -20,6 +20,7 @@ changes what made Keras's unsafe:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import keras
@@ -244,12 +245,15 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         config = dict(config)
         inner = keras.saving.deserialize_keras_object(config.pop("inner_optimizer"),
                                                       custom_objects=custom_objects)
-        static = config.pop("static", False) or config.pop("dynamic", True) is False
-        if static:  # also this class's configs from before, which said dynamic=False
+        static = config.pop("static", False)
+        dynamic = config.pop("dynamic", True)  # this class's configs from before said dynamic=False
+        if static or dynamic is False:
             scale = StaticLossScale(config.pop("initial_scale", 2.0**15))
             config.pop("dynamic_growth_steps", None)
             return cls(inner, loss_scale=scale, **config)
         return cls(inner, **config)
 
 
-_DEFAULTS = {"growth_factor": 2.0, "backoff_factor": 0.5, "min_scale": 1.0, "max_scale": 2.0**24}
+# The settings Keras's own LossScaleOptimizer has no word for, with DynamicLossScale's defaults.
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DynamicLossScale)
+             if f.name in ("growth_factor", "backoff_factor", "min_scale", "max_scale")}

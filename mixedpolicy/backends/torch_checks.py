@@ -21,7 +21,7 @@ def _capturable_devices() -> list:
         return ["cuda", "xpu", "hpu", "xla"]
 
 
-def _check_capturable(opt: torch.optim.Optimizer) -> None:
+def check_capturable(opt: torch.optim.Optimizer) -> None:
     """Refuses ``capturable=True`` (a CUDA-graph setting) on parameters of a device without it."""
     supported = None
     for group in opt.param_groups:
@@ -38,7 +38,7 @@ def _check_capturable(opt: torch.optim.Optimizer) -> None:
                     f"capturable=False (the default), or move the model to the GPU before creating it.")
 
 
-def _check_master_weights(group: dict, loss_scale: LossScale) -> None:
+def check_half_master_weights(group: dict, loss_scale: LossScale) -> None:
     if isinstance(loss_scale, NoLossScale):
         return
     for p in group["params"]:

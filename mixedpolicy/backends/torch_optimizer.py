@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from mixedpolicy.backends.torch_checks import (_check_capturable, _check_master_weights, config_from_scaler_state,
-                                               grads_by_device_and_dtype)
+from mixedpolicy.backends.torch_checks import (check_capturable, check_half_master_weights,
+                                               config_from_scaler_state, grads_by_device_and_dtype)
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale
 
 
@@ -48,8 +48,8 @@ class TorchLossScaleOptimizer(torch.optim.Optimizer):
                     "loss scaling cannot follow those re-evaluations. Use LBFGS without a "
                     "LossScaleOptimizer, under a bfloat16 or float32 policy (they need no loss scale).")
             for group in opt.param_groups:
-                _check_master_weights(group, loss_scale)
-            _check_capturable(opt)
+                check_half_master_weights(group, loss_scale)
+            check_capturable(opt)
         self._inners = inners
         self._config = loss_scale
         self._scale: torch.Tensor | None = None
@@ -84,7 +84,7 @@ class TorchLossScaleOptimizer(torch.optim.Optimizer):
         if isinstance(param_group, dict):
             params = param_group.get("params")
             params = [params] if isinstance(params, torch.Tensor) else list(params or [])
-            _check_master_weights({"params": params}, self._config)
+            check_half_master_weights({"params": params}, self._config)
         self._inners[0].add_param_group(param_group)
     # -- the inner optimizer's view -------------------------------------------
     @property
@@ -330,7 +330,7 @@ class TorchLossScaleOptimizer(torch.optim.Optimizer):
         scale = self._scale_state_from(scale_state) if scale_state is not None else None
         saved = state_dict.get("inner")
         count = len(saved) if isinstance(saved, (list, tuple)) else 1
-        if count != len(self._inners) or (len(self._inners) > 1 and saved is None):
+        if count != len(self._inners):
             raise ValueError(
                 f"Received the state of a LossScaleOptimizer over {count} optimizer(s), but this "
                 f"one wraps {len(self._inners)}; nothing was loaded. Build the wrapper over the "
