@@ -21,10 +21,13 @@ changes what made Keras's unsafe:
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 import keras
 from keras import ops
+from keras.src.saving import object_registration as _registry  # the name a class saves under
+from keras.src.saving.keras_saveable import KerasSaveable
 
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale
 
@@ -97,6 +100,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                              f"belong to the inner optimizer: pass them when you create it, then "
                              f"wrap it.") from None
         self._config = loss_scale
+        self._skip_store = _SkipCounts(self)
+        extra = set(self.get_config()) - {"name", "inner_optimizer", "initial_scale",
+                                          "dynamic_growth_steps"}
+        if type(self) is LossScaleOptimizer and not extra:
+            self.__class__ = _SavedAsKeras  # Keras's own can express it: saved under Keras's name
 
     def build(self, var_list: Any) -> None:
         # [num_skipped_steps, last_step_skipped] in one variable: Keras's JAX trainer syncs
@@ -210,11 +218,28 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._update_scale(ops.convert_to_tensor(False))
 
     # -- saving --------------------------------------------------------------
+    def _keras_variables(self) -> list:
+        """The variables in the order Keras's own LossScaleOptimizer has them (no counters)."""
+        return [v for v in self.variables if v is not self._skips]
+
+    def save_own_variables(self, store: Any) -> None:
+        """Keras's own layout (what ``keras.optimizers.LossScaleOptimizer`` reads); the skip
+        counters go beside it, under ``_skip_store``."""
+        for i, variable in enumerate(self._keras_variables()):
+            store[str(i)] = variable.numpy() if hasattr(variable, "numpy") else variable
+
     def load_own_variables(self, store: Any) -> None:
-        """Keras's restore, then a check: a saved scale that is not a finite number > 0 is refused."""
-        super().load_own_variables(store)
+        """Reads Keras's layout (and the one this class wrote before, with the counters inside),
+        then checks the scale: one that is not a finite number > 0 is refused."""
         if not self.built:
-            return
+            return super().load_own_variables(store)  # Keras's warning: nothing to restore into
+        ours = self._keras_variables()
+        if len(store.keys()) == len(self.variables):  # earlier layout: the counters at index 2
+            ours = self.variables
+        elif len(store.keys()) != len(ours):
+            return super().load_own_variables(store)  # Keras's warning about the mismatch
+        for i, variable in enumerate(ours):
+            variable.assign(store[str(i)])
         scale = float(ops.convert_to_numpy(self.dynamic_scale))
         if not (scale > 0 and scale < float("inf")):
             raise ValueError(
@@ -252,6 +277,47 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             config.pop("dynamic_growth_steps", None)
             return cls(inner, loss_scale=scale, **config)
         return cls(inner, **config)
+
+
+class _SkipCounts(KerasSaveable):
+    """Saves a wrapper's skip counters in a group of their own (``optimizer/_skip_store``), so
+    the optimizer's group holds exactly what Keras's own LossScaleOptimizer reads."""
+
+    def __init__(self, optimizer: LossScaleOptimizer):
+        self._owner = weakref.ref(optimizer)
+
+    def _obj_type(self) -> str:
+        return "Optimizer"  # picks which attributes Keras walks; this object has none to walk
+
+    def _keras_variables(self) -> list:
+        """The variables in the order Keras's own LossScaleOptimizer has them (no counters)."""
+        return [v for v in self.variables if v is not self._skips]
+
+    def save_own_variables(self, store: Any) -> None:
+        owner = self._owner()
+        if owner is not None and owner.built:
+            store["0"] = ops.convert_to_numpy(owner._skips)
+
+    def load_own_variables(self, store: Any) -> None:
+        owner = self._owner()
+        if owner is not None and owner.built and "0" in store.keys():
+            owner._skips.assign(store["0"])
+
+
+class _SavedAsKeras(LossScaleOptimizer):
+    """A wrapper with settings Keras's own LossScaleOptimizer can express.
+
+    Saved as ``{"module": "keras.optimizers", "class_name": "LossScaleOptimizer",
+    "registered_name": "LossScaleOptimizer"}``: with mixedpolicy imported, that name is
+    registered to `LossScaleOptimizer` above, so the file loads back as this class; in plain
+    Keras, the name is Keras's own class, which reads the same config and variables.
+    """
+
+
+_SavedAsKeras.__module__ = "keras.optimizers"
+_SavedAsKeras.__name__ = _SavedAsKeras.__qualname__ = "LossScaleOptimizer"
+keras.saving.get_custom_objects()["LossScaleOptimizer"] = LossScaleOptimizer
+_registry.GLOBAL_CUSTOM_NAMES[_SavedAsKeras] = "LossScaleOptimizer"
 
 
 # The settings Keras's own LossScaleOptimizer has no word for, with DynamicLossScale's defaults.

@@ -97,3 +97,69 @@ def test_drop_in():
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ)
     assert out.returncode == 0 and "loaded" in out.stdout, out.stderr[-3000:]
+
+
+def _load_in_fresh_process(path: str, with_mixedpolicy: bool) -> dict:
+    """Loads `path` in a new process (with or without mixedpolicy) and reports its optimizer."""
+    code = textwrap.dedent(f"""
+        import json, sys, warnings, keras
+        {"import mixedpolicy" if with_mixedpolicy else ""}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            m = keras.saving.load_model({path!r})
+        o = m.optimizer
+        print(json.dumps({{
+            "mixedpolicy": "mixedpolicy" in sys.modules,
+            "type": type(o).__module__ + "." + type(o).__qualname__,
+            "is_ours": any(c.__module__.startswith("mixedpolicy") for c in type(o).__mro__),
+            "scale": float(keras.ops.convert_to_numpy(o.dynamic_scale)),
+            "counter": int(keras.ops.convert_to_numpy(o.step_counter)),
+            "iterations": int(keras.ops.convert_to_numpy(o.iterations)),
+            "skipped": getattr(o, "num_skipped_steps", None),
+            "warnings": [str(w.message) for w in caught if "Skipping" in str(w.message)
+                         or "could not be loaded" in str(w.message)],
+        }}))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ)
+    assert out.returncode == 0, out.stderr[-3000:]
+    import json
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_saved_with_keras_expressible_settings_loads_in_plain_keras_and_back_as_ours():
+    x = np.random.default_rng(0).random((16, 4), dtype=np.float32)
+    y = np.arange(16) % 3
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
+                              keras.layers.Dense(3)])
+    mp.apply_policy(model, "mixed_float16")
+    opt = mp.LossScaleOptimizer(keras.optimizers.Adam(1e-3), initial_scale=2.0**10,
+                                dynamic_growth_steps=3)
+    model.compile(opt, "sparse_categorical_crossentropy")
+    model.fit(x, y, epochs=2, batch_size=4, verbose=0)
+    opt._skips.assign(np.asarray([2, 0], "int32"))  # as if two steps had been skipped
+    saved = {"scale": opt.loss_scale, "counter": int(keras.ops.convert_to_numpy(opt.step_counter)),
+             "iterations": int(keras.ops.convert_to_numpy(opt.iterations))}
+    assert saved["iterations"] > 0 and (saved["scale"], saved["counter"]) != (2.0**10, 0)  # moved
+    path = os.path.join(tempfile.mkdtemp(), "portable.keras")
+    model.save(path)
+
+    plain = _load_in_fresh_process(path, with_mixedpolicy=False)
+    assert not plain["mixedpolicy"] and not plain["is_ours"], plain
+    assert plain["type"].endswith("loss_scale_optimizer.LossScaleOptimizer"), plain
+    assert {k: plain[k] for k in saved} == saved and plain["warnings"] == [], plain
+
+    ours = _load_in_fresh_process(path, with_mixedpolicy=True)
+    assert ours["is_ours"] and ours["skipped"] == 2 and ours["warnings"] == [], ours
+    assert {k: ours[k] for k in saved} == saved, ours
+
+
+def test_settings_keras_cannot_express_keep_mixedpolicys_name():
+    opt = mp.LossScaleOptimizer(keras.optimizers.SGD(), min_scale=0.5)
+    assert type(opt).__module__.startswith("mixedpolicy")
+    config = keras.saving.serialize_keras_object(opt)
+    assert config["registered_name"] == "mixedpolicy>LossScaleOptimizer", config
+    default = keras.saving.serialize_keras_object(mp.LossScaleOptimizer(keras.optimizers.SGD()))
+    assert (default["module"], default["registered_name"]) == ("keras.optimizers", "LossScaleOptimizer")
+    # a config Keras's own wrote (registered_name None) still builds Keras's own class
+    own = keras.saving.serialize_keras_object(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()))
+    assert type(keras.saving.deserialize_keras_object(own)) is keras.optimizers.LossScaleOptimizer

@@ -120,7 +120,8 @@ def test_bounded_scale_skips_and_checkpoints():
     path = os.path.join(tempfile.mkdtemp(), "model.keras")
     model.save(path)
     loaded = keras.models.load_model(path)
-    assert type(loaded.optimizer) is LossScaleOptimizer
+    assert isinstance(loaded.optimizer, LossScaleOptimizer)
+    assert loaded.optimizer._config == model.optimizer._config
     assert loaded.optimizer.num_skipped_steps == skipped
     assert loaded.optimizer.loss_scale == model.optimizer.loss_scale
     mp.set_global_policy(None)
@@ -142,3 +143,29 @@ def test_a_checkpoint_with_a_collapsed_scale_is_refused_on_load():
         assert "loss scale is nan" in str(err), err
     fresh.load_own_variables({str(i): keras.ops.convert_to_numpy(v) for i, v in enumerate(opt.variables)})
     assert fresh.loss_scale == 2.0**15
+
+
+def test_reads_keras_layout_and_its_own_earlier_layout():
+    """Saved variables: Keras's own order (no counters) now; the earlier files (counters
+    at index 2) still load; any other count is Keras's warning, not a wrong assignment."""
+    from keras import ops
+
+    w = [keras.Variable(np.ones(3, "float32"))]
+    opt = mp.LossScaleOptimizer(keras.optimizers.SGD())
+    opt.build(w)
+    values = {v.path.split("/")[-1]: np.asarray(ops.convert_to_numpy(v)) for v in opt.variables}
+    keras_layout = [v for v in opt.variables if v is not opt._skips]
+    store = {str(i): (np.asarray(512.0, "float32") if v is opt.dynamic_scale else
+                      np.asarray(ops.convert_to_numpy(v))) for i, v in enumerate(keras_layout)}
+    opt.load_own_variables(store)
+    assert opt.loss_scale == 512.0 and opt.num_skipped_steps == 0
+    earlier = {str(i): (np.asarray([4, 1], "int32") if v is opt._skips else
+                        np.asarray(ops.convert_to_numpy(v))) for i, v in enumerate(opt.variables)}
+    opt.load_own_variables(earlier)
+    assert opt.num_skipped_steps == 4 and opt.last_step_skipped and opt.loss_scale == 512.0
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.load_own_variables({"0": np.asarray(1)})
+    assert any("Skipping variable loading" in str(c.message) for c in caught)
+    assert opt.loss_scale == 512.0 and values  # nothing was overwritten
