@@ -217,7 +217,18 @@ class Policy:
     # -- conversions ----------------------------------------------------------
     @classmethod
     def from_keras(cls, dtype_policy: Any) -> "Policy":
-        """Converts a Keras 3 ``DTypePolicy`` (or anything with its two dtype fields)."""
+        """Converts a Keras 3 ``DTypePolicy`` (or anything with its two dtype fields).
+
+        A quantized Keras policy (``int8_from_mixed_bfloat16``, ``float8_from_...``) is
+        refused: a Policy has no quantization, and dropping it would change the model.
+        """
+        mode = getattr(dtype_policy, "quantization_mode", None)
+        if mode is not None:
+            raise ValueError(
+                f"Received the quantized Keras policy {show(getattr(dtype_policy, 'name', dtype_policy))} "
+                f"(quantization_mode={mode!r}); a mixedpolicy Policy sets variable and compute "
+                f"dtypes only, and is not a policy mixedpolicy knows with quantization. Set it "
+                f"with keras.config.set_dtype_policy, or quantize with model.quantize(...).")
         return _from_fields(dtype_policy, "Keras DTypePolicy",
                             variable="variable_dtype", compute="compute_dtype")
 

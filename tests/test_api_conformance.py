@@ -94,3 +94,17 @@ def test_huge_keys_and_values_are_cut_short_in_map_errors():
     with pytest.raises((TypeError, ValueError)) as info:
         mp.PolicyMap("float32", {"head": "x" * 1_000_000})
     assert len(str(info.value)) < 1000
+
+
+def test_a_quantized_keras_policy_is_refused_not_stripped():
+    """Keras's int8/float8 policies carry quantization a Policy cannot: refused, not read as
+    their source policy."""
+    class Quantized:  # the fields of keras's QuantizedDTypePolicy, without importing Keras
+        name, variable_dtype, compute_dtype = "int8_from_mixed_bfloat16", "float32", "bfloat16"
+        quantization_mode = "int8"
+
+    with pytest.raises(ValueError, match="quantized Keras policy 'int8_from_mixed_bfloat16'"):
+        mp.Policy.from_keras(Quantized())
+    with pytest.raises(ValueError, match="quantization_mode='int8'"):
+        mp.set_global_policy(Quantized())
+    assert mp.global_policy() == mp.Policy("float32")
