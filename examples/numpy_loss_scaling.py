@@ -44,7 +44,7 @@ def train(policy_name, epochs=30, lr=0.5, seed=0):
             s = np.asarray(scale.loss_scale, policy.compute_dtype)
             _, grads = step(params, x_train[i:i + 64], onehot[i:i + 64], s)
             grads = scale.unscale(mp.Policy("float32").cast_to_compute(grads))
-            finite = mp.backends.get_adapter("numpy").all_finite(grads)
+            finite = mp.all_finite(grads)
             if finite:  # a non-finite step is skipped whole
                 params = {k: params[k] - lr * grads[k] for k in params}
             else:

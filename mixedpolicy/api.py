@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from mixedpolicy import backends
+from mixedpolicy import _registry
 from mixedpolicy.table import LayerPolicy, PolicyTable
 from mixedpolicy.function import PolicyFunction
 from mixedpolicy._scale_checks import check_scale
@@ -32,12 +32,12 @@ def _no_adapter(obj: Any, role: str, expected: str = "") -> TypeError:
         hint = " If the model's framework is installed but not imported yet, import it first."
     return TypeError(f"Received {'a model' if role == 'model' else 'an optimizer'} of type {where}, "
                      f"which no installed mixedpolicy adapter handles. Expected {expected}one of: "
-                     f"{backends.supported(role)}.{hint}")
+                     f"{_registry.supported(role)}.{hint}")
 
 
 def _model_adapter(model: Any, expected: str = "") -> Any:
     """The adapter that owns `model`, or a TypeError naming its type and the supported ones."""
-    adapter = backends.adapter_for(model, "model")
+    adapter = _registry.model_adapter(model)
     if adapter is None:
         raise _no_adapter(model, "model", expected)
     return adapter
@@ -67,7 +67,7 @@ def apply_policy(model: Any, policy: Any = None, overrides: Mapping[Any, Any] | 
     dtype('float16')
     """
     policy_map = as_policy_map(policy, overrides)
-    adapter = backends.adapter_for(model, "model")
+    adapter = _registry.model_adapter(model)
     if adapter is None and callable(model) and not isinstance(model, type):
         return PolicyFunction(model, policy_map)
     adapter = adapter or _model_adapter(model, "a plain function of arrays, or ")
@@ -104,10 +104,10 @@ class _FactoryMeta(type):
     """Lets ``isinstance(x, LossScaleOptimizer)`` recognise every framework's wrapper."""
 
     def __instancecheck__(cls, obj: Any) -> bool:
-        return backends.is_loss_scale_wrapper(obj)
+        return _registry.is_loss_scale_wrapper(obj)
 
     def __subclasscheck__(cls, sub: Any) -> bool:
-        return isinstance(sub, type) and (sub is cls or issubclass(sub, backends.loss_scale_wrapper_types()))
+        return isinstance(sub, type) and (sub is cls or issubclass(sub, _registry.loss_scale_wrapper_types()))
 
 
 class LossScaleOptimizer(metaclass=_FactoryMeta):
@@ -141,7 +141,7 @@ class LossScaleOptimizer(metaclass=_FactoryMeta):
                 *, growth_factor: float = 2.0, backoff_factor: float = 0.5, min_scale: float = 1.0,
                 max_scale: float = 2.0**24, loss_scale: LossScale | None = None,
                 axis_name: Any = None, **kwargs: Any):
-        adapter = backends.adapter_for(inner, "optimizer")
+        adapter = _registry.optimizer_adapter(inner)
         if kwargs and not (adapter is not None and adapter.takes_optimizer_options):
             raise TypeError(
                 f"LossScaleOptimizer received unexpected arguments {sorted(kwargs)}. Settings "
@@ -175,4 +175,4 @@ class LossScaleOptimizer(metaclass=_FactoryMeta):
         if not isinstance(config, Mapping):
             raise TypeError(f"Received config of type {type(config).__name__}; expected the "
                             f"dict from a LossScaleOptimizer's get_config().")
-        return backends.optimizer_from_config(dict(config), custom_objects)
+        return _registry.optimizer_from_config(dict(config), custom_objects)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
+from mixedpolicy._registry import cast_tree
 from mixedpolicy.policy_map import PolicyMap
 
 
@@ -38,8 +39,6 @@ class PolicyFunction:
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from mixedpolicy.backends import cast_tree
-
         args, kwargs = cast_tree((args, kwargs), self.policy.compute_dtype)
         return cast_tree(self.fn(*args, **kwargs), self.policy.output_dtype)
 

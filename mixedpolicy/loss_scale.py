@@ -15,19 +15,9 @@ from typing import Any
 
 import numpy as np
 
+from mixedpolicy._import_hook import when_imported
+from mixedpolicy._registry import array_ops_for as _ops, array_ops_for_tree as _tree_ops
 from mixedpolicy._scale_checks import check_finite_flag, check_scale, array_dtype_name
-
-
-def _ops(array: Any):
-    from mixedpolicy.backends import adapter_for_array
-
-    return adapter_for_array(array)
-
-
-def _tree_ops(tree: Any):
-    from mixedpolicy.backends import adapter_for_tree
-
-    return adapter_for_tree(tree)
 
 
 def all_finite(tree: Any) -> Any:
@@ -303,10 +293,4 @@ def _register_jax_pytrees(jax: Any) -> None:
         lambda aux, kids: unflatten(DynamicLossScale, aux, kids))
 
 
-def _install_jax_hook() -> None:
-    from mixedpolicy.backends.import_hook import when_imported
-
-    when_imported("jax", _register_jax_pytrees)
-
-
-_install_jax_hook()
+when_imported("jax", _register_jax_pytrees)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from mixedpolicy import _conversions
 from mixedpolicy._dtypes import FLOATING_DTYPES, HALF_DTYPES, canonical_dtype, show
+from mixedpolicy._registry import cast_tree
 
 # Lightning's `precision=` strings, normalised to (variable, compute) dtypes.
 _LIGHTNING = {
@@ -240,35 +242,25 @@ class Policy:
 
     def to_keras(self) -> Any:
         """Returns the equivalent ``keras.DTypePolicy`` (imports Keras)."""
-        from mixedpolicy.backends import conversions
-
-        return conversions.to_keras(self)
+        return _conversions.to_keras(self)
 
     def to_jmp(self) -> Any:
         """Returns the equivalent ``jmp.Policy`` (imports jmp and JAX)."""
-        from mixedpolicy.backends import conversions
-
-        return conversions.to_jmp(self)
+        return _conversions.to_jmp(self)
 
     # -- casting (jmp's vocabulary) -------------------------------------------
     def cast_to_compute(self, tree: Any) -> Any:
         """Casts the floating leaves of an array or container to the compute dtype."""
-        from mixedpolicy.backends import cast_tree
-
         return cast_tree(tree, self.compute_dtype)
 
     def cast_to_variable(self, tree: Any) -> Any:
         """Casts the floating leaves to the variable dtype (jmp: ``cast_to_param``)."""
-        from mixedpolicy.backends import cast_tree
-
         return cast_tree(tree, self.variable_dtype)
 
     cast_to_param = cast_to_variable
 
     def cast_to_output(self, tree: Any) -> Any:
         """Casts the floating leaves to the output dtype."""
-        from mixedpolicy.backends import cast_tree
-
         return cast_tree(tree, self.output_dtype)
 
 

@@ -14,6 +14,7 @@ import contextvars
 import threading
 from typing import Any, Iterator
 
+from mixedpolicy._registry import global_policy_changed
 from mixedpolicy.policy import Policy, as_policy
 
 _DEFAULT = Policy("float32")
@@ -45,8 +46,6 @@ def set_global_policy(policy: Any) -> None:
     new = _DEFAULT if policy is None else as_policy(policy)
     with _lock:
         _global = new
-    from mixedpolicy.backends import global_policy_changed
-
     global_policy_changed(new)
 
 

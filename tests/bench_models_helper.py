@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 
-from mixedpolicy.bench import models, worker
+from mixedpolicy.bench import models, runners, worker
 from mixedpolicy.bench.spec import RunSpec
 
 BATCH = 8
@@ -26,7 +26,7 @@ TINY = {"mlp": {"sizes": (64, 32, 10)}, "cnn": {"channels": (4, 8)},
 
 
 def main(framework: str, weights_dir: str, out: str) -> None:
-    runner = worker._runner(framework)
+    runner = runners.load(framework)
     record = {}
     for model in models.MODELS:
         for policy in ("float32", MIXED[model]):

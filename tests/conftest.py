@@ -18,7 +18,7 @@ os.environ.setdefault("JAX_NUMPY_DTYPE_PROMOTION", "strict")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import mixedpolicy  # noqa: E402
-from mixedpolicy import backends  # noqa: E402
+from mixedpolicy import _registry  # noqa: E402
 
 # tests/keras_suite runs once per Keras backend, started by tests/test_keras.py with
 # MIXEDPOLICY_KERAS_SUITE set (Keras picks its backend per process); the main run skips it.
@@ -41,12 +41,12 @@ def require_module(module: str, backend: str | None = None):
         pytest.skip(f"{module} is not installed")
 
 
-@pytest.fixture(params=backends.adapter_names())
+@pytest.fixture(params=_registry.array_backends())
 def backend(request):
-    """The adapter of one framework, its framework imported."""
+    """The array operations of one framework, its framework imported."""
     name = request.param
-    require_module(backends._ENTRIES[backends.adapter_names().index(name)].module, name)
-    return backends.get_adapter(name)
+    require_module(_registry.entry(name).gate, name)
+    return _registry.array_ops(name)
 
 
 @pytest.fixture(autouse=True)

@@ -59,7 +59,7 @@ def test_module_names_do_not_clash_with_the_functions():
 
 def test_isinstance_works_before_any_wrapper_was_made_by_the_factory():
     torch = require_module("torch")
-    from mixedpolicy.backends.torch_optimizer import TorchLossScaleOptimizer
+    from mixedpolicy.backends.torch.optimizer import TorchLossScaleOptimizer
 
     opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))])
     assert isinstance(TorchLossScaleOptimizer(opt, mp.DynamicLossScale()), mp.LossScaleOptimizer)

@@ -1,19 +1,16 @@
-"""The adapter interface, the registry, and the array operations on every backend."""
+"""The three adapter interfaces, the registry, and the array operations on every backend."""
 
 import numpy as np
 import pytest
 
-from mixedpolicy import backends
-from mixedpolicy.backends.base import Adapter
+from mixedpolicy import _registry
+from mixedpolicy._adapter import ArrayOps, ModelAdapter, OptimizerAdapter
 
 
-def test_an_adapter_missing_a_method_fails_when_created():
-    class Half(Adapter):
+@pytest.mark.parametrize("interface", [ArrayOps, ModelAdapter, OptimizerAdapter])
+def test_an_implementation_missing_a_method_fails_when_created(interface):
+    class Half(interface):
         name = "half"
-        module = "half"
-
-        def is_array(self, x):
-            return False
 
     with pytest.raises(TypeError, match="abstract"):
         Half()
@@ -21,46 +18,68 @@ def test_an_adapter_missing_a_method_fails_when_created():
 
 def test_unknown_backend_name_lists_the_valid_ones():
     with pytest.raises(ValueError, match=r"'tpu'; expected one of \[.*'numpy'.*\]"):
-        backends.get_adapter("tpu")
+        _registry.array_ops("tpu")
+    with pytest.raises(ValueError, match=r"'keras', which computes on other frameworks' arrays"):
+        _registry.array_ops("keras")
+
+
+def test_every_row_names_classes_that_implement_their_interface():
+    """Each row's targets exist and are what the row says; the wrappers are the wrappers."""
+    import importlib
+
+    for entry in _registry.ENTRIES:
+        for target, interface in ((entry.arrays, ArrayOps), (entry.models, ModelAdapter),
+                                  (entry.optimizers, OptimizerAdapter)):
+            if not target:
+                continue
+            module, _, cls = target.partition(":")
+            assert module.startswith("mixedpolicy.backends."), target
+            try:  # the framework first, as the registry does: only then its row is loaded
+                importlib.import_module(entry.gate)
+            except ImportError:  # that framework is not installed here
+                continue
+            found = getattr(importlib.import_module(module), cls)
+            assert issubclass(found, interface), target
+        assert entry.arrays or entry.models or entry.optimizers, entry.name
 
 
 def test_registry_never_imports_a_framework_to_check(monkeypatch):
-    # An adapter whose framework is not imported is never loaded: loading this one
-    # would fail, so classifying an object proves it was passed over.
-    entry = backends._Entry("ghost", "not_an_imported_framework", "no_such_module:Ghost")
-    monkeypatch.setattr(backends, "_ENTRIES", [entry] + backends._ENTRIES)
-    monkeypatch.setattr(backends, "_by_type", {})
-    assert backends.adapter_for_array(np.ones(2)).name == "numpy"
-    assert backends.adapter_for(object(), "model") is None
-    assert "ghost" not in backends._loaded
+    # A row whose framework is not imported is never loaded: loading this one would
+    # fail, so classifying an object proves it was passed over.
+    ghost = _registry.Entry("ghost", "not_an_imported_framework", arrays="no_such_module:Ghost",
+                            models="no_such_module:Ghost")
+    monkeypatch.setattr(_registry, "ENTRIES", [ghost] + _registry.ENTRIES)
+    monkeypatch.setattr(_registry, "_by_type", {})
+    assert _registry.array_ops_for(np.ones(2)).name == "numpy"
+    assert _registry.model_adapter(object()) is None
+    assert "no_such_module:Ghost" not in _registry._loaded
 
 
 def test_classification_is_cached_per_type(monkeypatch):
-    monkeypatch.setattr(backends, "_by_type", {})
-    backends.adapter_for_array(np.ones(2))
-    assert np.ndarray in backends._by_type
+    monkeypatch.setattr(_registry, "_by_type", {})
+    _registry.array_ops_for(np.ones(2))
+    assert np.ndarray in _registry._by_type
 
 
 def test_python_numbers_are_held_by_numpy():
-    assert backends.adapter_for_array(3.0).name == "numpy"
-    assert backends.adapter_for_tree({"a": [1.0, None]}).name == "numpy"
+    assert _registry.array_ops_for(3.0).name == "numpy"
+    assert _registry.array_ops_for_tree({"a": [1.0, None]}).name == "numpy"
 
 
 def test_cast_tree_leaves_integers_and_structure(backend):
     tree = {"w": backend.asarray([1.5, 2.5], "float32"), "n": backend.asarray([1, 2], "int32"),
             "mask": backend.asarray([True, False], "bool"), "none": None}
-    out = backends.cast_tree(tree, "bf16")
+    out = _registry.cast_tree(tree, "bf16")
     assert backend.floating_dtype(out["w"]) == "bfloat16"
     assert backend.floating_dtype(out["n"]) is None and backend.floating_dtype(out["mask"]) is None
     assert np.asarray(out["n"]).dtype == np.int32 and np.asarray(out["mask"]).dtype == np.bool_
     assert out["none"] is None
-    if backend.owns_arrays:
-        assert backends.adapter_for_tree(tree).name == backend.name
+    assert _registry.array_ops_for_tree(tree).name == backend.name
 
 
 def test_array_ops_on_every_backend(backend):
     x = backend.asarray([1.0, 2.0], "float32")
-    assert backend.is_array(x) is backend.owns_arrays and not backend.is_array([1.0, 2.0])
+    assert backend.is_array(x) and not backend.is_array([1.0, 2.0])
     assert backend.floating_dtype(x) == "float32"
     assert backend.floating_dtype(backend.cast(x, "float16")) == "float16"
     if backend.name == "jax" and not __import__("jax").config.jax_enable_x64:
@@ -75,11 +94,141 @@ def test_array_ops_on_every_backend(backend):
     assert [np.asarray(leaf).tolist() for leaf in backend.leaves({"a": x, "b": [x]})] == [[1.0, 2.0]] * 2
 
 
-def test_numpy_owns_no_model_or_optimizer():
-    adapter = backends.get_adapter("numpy")
-    assert adapter.role_of(np.ones(2)) is None
-    for call in (lambda: adapter.apply_policy(None, None), lambda: adapter.describe(None),
-                 lambda: adapter.remove_policy(None),
-                 lambda: adapter.wrap_optimizer(None, None)):
-        with pytest.raises(TypeError, match="numpy has no"):
-            call()
+def test_numpy_has_arrays_only():
+    numpy = _registry.entry("numpy")
+    assert numpy.arrays and not numpy.models and not numpy.optimizers
+    assert _registry.model_adapter(np.ones(2)) is None and _registry.optimizer_adapter(np.ones(2)) is None
+
+_TOY_FRAMEWORK = '''
+import numpy as np
+
+class Tensor(np.ndarray):
+    """The toy framework's array: a numpy array of its own type."""
+
+def tensor(value, dtype="float32"):
+    return np.asarray(value, dtype).view(Tensor)
+
+class Layer:
+    def __init__(self, *children):
+        self.children, self.weight, self.compute = list(children), tensor([1.0, 2.0]), "float32"
+
+class SGD:
+    def __init__(self, lr):
+        self.lr = lr
+'''
+
+_TOY_FILES = {
+    "arrays.py": '''
+import numpy as np
+import toyframework as tf
+from mixedpolicy._adapter import ArrayOps
+
+class ToyArrays(ArrayOps):
+    name = "toy"
+    def is_array(self, x): return isinstance(x, tf.Tensor)
+    def leaves(self, tree):
+        if isinstance(tree, (list, tuple)): return [l for t in tree for l in self.leaves(t)]
+        if isinstance(tree, dict): return [l for t in tree.values() for l in self.leaves(t)]
+        return [tree]
+    def tree_map(self, fn, tree):
+        if isinstance(tree, (list, tuple)): return type(tree)(self.tree_map(fn, t) for t in tree)
+        if isinstance(tree, dict): return {k: self.tree_map(fn, v) for k, v in tree.items()}
+        return fn(tree)
+    def asarray(self, value, dtype, like=None): return tf.tensor(value, dtype)
+    def floating_dtype(self, x):
+        name = np.dtype(x.dtype).name if self.is_array(x) else None
+        return name if name in ("float16", "float32", "float64") else None
+    def cast(self, x, dtype): return tf.tensor(x, dtype) if self.floating_dtype(x) else x
+    def all_finite(self, tree):
+        return tf.tensor(all(np.isfinite(x).all() for x in self.leaves(tree) if self.floating_dtype(x)), "bool")
+    def where(self, cond, a, b): return np.where(cond, a, b).view(tf.Tensor)
+    def zeros_like(self, x): return np.zeros_like(x)
+    def full_like(self, x, value): return np.full_like(x, value)
+''',
+    "modules.py": '''
+import toyframework as tf
+from mixedpolicy._adapter import ModelAdapter
+from mixedpolicy.policy_map import LayerInfo
+from mixedpolicy.table import LayerPolicy
+
+def _walk(layer, path="", chain=()):
+    chain = chain + (LayerInfo(path, type(layer)),)
+    yield layer, list(chain)
+    for i, child in enumerate(layer.children):
+        yield from _walk(child, f"{path}.{i}" if path else str(i), chain)
+
+class ToyModels(ModelAdapter):
+    def is_model(self, obj): return isinstance(obj, tf.Layer)
+    def apply_policy(self, model, policy_map):
+        for layer, chain in _walk(model):
+            layer.resolution = policy_map.resolve(chain)
+            layer.compute = layer.resolution.policy.compute_dtype
+        return model
+    def remove_policy(self, model):
+        for layer, _ in _walk(model):
+            layer.__dict__.pop("resolution", None)
+            layer.compute = "float32"
+        return model
+    def describe(self, model):
+        return [LayerPolicy(chain[-1].path, "Layer", layer.resolution.policy, layer.resolution.source)
+                for layer, chain in _walk(model)]
+''',
+    "optimizer.py": '''
+import toyframework as tf
+from mixedpolicy._adapter import OptimizerAdapter
+
+class ToyLossScaleOptimizer:
+    def __init__(self, inner, loss_scale): self.inner, self.loss_scale = inner, loss_scale
+
+class ToyOptimizers(OptimizerAdapter):
+    def is_optimizer(self, obj): return isinstance(obj, tf.SGD)
+    def wrap_optimizer(self, optimizer, loss_scale, axis_name=None):
+        return ToyLossScaleOptimizer(optimizer, loss_scale)
+''',
+}
+
+
+def test_a_toy_backend_is_one_folder_and_one_row(tmp_path, monkeypatch):
+    """Adding a framework: a folder with arrays/modules/optimizer.py and one registry row,
+    nothing else; the public API then serves it (loss scales, casts, policies, the wrapper)."""
+    import sys
+
+    import mixedpolicy as mp
+
+    (tmp_path / "toyframework.py").write_text(_TOY_FRAMEWORK)
+    folder = tmp_path / "toybackend"
+    folder.mkdir()
+    (folder / "__init__.py").write_text("")
+    for name, text in _TOY_FILES.items():
+        (folder / name).write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    row = _registry.Entry("toy", "toyframework", arrays="toybackend.arrays:ToyArrays",
+                          models="toybackend.modules:ToyModels",
+                          optimizers="toybackend.optimizer:ToyOptimizers",
+                          wrapper="toybackend.optimizer:ToyLossScaleOptimizer",
+                          model_words="a toy Layer", optimizer_words="a toy SGD")
+    monkeypatch.setattr(_registry, "ENTRIES", [row] + _registry.ENTRIES)
+    monkeypatch.setattr(_registry, "_by_type", {})
+    monkeypatch.setattr(_registry, "_loaded", {})
+    try:
+        import toyframework as tf
+
+        grads = [tf.tensor([512.0, 1024.0], "float16")]
+        scale = mp.DynamicLossScale(loss_scale=tf.tensor(256.0))
+        unscaled = scale.unscale(grads)
+        assert type(unscaled[0]) is tf.Tensor and unscaled[0].dtype == np.float16
+        assert unscaled[0].tolist() == [2.0, 4.0] and bool(mp.all_finite(unscaled))
+        assert not bool(mp.all_finite([tf.tensor([np.inf])]))
+        assert mp.Policy("mixed_float16").cast_to_compute({"w": tf.tensor([1.0])})["w"].dtype == np.float16
+
+        model = mp.apply_policy(tf.Layer(tf.Layer()), "mixed_float16", {"0": "float32"})
+        assert (model.compute, model.children[0].compute) == ("float16", "float32")
+        assert [row.path for row in mp.describe(model)] == ["", "0"]
+
+        wrapped = mp.LossScaleOptimizer(tf.SGD(0.1))
+        assert isinstance(wrapped, mp.LossScaleOptimizer) and wrapped.inner.lr == 0.1
+        with pytest.raises(TypeError, match="a toy Layer"):
+            mp.apply_policy(object())
+    finally:
+        for name in [m for m in sys.modules if m.startswith(("toyframework", "toybackend"))]:
+            del sys.modules[name]

@@ -1,6 +1,7 @@
 """`mixedpolicy bench`: option checks before any run, and a run's record and outputs."""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -11,7 +12,7 @@ import pytest
 
 from mixedpolicy.__main__ import main as cli
 from mixedpolicy.bench import models, spec
-from mixedpolicy.bench.cli import _worker_env
+from mixedpolicy.bench.runners import environment as _worker_env
 from mixedpolicy.bench.cli import main as bench
 from mixedpolicy.bench.data import batch_order
 
@@ -137,7 +138,7 @@ def test_a_run_trains_both_sides_alike_then_times_them_in_interleaved_long_enoug
     fake = type("runner", (), {"trainers": staticmethod(lambda *a: (
         type("Ours", (_Recording, worker.Trainer), {})("ours", log, clock, 0.002),
         type("Native", (_Recording, worker.Trainer), {})("native", log, clock, 0.001)))})
-    monkeypatch.setattr(worker, "_runner", lambda framework: fake)
+    monkeypatch.setattr(worker.runners, "load", lambda framework: fake)
     monkeypatch.setattr(worker.time, "perf_counter", lambda: clock[0])
     weights = tmp_path / "w.npz"
     models.save_weights(str(weights), models.init_weights("mlp", models.config("mlp", "cpu")))
@@ -268,7 +269,7 @@ def test_the_hand_written_jax_step_skips_a_non_finite_step_as_jmp_does(tmp_path)
     import jax.numpy as jnp
     from flax import nnx
 
-    from mixedpolicy.bench import jax_runner
+    from mixedpolicy.bench.runners import jax as jax_runner
 
     cfg = models.config("mlp", "cpu")
     native = jax_runner.Native("mlp", cfg, "mixed_float16", models.init_weights("mlp", cfg))
@@ -285,3 +286,18 @@ def test_the_hand_written_jax_step_skips_a_non_finite_step_as_jmp_does(tmp_path)
     native.scale = jnp.asarray(2.0**15, jnp.float32)
     native.step(x, y)
     assert not all(np.array_equal(a, b) for a, b in zip(start, values()))
+
+
+def test_the_runner_table_says_what_each_framework_needs_and_how_its_process_starts():
+    from mixedpolicy.bench import runners
+
+    assert spec.FRAMEWORKS == runners.FRAMEWORKS and len(set(runners.FRAMEWORKS)) == len(runners.RUNNERS)
+    for row in runners.RUNNERS:
+        env = runners.environment(row.framework, "cpu")
+        assert env["JAX_PLATFORMS"] == "cpu" and env["CUDA_VISIBLE_DEVICES"] == ""
+        assert env.get("KERAS_BACKEND") == (row.keras_backend or os.environ.get("KERAS_BACKEND"))
+        assert row.module.startswith("mixedpolicy.bench.runners.")
+    assert runners.environment("keras-torch", "cuda")["KERAS_BACKEND"] == "torch"
+    assert runners.environment("torch", "cuda").get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")
+    with pytest.raises(ValueError, match="'mxnet'; expected one of: torch, jax"):
+        runners.runner("mxnet")

@@ -80,3 +80,43 @@ def test_no_library_file_is_over_the_limit():
     long = {str(p.relative_to(ROOT)): n for p in ROOT.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert long == {}
+
+
+GROUND = {"mixedpolicy._dtypes", "mixedpolicy._scale_checks", "mixedpolicy._import_hook",
+          "mixedpolicy._adapter", "mixedpolicy._registry", "mixedpolicy._conversions"}
+
+
+def _floor(module: str) -> int:
+    """0: the ground floor; 1: the core; 2: backends, bench and the command line."""
+    if module in GROUND:
+        return 0
+    if module.startswith(("mixedpolicy.backends", "mixedpolicy.bench")) or module == "mixedpolicy.__main__":
+        return 2
+    return 1
+
+
+def test_no_import_runs_back_up():
+    """The ground floor imports only itself, the core never imports a backend or the bench
+    (inside functions included): the registry reaches backends by name, once their framework
+    is imported. A backend never imports the bench."""
+    mods = _modules()
+    assert GROUND <= set(mods), GROUND - set(mods)
+    up = sorted((a, b) for a, targets in _edges(mods).items() for b in targets
+                if _floor(b) > _floor(a)
+                or (a.startswith("mixedpolicy.backends") and b.startswith("mixedpolicy.bench")))
+    assert up == []
+
+
+def test_every_framework_folder_has_the_same_file_names_for_the_same_parts():
+    """arrays.py for ArrayOps; modules/layers/flax/equinox.py for models; optimizer/optax.py
+    for optimizers: what the registry's rows name."""
+    from mixedpolicy import _registry
+
+    for entry in _registry.ENTRIES:
+        for target, names in ((entry.arrays, {"arrays"}),
+                              (entry.models, {"modules", "layers", "flax", "equinox"}),
+                              (entry.optimizers, {"optimizer", "optax"})):
+            if target:
+                module = target.partition(":")[0]
+                assert module.count(".") == 3 and module.rsplit(".", 1)[1] in names, target
+                assert (ROOT.parent / (module.replace(".", "/") + ".py")).exists(), target

@@ -64,7 +64,7 @@ def run(model, x):
 
 def test_layers_compute_in_the_policy_params_and_grads_stay_float32():
     model = mp.apply_policy(Net(), "mixed_bfloat16")
-    assert isinstance(model, mp.backends.jax_equinox.PolicyModule)
+    assert isinstance(model, mp.backends.jax.equinox.PolicyModule)
     table = rows(model)
     assert table[""].compute_dtype == table["blocks.0.linear"].compute_dtype == "bfloat16"
     assert table["blocks.1.norm"].compute_dtype == "float32"

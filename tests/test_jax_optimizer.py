@@ -16,7 +16,7 @@ optax = require_module("optax", "jax")
 jmp = require_module("jmp", "jax")
 
 import mixedpolicy as mp  # noqa: E402
-from mixedpolicy.backends.jax_optimizer import LossScaleState  # noqa: E402
+from mixedpolicy.backends.jax.optax import LossScaleState  # noqa: E402
 
 X = np.random.default_rng(0).normal(size=(16, 6)).astype(np.float32)
 Y = np.random.default_rng(1).normal(size=(16, 3)).astype(np.float32)

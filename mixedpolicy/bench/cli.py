@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 
-from mixedpolicy.bench import data, models, report
+from mixedpolicy.bench import data, models, report, runners
 from mixedpolicy.bench.spec import (FRAMEWORKS, MODELS, POLICIES, RunSpec, resolve_frameworks,
                                     resolve_model, resolve_policies)
 
@@ -94,20 +94,9 @@ def _load_digits(seed: int) -> tuple:
                          f"'mixedpolicy[bench]' (or scikit-learn).") from None
 
 
-def _worker_env(framework: str, device: str) -> dict:
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-    if device == "cpu":  # on a GPU machine too: JAX and Keras would otherwise take the GPU
-        env.update(JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="")
-    if framework.startswith("keras-"):
-        env["KERAS_BACKEND"] = framework.split("-", 1)[1]
-    elif framework == "tensorflow":
-        env["KERAS_BACKEND"] = "tensorflow"
-    return env
-
-
 def run_one(spec: RunSpec) -> dict:
     proc = subprocess.run([sys.executable, "-m", "mixedpolicy.bench.worker", json.dumps(spec._asdict())],
-                          env=_worker_env(spec.framework, spec.device), capture_output=True, text=True)
+                          env=runners.environment(spec.framework, spec.device), capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"The {spec.framework} run under {spec.policy} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

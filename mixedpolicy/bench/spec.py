@@ -6,16 +6,12 @@ import importlib.util
 from typing import NamedTuple
 
 from mixedpolicy.bench.models import MODELS
+from mixedpolicy.bench.runners import FRAMEWORKS, runner
 
 __all__ = ["FRAMEWORKS", "MODELS", "POLICIES", "RunSpec"]
 
-FRAMEWORKS = ("torch", "jax", "tensorflow", "keras-jax", "keras-torch", "keras-tensorflow")
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
 
-# The packages each framework's runner needs (checked without importing them).
-_NEEDS = {"torch": ("torch",), "jax": ("jax", "flax", "optax"), "tensorflow": ("tensorflow", "keras"),
-          "keras-jax": ("keras", "jax"), "keras-torch": ("keras", "torch"),
-          "keras-tensorflow": ("keras", "tensorflow")}
 
 
 class RunSpec(NamedTuple):
@@ -36,7 +32,8 @@ class RunSpec(NamedTuple):
 
 
 def missing_packages(framework: str) -> list[str]:
-    return [p for p in _NEEDS[framework] if importlib.util.find_spec(p) is None]
+    """The packages `framework`'s runner needs that are not installed (none is imported)."""
+    return [p for p in runner(framework).packages if importlib.util.find_spec(p) is None]
 
 
 def installed_frameworks() -> list[str]:

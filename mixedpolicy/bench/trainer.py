@@ -1,7 +1,7 @@
 """What every framework runner of `mixedpolicy bench` builds: a `Trainer`, and the TF32 pin.
 
-The runners (`torch_runner`, `jax_runner`, `tf_runner`, `keras_runner`) import this and
-nothing of the worker, which imports them: no cycle, and the worker (run as ``__main__``)
+The runners (`mixedpolicy.bench.runners`: torch, jax, tensorflow, keras) import this and
+nothing of the worker, which loads them: no cycle, and the worker (run as ``__main__``)
 is never loaded a second time by a runner.
 """
 

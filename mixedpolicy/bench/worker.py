@@ -21,22 +21,10 @@ import sys
 import time
 import numpy as np
 
-from mixedpolicy.bench import models
+from mixedpolicy.bench import models, runners
 from mixedpolicy.bench.data import batch_order, digits, load
 from mixedpolicy.bench.spec import RunSpec
 from mixedpolicy.bench.trainer import Trainer
-
-
-def _runner(framework: str):
-    if framework == "torch":
-        from mixedpolicy.bench import torch_runner as runner
-    elif framework == "jax":
-        from mixedpolicy.bench import jax_runner as runner
-    elif framework == "tensorflow":
-        from mixedpolicy.bench import tf_runner as runner
-    else:
-        from mixedpolicy.bench import keras_runner as runner
-    return runner
 
 
 def data(spec: RunSpec, runner) -> tuple:
@@ -103,7 +91,7 @@ def run(spec: RunSpec) -> dict:
     make it last `min_block_s` (`timed_steps_per_block`), so timer and scheduler noise
     stay small against it. The overhead is the median of the pairs' ratios.
     """
-    runner = _runner(spec.framework)
+    runner = runners.load(spec.framework)
     x_train, y_train, x_test, y_test = data(spec, runner)
     ours, native = build(spec, runner)
     feeds = {t: _Feed(x_train, y_train, spec.batch_size, spec.seed) for t in (ours, native)}

@@ -88,7 +88,7 @@ def test_per_layer_maps():
                for w in caught), [str(w.message) for w in caught]
 
     # compile wraps a plain optimizer in the bounded loss-scale optimizer under any float16
-    from mixedpolicy.backends.keras_optimizer import LossScaleOptimizer
+    from mixedpolicy.backends.keras.optimizer import LossScaleOptimizer
     m = mp.apply_policy(make(), "float32", {"net/embed": "mixed_float16"})
     m.compile(optimizer="sgd", loss="mse")
     assert isinstance(m.optimizer, LossScaleOptimizer), type(m.optimizer)

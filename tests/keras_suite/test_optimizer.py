@@ -18,7 +18,7 @@ import mixedpolicy as mp
 def test_keras_own_loss_scale_optimizer_tests():
     """Keras's own LossScaleOptimizer tests, through the class and the factory."""
     import keras.src.optimizers.loss_scale_optimizer_test as keras_tests
-    from mixedpolicy.backends.keras_optimizer import LossScaleOptimizer
+    from mixedpolicy.backends.keras.optimizer import LossScaleOptimizer
 
     # Every one of Keras's own tests, through the class and through the factory.
     for under_test in (LossScaleOptimizer, mp.LossScaleOptimizer):
@@ -108,7 +108,7 @@ def test_bounded_scale_skips_and_checkpoints():
     x[16:32] = np.nan  # the second batch of 16
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
     model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
-    from mixedpolicy.backends.keras_optimizer import LossScaleOptimizer
+    from mixedpolicy.backends.keras.optimizer import LossScaleOptimizer
     assert isinstance(model.optimizer, LossScaleOptimizer)
     model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
     skipped = model.optimizer.num_skipped_steps

@@ -1,4 +1,4 @@
-"""PyTorch adapter: policies on ``nn.Module`` through autocast regions, and torch arrays.
+"""Policies on torch ``nn.Module`` trees, through autocast regions.
 
 How a policy reaches a module tree:
 
@@ -30,20 +30,17 @@ How a policy reaches a module tree:
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 from torch.utils import _pytree as pytree
 
-from mixedpolicy._dtypes import FLOATING_DTYPES
-from mixedpolicy.backends.base import Adapter, check_master_weights
+from mixedpolicy._adapter import ModelAdapter, check_master_weights
+from mixedpolicy.backends.torch.arrays import NAMES as _NAMES, TORCH_DTYPES as _TORCH_DTYPES
 from mixedpolicy.table import LayerPolicy
 from mixedpolicy.policy import Policy
 from mixedpolicy.policy_map import LOSS, NORMALIZATION, LayerInfo, Resolution
 
-_TORCH_DTYPES = {name: getattr(torch, name) for name in FLOATING_DTYPES}
-_TORCH_DTYPES.update(bool=torch.bool, int32=torch.int32, int64=torch.int64)
-_NAMES = {v: k for k, v in _TORCH_DTYPES.items() if k in FLOATING_DTYPES}
 _STATE = "_mixedpolicy"
 _FLOAT32 = Policy("float32")  # attribute holding what apply_policy changed on a module
 
@@ -130,57 +127,10 @@ class _Region:
         return _cast_floating(out, self._output) if self._cast_out else out
 
 
-class TorchAdapter(Adapter):
-    name = "torch"
-    module = "torch"
-
-    # -- arrays ---------------------------------------------------------------
-    def is_array(self, x: Any) -> bool:
-        return isinstance(x, torch.Tensor)
-
-    def leaves(self, tree: Any) -> Iterable[Any]:
-        return pytree.tree_leaves(tree)
-
-    def tree_map(self, fn: Callable[[Any], Any], tree: Any) -> Any:
-        return pytree.tree_map(fn, tree)
-
-    def asarray(self, value: Any, dtype: str, like: Any = None) -> Any:
-        device = like.device if isinstance(like, torch.Tensor) else None
-        if isinstance(value, torch.Tensor):
-            return value.to(device=device or value.device, dtype=_TORCH_DTYPES[dtype])
-        return torch.as_tensor(value, dtype=_TORCH_DTYPES[dtype], device=device)
-
-    def floating_dtype(self, x: Any) -> str | None:
-        return _NAMES.get(x.dtype) if isinstance(x, torch.Tensor) else None
-
-    def cast(self, x: Any, dtype: str) -> Any:
-        if isinstance(x, torch.Tensor) and x.is_floating_point():
-            return x.to(_TORCH_DTYPES[dtype])
-        return x
-
-    def all_finite(self, tree: Any) -> Any:
-        flags = [torch.isfinite(x).all() for x in pytree.tree_leaves(tree)
-                 if isinstance(x, torch.Tensor) and x.is_floating_point()]
-        return torch.stack(flags).all() if flags else torch.tensor(True)
-
-    def where(self, cond: Any, a: Any, b: Any) -> Any:
-        return torch.where(cond, a, b)
-
-    def zeros_like(self, x: Any) -> Any:
-        return torch.zeros_like(x)
-
-    def full_like(self, x: Any, value: float) -> Any:
-        return torch.full_like(x, value)
-
+class TorchModels(ModelAdapter):
     # -- models ---------------------------------------------------------------
-    def role_of(self, obj: Any) -> str | None:
-        if isinstance(obj, torch.nn.Module):
-            return "model"
-        if isinstance(obj, torch.optim.Optimizer):
-            return "optimizer"
-        if isinstance(obj, (list, tuple)) and obj and all(isinstance(o, torch.optim.Optimizer) for o in obj):
-            return "optimizer"
-        return None
+    def is_model(self, obj: Any) -> bool:
+        return isinstance(obj, torch.nn.Module)
 
     def apply_policy(self, model: torch.nn.Module, policy_map: Any) -> torch.nn.Module:
         remove_policy(model)
@@ -232,16 +182,6 @@ class TorchAdapter(Adapter):
                 policy, source = Policy(dtype), "no policy applied"
             rows.append(LayerPolicy(path, type(module).__name__, policy, source))
         return rows
-
-    def wrap_optimizer(self, optimizer: Any, loss_scale: Any, axis_name: Any = None) -> Any:
-        if axis_name is not None:
-            raise TypeError(
-                f"Received axis_name={axis_name!r} for a torch optimizer; axis_name names a JAX "
-                f"replica axis. Under DistributedDataParallel every rank already skips "
-                f"together: the gradients are all-reduced before the step checks them.")
-        from mixedpolicy.backends.torch_optimizer import TorchLossScaleOptimizer
-
-        return TorchLossScaleOptimizer(optimizer, loss_scale)
 
 
 def _resolve(model: torch.nn.Module, policy_map: Any) -> dict:

@@ -1,4 +1,4 @@
-"""TensorFlow adapter: tensors, and policies on raw ``tf.Module`` models.
+"""Policies on raw TensorFlow ``tf.Module`` models.
 
 A ``tf.Module`` has no dtype of its own: its code reads its variables and does the
 math. `apply_policy` resolves each module's policy (its attribute path such as
@@ -18,77 +18,29 @@ policies (``bfloat16``) replace the variables with ones in that dtype;
 model is left as plain TensorFlow.
 
 The TensorFlow optimizers of TF 2.16 and later are Keras 3 optimizers; the Keras
-adapter wraps them (`mixedpolicy.backends.keras_optimizer`), and their loss scale
-runs on this adapter's array operations.
+adapter wraps them (`mixedpolicy.backends.keras.optimizer`), and their loss scale
+runs on TensorFlow's array operations (`mixedpolicy.backends.tensorflow.arrays`).
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import Any, NamedTuple
 
 import tensorflow as tf
 
-from mixedpolicy._dtypes import FLOATING_DTYPES
 from mixedpolicy.backends._subclass import policy_subclass
-from mixedpolicy.backends.base import Adapter, check_master_weights
+from mixedpolicy._adapter import ModelAdapter, check_master_weights
+from mixedpolicy.backends.tensorflow.arrays import NAMES as _NAMES, TF_DTYPES as _TF_DTYPES
 from mixedpolicy.table import LayerPolicy
 from mixedpolicy.policy import Policy
 from mixedpolicy.policy_map import NORMALIZATION, LayerInfo, PolicyMap
 
 _STATE = "_mixedpolicy"
 
-_TF_DTYPES = {name: tf.as_dtype(name) for name in FLOATING_DTYPES}
-_TF_DTYPES.update(bool=tf.bool, int32=tf.int32, int64=tf.int64)
-_NAMES = {v: k for k, v in _TF_DTYPES.items() if k in FLOATING_DTYPES}
-
-
-def _is_tensor(x: Any) -> bool:
-    return isinstance(x, (tf.Tensor, tf.Variable))
-
-
-class TensorFlowAdapter(Adapter):
-    name = "tensorflow"
-    module = "tensorflow"
-
-    def is_array(self, x: Any) -> bool:
-        return _is_tensor(x)
-
-    def leaves(self, tree: Any) -> Iterable[Any]:
-        return tf.nest.flatten(tree)
-
-    def tree_map(self, fn: Callable[[Any], Any], tree: Any) -> Any:
-        return tf.nest.map_structure(fn, tree)
-
-    def asarray(self, value: Any, dtype: str, like: Any = None) -> Any:
-        if _is_tensor(value):
-            return tf.cast(value, _TF_DTYPES[dtype])
-        return tf.constant(value, dtype=_TF_DTYPES[dtype])
-
-    def floating_dtype(self, x: Any) -> str | None:
-        return _NAMES.get(x.dtype) if _is_tensor(x) else None
-
-    def cast(self, x: Any, dtype: str) -> Any:
-        if _is_tensor(x) and x.dtype.is_floating and _NAMES.get(x.dtype) != dtype:
-            return tf.cast(x, _TF_DTYPES[dtype])
-        return x
-
-    def all_finite(self, tree: Any) -> Any:
-        flags = [tf.reduce_all(tf.math.is_finite(x)) for x in tf.nest.flatten(tree)
-                 if _is_tensor(x) and x.dtype.is_floating]
-        return tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
-
-    def where(self, cond: Any, a: Any, b: Any) -> Any:
-        return tf.where(cond, a, b)
-
-    def zeros_like(self, x: Any) -> Any:
-        return tf.zeros_like(x)
-
-    def full_like(self, x: Any, value: float) -> Any:
-        return tf.fill(tf.shape(x), tf.cast(value, x.dtype))
-
-    def role_of(self, obj: Any) -> str | None:
-        return "model" if isinstance(obj, tf.Module) else None
+class TensorFlowModules(ModelAdapter):
+    def is_model(self, obj: Any) -> bool:
+        return isinstance(obj, tf.Module)
 
     def apply_policy(self, model: Any, policy_map: Any) -> Any:
         return apply_policy(model, policy_map)
@@ -108,9 +60,6 @@ class TensorFlowAdapter(Adapter):
                 source, cls = "no policy applied", type(module)
             rows.append(LayerPolicy(path, cls.__name__, policy, source))
         return rows
-
-    def wrap_optimizer(self, optimizer: Any, loss_scale: Any, axis_name: Any = None) -> Any:
-        raise TypeError("TensorFlow's optimizers are Keras optimizers; the keras adapter wraps them.")
 
 
 class _Applied(NamedTuple):

@@ -34,9 +34,9 @@ from typing import Any, NamedTuple
 
 import jax
 
+from mixedpolicy._adapter import ModelAdapter, check_master_weights
 from mixedpolicy.backends._subclass import policy_subclass
-from mixedpolicy.backends.base import check_master_weights
-from mixedpolicy.backends.jax_arrays import Kept, cast_leaf, dtype_name, jnp_dtype, restore_leaf
+from mixedpolicy.backends.jax.arrays import Kept, cast_leaf, dtype_name, jnp_dtype, restore_leaf
 from mixedpolicy.table import LayerPolicy
 from mixedpolicy.policy import Policy
 from mixedpolicy.policy_map import NORMALIZATION, LayerInfo, PolicyMap, Resolution
@@ -65,31 +65,37 @@ def _is_nnx(model: Any) -> bool:
     return nnx is not None and isinstance(model, nnx.Module)
 
 
-def apply_policy(model: Any, policy_map: PolicyMap) -> Any:
-    if _is_nnx(model):
-        return _nnx_apply(model, policy_map)
-    if isinstance(model, PolicyLinen):
-        model = model.module
-    return PolicyLinen(model, policy_map)
+class FlaxModels(ModelAdapter):
+    """NNX modules are changed in place; a linen module comes back as a `PolicyLinen`."""
 
+    def is_model(self, obj: Any) -> bool:
+        linen = sys.modules.get("flax.linen")
+        return _is_nnx(obj) or (linen is not None and isinstance(obj, linen.Module)) \
+            or isinstance(obj, PolicyLinen)
 
-def remove_policy(model: Any) -> Any:
-    if _is_nnx(model):
-        return _nnx_remove(model)
-    if isinstance(model, PolicyLinen):
-        return model.module
-    return model  # a bare linen module carries no policy
+    def apply_policy(self, model: Any, policy_map: PolicyMap) -> Any:
+        if _is_nnx(model):
+            return _nnx_apply(model, policy_map)
+        if isinstance(model, PolicyLinen):
+            model = model.module
+        return PolicyLinen(model, policy_map)
 
+    def remove_policy(self, model: Any) -> Any:
+        if _is_nnx(model):
+            return _nnx_remove(model)
+        if isinstance(model, PolicyLinen):
+            return model.module
+        return model  # a bare linen module carries no policy
 
-def describe(model: Any) -> list:
-    if _is_nnx(model):
-        return _nnx_describe(model)
-    if isinstance(model, PolicyLinen):
-        return model.describe_rows()
-    raise TypeError(
-        f"Received a bare linen module {type(model).__name__}: linen builds its submodules "
-        f"only when called, so describe needs the PolicyLinen that apply_policy returns, "
-        f"after one init or apply call.")
+    def describe(self, model: Any) -> list:
+        if _is_nnx(model):
+            return _nnx_describe(model)
+        if isinstance(model, PolicyLinen):
+            return model.describe_rows()
+        raise TypeError(
+            f"Received a bare linen module {type(model).__name__}: linen builds its submodules "
+            f"only when called, so describe needs the PolicyLinen that apply_policy returns, "
+            f"after one init or apply call.")
 
 
 # -- NNX -----------------------------------------------------------------------

@@ -3,17 +3,18 @@ hand and TensorFlow's own (Keras) LossScaleOptimizer."""
 
 from __future__ import annotations
 
-import os
+import keras
+import numpy as np
+import tensorflow as tf
 
-os.environ["KERAS_BACKEND"] = "tensorflow"  # TensorFlow's optimizers are Keras's
+import mixedpolicy as mp
+from mixedpolicy.bench.models import BN_EPSILON, BN_MOMENTUM, LN_EPSILON, LR, MOMENTUM, resnet_blocks
+from mixedpolicy.bench.trainer import Trainer, pin_tf32
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
-import mixedpolicy as mp  # noqa: E402
-from mixedpolicy.bench.models import BN_EPSILON, BN_MOMENTUM, LN_EPSILON, LR, MOMENTUM, resnet_blocks  # noqa: E402
-from mixedpolicy.bench.trainer import Trainer, pin_tf32  # noqa: E402
+if keras.backend.backend() != "tensorflow":  # its optimizers are Keras's, on TensorFlow tensors
+    raise ImportError(f"The tensorflow bench runner needs Keras on its TensorFlow backend, but this "
+                      f"process runs Keras on {keras.backend.backend()!r}; start it with "
+                      f"KERAS_BACKEND=tensorflow (mixedpolicy.bench.runners.environment does).")
 
 _COMPUTE = {"float32": tf.float32, "mixed_bfloat16": tf.bfloat16, "mixed_float16": tf.float16}
 

@@ -29,6 +29,7 @@ from keras import ops
 from keras.src.saving import object_registration as _registry  # the name a class saves under
 from keras.src.saving.keras_saveable import KerasSaveable
 
+from mixedpolicy._adapter import OptimizerAdapter
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale
 
 
@@ -323,3 +324,23 @@ _registry.GLOBAL_CUSTOM_NAMES[_SavedAsKeras] = "LossScaleOptimizer"
 # The settings Keras's own LossScaleOptimizer has no word for, with DynamicLossScale's defaults.
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(DynamicLossScale)
              if f.name in ("growth_factor", "backoff_factor", "min_scale", "max_scale")}
+
+
+class KerasOptimizers(OptimizerAdapter):
+    """A Keras optimizer comes back as this module's `LossScaleOptimizer`."""
+
+    takes_optimizer_options = True
+
+    def is_optimizer(self, obj: Any) -> bool:
+        return isinstance(obj, keras.optimizers.Optimizer)
+
+    def wrap_optimizer(self, optimizer: Any, loss_scale: Any, axis_name: Any = None, **options: Any) -> Any:
+        if axis_name is not None:
+            raise TypeError(f"Received axis_name={axis_name!r} for a Keras optimizer; axis_name "
+                            f"names a JAX replica axis. Keras agrees across replicas by itself.")
+        return LossScaleOptimizer(optimizer, loss_scale=loss_scale, **options)
+
+    def optimizer_from_config(self, config: dict, custom_objects: Any = None) -> Any:
+        if "inner_optimizer" not in config:
+            return None
+        return LossScaleOptimizer.from_config(config, custom_objects)

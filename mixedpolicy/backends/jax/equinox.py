@@ -25,8 +25,8 @@ from typing import Any
 import equinox as eqx
 import jax
 
-from mixedpolicy.backends.base import check_master_weights
-from mixedpolicy.backends.jax_arrays import Kept, cast_leaf, dtype_name, restore_leaf
+from mixedpolicy._adapter import ModelAdapter, check_master_weights
+from mixedpolicy.backends.jax.arrays import Kept, cast_leaf, dtype_name, restore_leaf
 from mixedpolicy.table import LayerPolicy
 from mixedpolicy.policy import Policy
 from mixedpolicy.policy_map import NORMALIZATION, LayerInfo, PolicyMap
@@ -203,3 +203,19 @@ def describe(model: Any) -> list:
 
     walk(model, "")
     return rows
+
+
+class EquinoxModels(ModelAdapter):
+    """An Equinox module comes back rebuilt, each of its modules in a `PolicyModule`."""
+
+    def is_model(self, obj: Any) -> bool:
+        return isinstance(obj, eqx.Module)
+
+    def apply_policy(self, model: Any, policy_map: PolicyMap) -> Any:
+        return apply_policy(model, policy_map)
+
+    def remove_policy(self, model: Any) -> Any:
+        return remove_policy(model)
+
+    def describe(self, model: Any) -> list:
+        return describe(model)

@@ -1,18 +1,19 @@
-"""JAX array helpers shared by the JAX adapter and its Flax, Equinox and optax modules.
+"""JAX's array operations (``jax.Array``, tracers included, and JAX's pytrees), and the
+array helpers the Flax, Equinox and optax modules beside it share.
 
-The ground floor of the JAX side: it imports no other mixedpolicy JAX module, so the
-adapter (`jax_backend`) and the modules it dispatches to (`jax_flax`, `jax_equinox`,
-`jax_optimizer`) all import downwards from here, with no cycle.
+The ground floor of the JAX folder: it imports no other mixedpolicy JAX module, so
+`flax`, `equinox` and `optax` all import downwards from here.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mixedpolicy._adapter import ArrayOps
 from mixedpolicy._dtypes import FLOATING_DTYPES
 
 _JNP_DTYPES = {name: jnp.dtype(name) for name in FLOATING_DTYPES}
@@ -82,3 +83,57 @@ def all_finite(tree: Any) -> Any:
     flags = [jnp.isfinite(x).all() for x in jax.tree_util.tree_leaves(tree)
              if isinstance(x, jax.Array) and dtype_name(x.dtype) is not None]
     return jnp.stack(flags).all() if flags else jnp.asarray(True)
+
+
+def _path_text(path: tuple) -> str:
+    return jax.tree_util.keystr(path) or "(the root)"
+
+
+class JaxArrays(ArrayOps):
+    name = "jax"
+
+    def is_array(self, x: Any) -> bool:
+        return isinstance(x, jax.Array)
+
+    def leaves(self, tree: Any) -> Iterable[Any]:
+        return jax.tree_util.tree_leaves(tree)
+
+    def tree_map(self, fn: Callable[[Any], Any], tree: Any) -> Any:
+        return jax.tree_util.tree_map(fn, tree)
+
+    def asarray(self, value: Any, dtype: str, like: Any = None) -> Any:
+        return jnp.asarray(value, dtype=jnp_dtype(dtype))
+
+    def floating_dtype(self, x: Any) -> str | None:
+        return dtype_name(x.dtype) if isinstance(x, jax.Array) else None
+
+    def cast(self, x: Any, dtype: str) -> Any:
+        return cast_leaf(x, dtype)
+
+    def cast_tree(self, tree: Any, dtype: str) -> Any:
+        """Casts floating leaves; a leaf that is neither an array nor a number is an error.
+
+        A policy that silently skipped a leaf it cannot cast (a string, an object)
+        would leave part of a computation in the wrong precision.
+        """
+        def leaf(path, x):
+            if isinstance(x, jax.Array) or isinstance(x, _SCALARS):
+                return cast_leaf(x, dtype)
+            raise TypeError(
+                f"Received a pytree whose leaf at {_path_text(path)} is a {type(x).__name__} "
+                f"({x!r:.60}); a policy casts arrays, so every leaf must be an array or a number. "
+                f"Bind non-array arguments before applying the policy (functools.partial), "
+                f"or keep them out of the pytree (mark them static under jax.jit).")
+        return jax.tree_util.tree_map_with_path(leaf, tree)
+
+    def all_finite(self, tree: Any) -> Any:
+        return all_finite(tree)
+
+    def where(self, cond: Any, a: Any, b: Any) -> Any:
+        return jnp.where(cond, a, b)
+
+    def zeros_like(self, x: Any) -> Any:
+        return jnp.zeros_like(x)
+
+    def full_like(self, x: Any, value: float) -> Any:
+        return jnp.full_like(x, value)

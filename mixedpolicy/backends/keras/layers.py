@@ -1,7 +1,10 @@
-"""Keras 3 adapter: the global policy, per-layer ``DTypePolicy``s, and a bounded loss-scale optimizer.
+"""Policies on Keras 3 layers (per-layer ``DTypePolicy``s), and Keras's global policy.
+
+Keras tensors are their backend's arrays (jax, torch, tensorflow), whose own array
+operations serve them; the loss-scale optimizer is `mixedpolicy.backends.keras.optimizer`.
 
 - `sync_global_policy` mirrors mixedpolicy's global policy into
-  ``keras.config.set_dtype_policy`` (`mixedpolicy.backends.import_hook` does it when
+  ``keras.config.set_dtype_policy`` (`mixedpolicy._import_hook` does it when
   Keras is imported after ``set_global_policy``, without importing Keras otherwise);
 - `apply_policy` resolves each layer's policy by its ``layer.path``, a glob or its
   class and sets ``layer.dtype_policy``: before the model is built, or after it
@@ -26,13 +29,13 @@ from __future__ import annotations
 import threading
 import warnings
 import weakref
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import keras
 from keras.src.backend.common import global_state
 from keras.src.dtype_policies import dtype_policy as _keras_dtype_policy
 
-from mixedpolicy.backends.base import Adapter
+from mixedpolicy._adapter import ModelAdapter
 from mixedpolicy.table import LayerPolicy
 from mixedpolicy.policy import Policy
 from mixedpolicy.policy_map import NORMALIZATION, LayerInfo
@@ -139,54 +142,9 @@ def _layers(model: Any) -> list[tuple[Any, list[LayerInfo]]]:
     return out
 
 
-class KerasAdapter(Adapter):
-    name = "keras"
-    module = "keras"
-    owns_arrays = False
-    takes_optimizer_options = True
-
-    # Keras tensors are the backend's own (jax, torch or tensorflow arrays), held by
-    # that backend's adapter; Keras itself holds no array type.
-    def is_array(self, x: Any) -> bool:
-        return False
-
-    def leaves(self, tree: Any) -> Iterable[Any]:
-        return keras.tree.flatten(tree)
-
-    def tree_map(self, fn: Callable[[Any], Any], tree: Any) -> Any:
-        return keras.tree.map_structure(fn, tree)
-
-    def asarray(self, value: Any, dtype: str, like: Any = None) -> Any:
-        return keras.ops.convert_to_tensor(value, dtype=dtype)
-
-    def floating_dtype(self, x: Any) -> str | None:
-        dtype = keras.backend.standardize_dtype(x.dtype) if hasattr(x, "dtype") else None
-        return dtype if dtype in ("float16", "bfloat16", "float32", "float64") else None
-
-    def cast(self, x: Any, dtype: str) -> Any:
-        return keras.ops.cast(x, dtype) if self.floating_dtype(x) not in (None, dtype) else x
-
-    def all_finite(self, tree: Any) -> Any:
-        flags = [keras.ops.all(keras.ops.isfinite(x)) for x in keras.tree.flatten(tree)
-                 if self.floating_dtype(x) is not None]
-        return keras.ops.all(keras.ops.stack(flags)) if flags else keras.ops.convert_to_tensor(True)
-
-    def where(self, cond: Any, a: Any, b: Any) -> Any:
-        return keras.ops.where(cond, a, b)
-
-    def zeros_like(self, x: Any) -> Any:
-        return keras.ops.zeros_like(x)
-
-    def full_like(self, x: Any, value: float) -> Any:
-        return keras.ops.full_like(x, value)
-
-    # -- models and optimizers ------------------------------------------------
-    def role_of(self, obj: Any) -> str | None:
-        if isinstance(obj, keras.Layer):
-            return "model"
-        if isinstance(obj, keras.optimizers.Optimizer):
-            return "optimizer"
-        return None
+class KerasModels(ModelAdapter):
+    def is_model(self, obj: Any) -> bool:
+        return isinstance(obj, keras.Layer)
 
     def apply_policy(self, model: Any, policy_map: Any) -> Any:
         _note_global()
@@ -242,30 +200,12 @@ class KerasAdapter(Adapter):
             rows.append(LayerPolicy(chain[-1].path, type(layer).__name__, policy, source))
         return rows
 
-    def wrap_optimizer(self, optimizer: Any, loss_scale: Any, axis_name: Any = None, **kwargs: Any) -> Any:
-        if axis_name is not None:
-            raise TypeError(f"Received axis_name={axis_name!r} for a Keras optimizer; axis_name "
-                            f"names a JAX replica axis. Keras agrees across replicas by itself.")
-        from mixedpolicy.backends.keras_optimizer import LossScaleOptimizer
-
-        return LossScaleOptimizer(optimizer, loss_scale=loss_scale, **kwargs)
-
-    def optimizer_from_config(self, config: dict, custom_objects: Any = None) -> Any:
-        if "inner_optimizer" not in config:
-            return None
-        from mixedpolicy.backends.keras_optimizer import LossScaleOptimizer
-
-        return LossScaleOptimizer.from_config(config, custom_objects)
-
-    def sync_global_policy(self, policy: Any) -> None:
-        sync_global_policy(policy)
-
 
 def _compile_with_loss_scale(model: Any) -> Callable:
     compile_ = type(model).compile
 
     def compile(*args: Any, optimizer: Any = "rmsprop", **kwargs: Any) -> Any:
-        from mixedpolicy.backends.keras_optimizer import LossScaleOptimizer
+        from mixedpolicy.backends.keras.optimizer import LossScaleOptimizer
 
         if args:
             optimizer, args = args[0], args[1:]
@@ -332,7 +272,7 @@ class _WrapInCompileMeta(type):
         return isinstance(obj, keras.optimizers.LossScaleOptimizer)
 
     def __call__(cls, optimizer: Any, **kwargs: Any) -> Any:
-        from mixedpolicy.backends.keras_optimizer import LossScaleOptimizer
+        from mixedpolicy.backends.keras.optimizer import LossScaleOptimizer
 
         return LossScaleOptimizer(optimizer, **kwargs)
 

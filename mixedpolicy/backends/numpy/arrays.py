@@ -1,8 +1,7 @@
-"""The numpy reference adapter: the array operations, on numpy.
+"""numpy's array operations: the reference the other frameworks' are tested against.
 
-It serves as the reference every other adapter is tested against, and holds
-loss-scale states made from Python numbers. numpy has no layers or optimizers,
-so it owns no model and no optimizer.
+They also hold loss-scale states made from Python numbers. numpy has no layers or
+optimizers, so its registry row names only these.
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from mixedpolicy._dtypes import FLOATING_DTYPES
-from mixedpolicy.backends.base import Adapter
+from mixedpolicy._adapter import ArrayOps
 
 
 def _np_dtype(dtype: str) -> Any:
@@ -30,9 +29,8 @@ def _is_namedtuple(x: Any) -> bool:
     return isinstance(x, tuple) and hasattr(type(x), "_fields")
 
 
-class NumpyAdapter(Adapter):
+class NumpyArrays(ArrayOps):
     name = "numpy"
-    module = "numpy"
 
     def is_array(self, x: Any) -> bool:
         return isinstance(x, (np.ndarray, np.generic))
@@ -91,19 +89,3 @@ class NumpyAdapter(Adapter):
 
     def full_like(self, x: Any, value: float) -> Any:
         return np.full_like(x, value)
-
-    def role_of(self, obj: Any) -> str | None:
-        return None
-
-    def apply_policy(self, model: Any, policy_map: Any) -> Any:
-        raise TypeError("numpy has no layer objects; apply a policy to a function of numpy "
-                        "arrays instead: apply_policy(fn, policy).")
-
-    def remove_policy(self, model: Any) -> Any:
-        raise TypeError("numpy has no layer objects to remove a policy from.")
-
-    def describe(self, model: Any) -> list:
-        raise TypeError("numpy has no layer objects to describe.")
-
-    def wrap_optimizer(self, optimizer: Any, loss_scale: Any, axis_name: Any = None) -> Any:
-        raise TypeError("numpy has no optimizer type; use DynamicLossScale directly.")

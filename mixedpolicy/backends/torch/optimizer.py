@@ -21,12 +21,13 @@ from typing import Any
 
 import torch
 
-from mixedpolicy.backends.torch_checks import (check_capturable, check_half_master_weights,
-                                               config_from_scaler_state, grads_by_device_and_dtype)
+from mixedpolicy._adapter import OptimizerAdapter
+from mixedpolicy.backends.torch.checks import check_capturable, check_half_master_weights, grads_by_device_and_dtype
+from mixedpolicy.backends.torch.state import Checkpoints
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale
 
 
-class TorchLossScaleOptimizer(torch.optim.Optimizer):
+class TorchLossScaleOptimizer(Checkpoints, torch.optim.Optimizer):
     """Wraps one or several ``torch.optim.Optimizer`` with one shared loss scale.
 
     With several optimizers, one overflow anywhere skips every one of them.
@@ -248,103 +249,21 @@ class TorchLossScaleOptimizer(torch.optim.Optimizer):
                                  cfg.growth_factor, cfg.backoff_factor, cfg.dynamic_growth_steps)
         self._scale.clamp_(cfg.min_scale, cfg.max_scale)
 
-    # -- checkpoints ----------------------------------------------------------
-    def scaler_state_dict(self) -> dict:
-        """The scale in ``torch.amp.GradScaler.state_dict()`` format."""
-        self._ensure_scale(self._first_device())
-        cfg = self._config
-        dynamic = isinstance(cfg, DynamicLossScale)
-        return {
-            "scale": float(self._scale),
-            "growth_factor": cfg.growth_factor if dynamic else 1.0,
-            "backoff_factor": cfg.backoff_factor if dynamic else 1.0,
-            "growth_interval": cfg.dynamic_growth_steps if dynamic else 2**31 - 1,
-            "_growth_tracker": int(self._growth_tracker),
-        }
-
-    def load_scaler_state_dict(self, state: dict) -> None:
-        """Loads a ``torch.amp.GradScaler.state_dict()`` (or `scaler_state_dict`) into the scale.
-
-        Bounds and the skip count are read from the dict when it has them (this
-        wrapper's own `state_dict`); otherwise the bounds widen to hold the loaded
-        scale and the skip count is kept.
-
-        Raises:
-          TypeError: `state` is not a dict.
-          ValueError: the dict is empty (a disabled GradScaler's) or lacks GradScaler's keys.
-        """
-        self._set_scale_state(*self._scale_state_from(state))
-
-    def _scale_state_from(self, state: Any) -> tuple:
-        """(loss-scale config, skip count or None) from a scaler state dict; changes nothing."""
-        return config_from_scaler_state(self._config, state)
-
-    def _set_scale_state(self, cfg: LossScale, skipped: int | None) -> None:
-        if skipped is None:
-            skipped = self.num_skipped_steps
-        self._config, self._scale = cfg, None
-        self._ensure_scale(self._first_device())
-        self._skipped.fill_(int(skipped))
-
-    def state_dict(self) -> dict:
-        """The inner optimizer's state dict plus ``"loss_scale"`` (GradScaler format) and counters.
-
-        With several optimizers, their state dicts are the list under ``"inner"``. The
-        hooks of ``register_state_dict_pre_hook`` / ``_post_hook`` run as in torch.
-        """
-        for hook in self._optimizer_state_dict_pre_hooks.values():
-            hook(self)
-        if len(self._inners) == 1:
-            out = dict(self._inners[0].state_dict())
-        else:
-            out = {"inner": [opt.state_dict() for opt in self._inners]}
-        out["loss_scale"] = dict(self.scaler_state_dict(), min_scale=getattr(self._config, "min_scale", None),
-                                 max_scale=getattr(self._config, "max_scale", None),
-                                 num_skipped_steps=self.num_skipped_steps)
-        for hook in self._optimizer_state_dict_post_hooks.values():
-            result = hook(self, out)
-            if result is not None:
-                out = result
-        return out
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Restores what `state_dict` saved: inner state, scale, growth counter, skip count.
-
-        Everything is checked before anything loads: a refused dict changes nothing.
-
-        Raises:
-          TypeError: `state_dict` is not a dict.
-          ValueError: it was saved by a wrapper over another number of optimizers, or its
-            scale part is not a scaler state.
-        """
-        if not isinstance(state_dict, dict):
-            raise TypeError(f"Received a state of type {type(state_dict).__name__}; expected the "
-                            f"dict from LossScaleOptimizer.state_dict().")
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        state_dict = dict(state_dict)
-        scale_state = state_dict.pop("loss_scale", None)
-        # A bad scale part is refused before the inner state changes.
-        scale = self._scale_state_from(scale_state) if scale_state is not None else None
-        saved = state_dict.get("inner")
-        count = len(saved) if isinstance(saved, (list, tuple)) else 1
-        if count != len(self._inners):
-            raise ValueError(
-                f"Received the state of a LossScaleOptimizer over {count} optimizer(s), but this "
-                f"one wraps {len(self._inners)}; nothing was loaded. Build the wrapper over the "
-                f"same optimizers, in the same order, as the one that saved the state.")
-        if len(self._inners) == 1:
-            self._inners[0].load_state_dict(state_dict)
-        else:
-            for opt, sd in zip(self._inners, saved, strict=True):
-                opt.load_state_dict(sd)
-        if scale is not None:
-            self._set_scale_state(*scale)
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
-
     def __repr__(self) -> str:
         inner = ", ".join(type(o).__name__ for o in self._inners)
         return f"LossScaleOptimizer({inner}, {self._config!r})"
+
+
+class TorchOptimizers(OptimizerAdapter):
+    def is_optimizer(self, obj: Any) -> bool:
+        if isinstance(obj, (list, tuple)):
+            return bool(obj) and all(isinstance(o, torch.optim.Optimizer) for o in obj)
+        return isinstance(obj, torch.optim.Optimizer)
+
+    def wrap_optimizer(self, optimizer: Any, loss_scale: Any, axis_name: Any = None) -> Any:
+        if axis_name is not None:
+            raise TypeError(
+                f"Received axis_name={axis_name!r} for a torch optimizer; axis_name names a JAX "
+                f"replica axis. Under DistributedDataParallel every rank already skips "
+                f"together: the gradients are all-reduced before the step checks them.")
+        return TorchLossScaleOptimizer(optimizer, loss_scale)

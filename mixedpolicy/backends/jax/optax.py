@@ -34,7 +34,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from mixedpolicy.backends.jax_arrays import all_finite
+from mixedpolicy._adapter import OptimizerAdapter
+from mixedpolicy.backends.jax.arrays import all_finite
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale
 
 # The updates each LossScaleOptimizer handed on (their first leaf, weakly): a second
@@ -177,3 +178,13 @@ def loss_scale_transformation(inner: Any, config: LossScale, axis_name: Any = No
 
     update.loss_scale = config  # what scale_loss needs to know of the settings
     return LossScaleTransformation(init, update)
+
+
+class OptaxOptimizers(OptimizerAdapter):
+    """An optax transformation comes back as a `LossScaleTransformation` carrying the scale."""
+
+    def is_optimizer(self, obj: Any) -> bool:
+        return isinstance(obj, (optax.GradientTransformation, optax.MultiSteps))
+
+    def wrap_optimizer(self, optimizer: Any, loss_scale: Any, axis_name: Any = None) -> Any:
+        return loss_scale_transformation(optimizer, loss_scale, axis_name)

@@ -1,0 +1,137 @@
+"""The three things a framework can give mixedpolicy, each a small interface of its own.
+
+- `ArrayOps`: the array operations the core's algorithms need (cast, finiteness test,
+  select...), on that framework's arrays and containers;
+- `ModelAdapter`: putting a `PolicyMap` on that framework's models, taking it off,
+  and listing what each layer got;
+- `OptimizerAdapter`: wrapping that framework's optimizers with a loss scale.
+
+A registry entry (`mixedpolicy._registry`) names the ones its framework has and no
+more: Keras computes on its backend's arrays, so it has no `ArrayOps`; numpy has
+no models; optax has only optimizers. Every method of an interface is abstract, so an
+implementation that misses one fails when it is created, not at its first call.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Callable, ClassVar, Iterable
+
+
+class ArrayOps(abc.ABC):
+    """One framework's arrays: what the loss scales and the casts run on."""
+
+    #: The name users and error messages see ("torch", "jax", ...).
+    name: ClassVar[str]
+
+    @abc.abstractmethod
+    def is_array(self, x: Any) -> bool:
+        """Is `x` an array (tensor) of this framework?"""
+
+    @abc.abstractmethod
+    def leaves(self, tree: Any) -> Iterable[Any]:
+        """The leaves of a container of arrays, in this framework's pytree sense."""
+
+    @abc.abstractmethod
+    def tree_map(self, fn: Callable[[Any], Any], tree: Any) -> Any:
+        """Applies `fn` to every leaf, keeping the container structure."""
+
+    @abc.abstractmethod
+    def asarray(self, value: Any, dtype: str, like: Any = None) -> Any:
+        """A scalar or array of `dtype` ("float32", "int32", "bool"...), on `like`'s device."""
+
+    @abc.abstractmethod
+    def floating_dtype(self, x: Any) -> str | None:
+        """The plain dtype name of a floating array, or None for anything else."""
+
+    @abc.abstractmethod
+    def cast(self, x: Any, dtype: str) -> Any:
+        """Casts a floating array to `dtype`; integer, boolean and non-arrays pass unchanged."""
+
+    def cast_tree(self, tree: Any, dtype: str) -> Any:
+        """Casts the floating leaves of a container of arrays to `dtype`."""
+        return self.tree_map(lambda x: self.cast(x, dtype), tree)
+
+    @abc.abstractmethod
+    def all_finite(self, tree: Any) -> Any:
+        """A boolean scalar array: are all floating leaves free of inf and NaN? No host sync."""
+
+    @abc.abstractmethod
+    def where(self, cond: Any, a: Any, b: Any) -> Any:
+        """Elementwise select between two arrays of one dtype."""
+
+    @abc.abstractmethod
+    def zeros_like(self, x: Any) -> Any:
+        """Zeros of `x`'s shape, dtype and device."""
+
+    @abc.abstractmethod
+    def full_like(self, x: Any, value: float) -> Any:
+        """`value` in `x`'s shape, dtype and device."""
+
+
+class ModelAdapter(abc.ABC):
+    """One framework's models: how a `PolicyMap` is put on them and read back."""
+
+    @abc.abstractmethod
+    def is_model(self, obj: Any) -> bool:
+        """Is `obj` a model (layer, module) this adapter puts policies on?"""
+
+    @abc.abstractmethod
+    def apply_policy(self, model: Any, policy_map: Any) -> Any:
+        """Puts a `PolicyMap` onto a model; returns the model (or its policy-carrying copy)."""
+
+    @abc.abstractmethod
+    def remove_policy(self, model: Any) -> Any:
+        """Undoes `apply_policy`; returns the model."""
+
+    @abc.abstractmethod
+    def describe(self, model: Any) -> list:
+        """The per-layer rows (`LayerPolicy`) of a model."""
+
+
+class OptimizerAdapter(abc.ABC):
+    """One framework's optimizers: the loss-scale wrapper that fits its idiom."""
+
+    #: True where `wrap_optimizer` takes the framework's own keyword options (Keras:
+    #: ``name``, ``dynamic``); the factory refuses extra arguments for the others.
+    takes_optimizer_options: ClassVar[bool] = False
+
+    @abc.abstractmethod
+    def is_optimizer(self, obj: Any) -> bool:
+        """Is `obj` an optimizer this adapter wraps?"""
+
+    @abc.abstractmethod
+    def wrap_optimizer(self, optimizer: Any, loss_scale: Any, axis_name: Any = None, **options: Any) -> Any:
+        """Wraps an optimizer with a loss scale.
+
+        `axis_name` names the replica axis to agree on skipped steps over, for
+        frameworks whose replicas are named axes (JAX); others refuse it.
+        """
+
+    def optimizer_from_config(self, config: dict, custom_objects: Any = None) -> Any:
+        """Rebuilds this framework's wrapper from a config, or None if it is not one of its."""
+        return None
+
+
+def check_master_weights(where: str, dtype: str | None, policy: Any, fix: str) -> None:
+    """Refuses a mixed policy over a variable already in half precision.
+
+    Such a policy keeps variables in float32 and computes in half precision; over
+    half-precision variables it would silently train half-precision master weights.
+
+    Args:
+      where: the variable's path, for the message.
+      dtype: the variable's plain dtype name.
+      policy: the policy about to be applied to its layer.
+      fix: how to create the variables in float32 in this framework.
+
+    Raises:
+      ValueError: the variable is float16 or bfloat16 under such a policy.
+    """
+    if dtype in ("float16", "bfloat16") and policy.variable_dtype == "float32" \
+            and policy.compute_dtype != policy.variable_dtype:
+        raise ValueError(
+            f"Received a model whose variable {where!r} is already {dtype}, but the policy "
+            f"{policy.name} keeps variables in float32 and computes in {policy.compute_dtype}: "
+            f"applying it would silently train half-precision master weights. {fix} before "
+            f"apply_policy, or use the pure policy {dtype!r} if half-precision weights are intended.")

@@ -1,0 +1,252 @@
+"""The one table of frameworks, and the lookups that find a framework from an object's type.
+
+Each row (`Entry`) names a framework's import gate and where its `ArrayOps`,
+`ModelAdapter` and `OptimizerAdapter` live (``"module:Class"``, each optional). A
+framework is never imported just to check: a row is only asked about an object once
+its gate module is already in ``sys.modules`` (if it were not, the object could not
+be one of its types). The answer is cached per type. Adding a framework is one folder
+under ``mixedpolicy/backends/`` and one row here (docs/contributing.md).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import threading
+import weakref
+from typing import Any, NamedTuple
+
+from mixedpolicy._adapter import ArrayOps, ModelAdapter, OptimizerAdapter
+from mixedpolicy._import_hook import when_imported
+
+
+class Entry(NamedTuple):
+    name: str                 # what users and errors see
+    gate: str                 # the top-level module that must be imported first
+    arrays: str = ""          # "module:Class" of its ArrayOps
+    models: str = ""          # ... of its ModelAdapter
+    optimizers: str = ""      # ... of its OptimizerAdapter
+    wrapper: str = ""         # "module:Class" its LossScaleOptimizer returns (isinstance)
+    model_words: str = ""     # words for errors: the models it accepts
+    optimizer_words: str = ""  # ... and the optimizers
+    global_policy: str = ""   # "module:function" mirroring mixedpolicy's global policy
+    on_import: tuple = ()     # modules to load right after the gate is imported
+
+_B = "mixedpolicy.backends"
+
+# Order matters: the first row that claims an object wins. Keras comes before torch and
+# tensorflow because a Keras 3 layer on the torch backend is also a torch.nn.Module.
+# numpy comes last: other frameworks accept numpy leaves too.
+ENTRIES: list[Entry] = [
+    Entry("keras", "keras", models=f"{_B}.keras.layers:KerasModels",
+          optimizers=f"{_B}.keras.optimizer:KerasOptimizers",
+          wrapper=f"{_B}.keras.optimizer:LossScaleOptimizer",
+          model_words="a Keras 3 layer or model",
+          optimizer_words="a Keras 3 optimizer (any backend; TensorFlow's optimizers are Keras's)",
+          global_policy=f"{_B}.keras.layers:sync_global_policy",
+          # the Keras LossScaleOptimizer is registered (a saved model loads after `import
+          # mixedpolicy`) and Keras's global policies are tracked from the start
+          on_import=(f"{_B}.keras.optimizer", f"{_B}.keras.layers")),
+    Entry("torch", "torch", arrays=f"{_B}.torch.arrays:TorchArrays",
+          models=f"{_B}.torch.modules:TorchModels", optimizers=f"{_B}.torch.optimizer:TorchOptimizers",
+          wrapper=f"{_B}.torch.optimizer:TorchLossScaleOptimizer",
+          model_words="a torch.nn.Module", optimizer_words="a torch.optim.Optimizer (or a list of them)"),
+    Entry("tensorflow", "tensorflow", arrays=f"{_B}.tensorflow.arrays:TensorFlowArrays",
+          models=f"{_B}.tensorflow.modules:TensorFlowModules", model_words="a tf.Module"),
+    Entry("flax", "flax", models=f"{_B}.jax.flax:FlaxModels", model_words="a Flax NNX or linen module"),
+    Entry("equinox", "equinox", models=f"{_B}.jax.equinox:EquinoxModels",
+          model_words="an Equinox module"),
+    Entry("optax", "optax", optimizers=f"{_B}.jax.optax:OptaxOptimizers",
+          wrapper=f"{_B}.jax.optax:LossScaleTransformation",
+          optimizer_words="an optax GradientTransformation"),
+    Entry("jax", "jax", arrays=f"{_B}.jax.arrays:JaxArrays"),
+    Entry("numpy", "numpy", arrays=f"{_B}.numpy.arrays:NumpyArrays"),
+]
+
+_lock = threading.Lock()
+_loaded: dict[str, Any] = {}
+# Weak keys: classes made per object (torch.fx GraphModule) are not kept alive.
+_by_type: "weakref.WeakKeyDictionary[type, tuple[Any, str | None]]" = weakref.WeakKeyDictionary()
+# Containers are judged by their contents, so their answer is never cached per type.
+_UNCACHED = (list, tuple, dict)
+
+
+def _load(target: str) -> Any:
+    """The adapter object `target` ("module:Class") names, made once."""
+    found = _loaded.get(target)
+    if found is None:
+        with _lock:
+            found = _loaded.get(target)
+            if found is None:
+                module_name, _, cls_name = target.partition(":")
+                found = getattr(importlib.import_module(module_name), cls_name)()
+                _loaded[target] = found
+    return found
+
+
+def _live() -> list[Entry]:
+    """The rows whose framework is already imported, in priority order."""
+    return [e for e in ENTRIES if e.gate in sys.modules]
+
+
+def array_backends() -> list[str]:
+    """The names of every framework with arrays of its own, installed or not."""
+    return [e.name for e in ENTRIES if e.arrays]
+
+
+def entry(name: str) -> Entry:
+    """The row of the given name.
+
+    Raises:
+      ValueError: no row has that name.
+    """
+    for e in ENTRIES:
+        if e.name == name:
+            return e
+    raise ValueError(f"Received backend name {name!r}; expected one of {[e.name for e in ENTRIES]}.")
+
+
+def array_ops(name: str) -> ArrayOps:
+    """The array operations of the framework of the given name (importing it).
+
+    Raises:
+      ValueError: no framework of that name has arrays of its own.
+    """
+    e = entry(name)
+    if not e.arrays:
+        raise ValueError(f"Received backend name {name!r}, which computes on other frameworks' "
+                         f"arrays; expected one of {array_backends()}.")
+    return _load(e.arrays)
+
+
+def _classify(obj: Any) -> tuple[Any, str | None]:
+    cls = type(obj)
+    hit = None if isinstance(obj, _UNCACHED) else _by_type.get(cls)
+    if hit is None:
+        hit = (None, None)
+        for e in _live():
+            if e.arrays and _load(e.arrays).is_array(obj):
+                hit = (_load(e.arrays), "array")
+            elif e.models and _load(e.models).is_model(obj):
+                hit = (_load(e.models), "model")
+            elif e.optimizers and _load(e.optimizers).is_optimizer(obj):
+                hit = (_load(e.optimizers), "optimizer")
+            else:
+                continue
+            break
+        if not isinstance(obj, _UNCACHED):
+            try:
+                _by_type[cls] = hit
+            except TypeError:  # a class that takes no weak reference: not cached
+                pass
+    return hit
+
+
+def array_ops_for(x: Any) -> ArrayOps:
+    """The array operations `x` belongs to; Python numbers are numpy's."""
+    ops, role = _classify(x)
+    return ops if role == "array" else array_ops("numpy")
+
+
+def array_ops_for_tree(tree: Any) -> ArrayOps:
+    """The first framework's (in priority order) with an array among the leaves of `tree`."""
+    for e in _live():
+        if e.arrays:
+            ops = _load(e.arrays)
+            if any(ops.is_array(leaf) for leaf in ops.leaves(tree)):
+                return ops
+    return array_ops("numpy")
+
+
+def model_adapter(obj: Any) -> ModelAdapter | None:
+    """The adapter that puts policies on `obj`, or None."""
+    adapter, role = _classify(obj)
+    return adapter if role == "model" else None
+
+
+def optimizer_adapter(obj: Any) -> OptimizerAdapter | None:
+    """The adapter that wraps `obj` with a loss scale, or None."""
+    adapter, role = _classify(obj)
+    return adapter if role == "optimizer" else None
+
+
+def supported(role: str) -> str:
+    """Words for an error message: the kinds of object mixedpolicy accepts in a role."""
+    words = [e.model_words if role == "model" else e.optimizer_words for e in ENTRIES]
+    return "; ".join(w for w in words if w) or "none yet"
+
+
+def loss_scale_wrapper_types() -> tuple:
+    """The wrapper classes of the frameworks whose wrapper module is loaded. Imports nothing."""
+    found = []
+    for e in ENTRIES:
+        module, _, cls = e.wrapper.partition(":")
+        if module in sys.modules:
+            found.append(getattr(sys.modules[module], cls))
+    return tuple(found)
+
+
+def is_loss_scale_wrapper(obj: Any) -> bool:
+    """Is `obj` what some framework's LossScaleOptimizer returned? Imports nothing."""
+    return isinstance(obj, loss_scale_wrapper_types())
+
+
+def optimizer_from_config(config: dict, custom_objects: Any = None) -> Any:
+    """The LossScaleOptimizer an imported framework rebuilds from `config`.
+
+    Raises:
+      ValueError: no imported framework reads it.
+    """
+    for e in _live():
+        if e.optimizers:
+            wrapper = _load(e.optimizers).optimizer_from_config(config, custom_objects)
+            if wrapper is not None:
+                return wrapper
+    raise ValueError(
+        f"Received a config with keys {sorted(config)}, which no imported framework reads as a "
+        f"LossScaleOptimizer config. Expected the get_config() of a Keras LossScaleOptimizer "
+        f"(keys name, inner_optimizer, initial_scale, dynamic_growth_steps); import keras "
+        f"first. torch wrappers restore with load_state_dict, optax ones from their state.")
+
+
+def cast_tree(tree: Any, dtype: str) -> Any:
+    """Casts the floating leaves of `tree` to `dtype`; other leaves pass unchanged."""
+    from mixedpolicy._dtypes import canonical_dtype
+
+    return array_ops_for_tree(tree).cast_tree(tree, canonical_dtype(dtype))
+
+
+def _function(target: str) -> Any:
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def global_policy_changed(policy: Any) -> None:
+    """Tells every framework with a global dtype policy of its own, now or when it is imported."""
+    for e in ENTRIES:
+        if e.global_policy:
+            if e.gate in sys.modules:
+                _function(e.global_policy)(policy)
+            else:
+                when_imported(e.gate, _sync_imported)
+
+
+def _sync_imported(module: Any) -> None:
+    """Hands a framework imported after `set_global_policy` the global policy in force then."""
+    # the global policy itself, not a policy_scope of the importing thread
+    policy = sys.modules["mixedpolicy.scope"]._global
+    for e in _live():
+        if e.global_policy:
+            _function(e.global_policy)(policy)
+
+
+def _load_on_import(module: Any) -> None:
+    for e in ENTRIES:
+        if e.gate == module.__name__:
+            for name in e.on_import:
+                importlib.import_module(name)
+
+
+for _e in ENTRIES:
+    if _e.on_import:
+        when_imported(_e.gate, _load_on_import)

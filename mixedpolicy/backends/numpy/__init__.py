@@ -1,0 +1,1 @@
+"""numpy: array operations only."""

@@ -1,0 +1,1 @@
+"""TensorFlow: tensors, and policies on raw ``tf.Module`` models."""

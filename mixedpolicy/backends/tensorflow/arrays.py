@@ -1,0 +1,58 @@
+"""TensorFlow's array operations: tensors and variables, and ``tf.nest`` structures."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import tensorflow as tf
+
+from mixedpolicy._adapter import ArrayOps
+from mixedpolicy._dtypes import FLOATING_DTYPES
+
+TF_DTYPES = {name: tf.as_dtype(name) for name in FLOATING_DTYPES}
+TF_DTYPES.update(bool=tf.bool, int32=tf.int32, int64=tf.int64)
+NAMES = {v: k for k, v in TF_DTYPES.items() if k in FLOATING_DTYPES}
+
+
+def _is_tensor(x: Any) -> bool:
+    return isinstance(x, (tf.Tensor, tf.Variable))
+
+
+class TensorFlowArrays(ArrayOps):
+    name = "tensorflow"
+
+    def is_array(self, x: Any) -> bool:
+        return _is_tensor(x)
+
+    def leaves(self, tree: Any) -> Iterable[Any]:
+        return tf.nest.flatten(tree)
+
+    def tree_map(self, fn: Callable[[Any], Any], tree: Any) -> Any:
+        return tf.nest.map_structure(fn, tree)
+
+    def asarray(self, value: Any, dtype: str, like: Any = None) -> Any:
+        if _is_tensor(value):
+            return tf.cast(value, TF_DTYPES[dtype])
+        return tf.constant(value, dtype=TF_DTYPES[dtype])
+
+    def floating_dtype(self, x: Any) -> str | None:
+        return NAMES.get(x.dtype) if _is_tensor(x) else None
+
+    def cast(self, x: Any, dtype: str) -> Any:
+        if _is_tensor(x) and x.dtype.is_floating and NAMES.get(x.dtype) != dtype:
+            return tf.cast(x, TF_DTYPES[dtype])
+        return x
+
+    def all_finite(self, tree: Any) -> Any:
+        flags = [tf.reduce_all(tf.math.is_finite(x)) for x in tf.nest.flatten(tree)
+                 if _is_tensor(x) and x.dtype.is_floating]
+        return tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
+
+    def where(self, cond: Any, a: Any, b: Any) -> Any:
+        return tf.where(cond, a, b)
+
+    def zeros_like(self, x: Any) -> Any:
+        return tf.zeros_like(x)
+
+    def full_like(self, x: Any, value: float) -> Any:
+        return tf.fill(tf.shape(x), tf.cast(value, x.dtype))

@@ -1,0 +1,1 @@
+"""PyTorch: tensors, ``nn.Module`` policies through autocast regions, the loss-scale optimizer."""

@@ -1,0 +1,56 @@
+"""torch's array operations: tensors and torch's own pytrees."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+from torch.utils import _pytree as pytree
+
+from mixedpolicy._adapter import ArrayOps
+from mixedpolicy._dtypes import FLOATING_DTYPES
+
+TORCH_DTYPES = {name: getattr(torch, name) for name in FLOATING_DTYPES}
+TORCH_DTYPES.update(bool=torch.bool, int32=torch.int32, int64=torch.int64)
+NAMES = {v: k for k, v in TORCH_DTYPES.items() if k in FLOATING_DTYPES}
+
+
+class TorchArrays(ArrayOps):
+    name = "torch"
+
+    def is_array(self, x: Any) -> bool:
+        return isinstance(x, torch.Tensor)
+
+    def leaves(self, tree: Any) -> Iterable[Any]:
+        return pytree.tree_leaves(tree)
+
+    def tree_map(self, fn: Callable[[Any], Any], tree: Any) -> Any:
+        return pytree.tree_map(fn, tree)
+
+    def asarray(self, value: Any, dtype: str, like: Any = None) -> Any:
+        device = like.device if isinstance(like, torch.Tensor) else None
+        if isinstance(value, torch.Tensor):
+            return value.to(device=device or value.device, dtype=TORCH_DTYPES[dtype])
+        return torch.as_tensor(value, dtype=TORCH_DTYPES[dtype], device=device)
+
+    def floating_dtype(self, x: Any) -> str | None:
+        return NAMES.get(x.dtype) if isinstance(x, torch.Tensor) else None
+
+    def cast(self, x: Any, dtype: str) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            return x.to(TORCH_DTYPES[dtype])
+        return x
+
+    def all_finite(self, tree: Any) -> Any:
+        flags = [torch.isfinite(x).all() for x in pytree.tree_leaves(tree)
+                 if isinstance(x, torch.Tensor) and x.is_floating_point()]
+        return torch.stack(flags).all() if flags else torch.tensor(True)
+
+    def where(self, cond: Any, a: Any, b: Any) -> Any:
+        return torch.where(cond, a, b)
+
+    def zeros_like(self, x: Any) -> Any:
+        return torch.zeros_like(x)
+
+    def full_like(self, x: Any, value: float) -> Any:
+        return torch.full_like(x, value)

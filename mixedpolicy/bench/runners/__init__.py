@@ -1,0 +1,61 @@
+"""The bench's framework runners, in one table: what each needs, where it lives, how it starts.
+
+Each runner module builds a `Trainer` pair (ours and the framework's own AMP) with
+``trainers(model, cfg, policy, weights, device)`` and pins its own TF32. A worker process
+runs one; `environment` is what that process is started with (Keras picks its backend per
+process, so a Keras runner's backend is set here, never inside a running test).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+from typing import NamedTuple
+
+
+class Runner(NamedTuple):
+    framework: str            # the name --frameworks takes
+    packages: tuple           # what must be installed (checked without importing)
+    module: str               # the runner module
+    keras_backend: str = ""   # KERAS_BACKEND of its worker process, where Keras runs
+
+
+RUNNERS = (
+    Runner("torch", ("torch",), "mixedpolicy.bench.runners.torch"),
+    Runner("jax", ("jax", "flax", "optax"), "mixedpolicy.bench.runners.jax"),
+    # TensorFlow's optimizers are Keras's: Keras on its TensorFlow backend
+    Runner("tensorflow", ("tensorflow", "keras"), "mixedpolicy.bench.runners.tensorflow", "tensorflow"),
+    Runner("keras-jax", ("keras", "jax"), "mixedpolicy.bench.runners.keras", "jax"),
+    Runner("keras-torch", ("keras", "torch"), "mixedpolicy.bench.runners.keras", "torch"),
+    Runner("keras-tensorflow", ("keras", "tensorflow"), "mixedpolicy.bench.runners.keras", "tensorflow"),
+)
+FRAMEWORKS = tuple(r.framework for r in RUNNERS)
+
+
+def runner(framework: str) -> Runner:
+    """The row of `framework`.
+
+    Raises:
+      ValueError: no runner has that name.
+    """
+    for row in RUNNERS:
+        if row.framework == framework:
+            return row
+    raise ValueError(f"Received framework {framework!r}; expected one of: {', '.join(FRAMEWORKS)}.")
+
+
+def load(framework: str) -> ModuleType:
+    """The runner module of `framework` (importing it and its framework)."""
+    return importlib.import_module(runner(framework).module)
+
+
+def environment(framework: str, device: str) -> dict:
+    """The environment of a worker process running `framework` on `device`."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    if device == "cpu":  # on a GPU machine too: JAX and Keras would otherwise take the GPU
+        env.update(JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="")
+    backend = runner(framework).keras_backend
+    if backend:
+        env["KERAS_BACKEND"] = backend
+    return env
