@@ -111,27 +111,3 @@ class OptimizerAdapter(abc.ABC):
     def optimizer_from_config(self, config: dict, custom_objects: Any = None) -> Any:
         """Rebuilds this framework's wrapper from a config, or None if it is not one of its."""
         return None
-
-
-def check_master_weights(where: str, dtype: str | None, policy: Any, fix: str) -> None:
-    """Refuses a mixed policy over a variable already in half precision.
-
-    Such a policy keeps variables in float32 and computes in half precision; over
-    half-precision variables it would silently train half-precision master weights.
-
-    Args:
-      where: the variable's path, for the message.
-      dtype: the variable's plain dtype name.
-      policy: the policy about to be applied to its layer.
-      fix: how to create the variables in float32 in this framework.
-
-    Raises:
-      ValueError: the variable is float16 or bfloat16 under such a policy.
-    """
-    if dtype in ("float16", "bfloat16") and policy.variable_dtype == "float32" \
-            and policy.compute_dtype != policy.variable_dtype:
-        raise ValueError(
-            f"Received a model whose variable {where!r} is already {dtype}, but the policy "
-            f"{policy.name} keeps variables in float32 and computes in {policy.compute_dtype}: "
-            f"applying it would silently train half-precision master weights. {fix} before "
-            f"apply_policy, or use the pure policy {dtype!r} if half-precision weights are intended.")

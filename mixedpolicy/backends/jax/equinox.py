@@ -25,10 +25,11 @@ from typing import Any
 import equinox as eqx
 import jax
 
-from mixedpolicy._adapter import ModelAdapter, check_master_weights
+from mixedpolicy._adapter import ModelAdapter
 from mixedpolicy.backends.jax.arrays import Kept, cast_leaf, dtype_name, restore_leaf
 from mixedpolicy.table import LayerPolicy
 from mixedpolicy.policy import Policy
+from mixedpolicy.layer_plan import plan
 from mixedpolicy.policy_map import NORMALIZATION, LayerInfo, PolicyMap
 
 _NORMS = tuple(getattr(eqx.nn, n) for n in ("LayerNorm", "RMSNorm", "GroupNorm", "BatchNorm")
@@ -133,16 +134,30 @@ class _Method:
         return self._owner._run(self._name, args, kwargs)
 
 
+def _layers(module: Any, path: str = "", chain: tuple = ()) -> list:
+    """(module, chain) for `module` and every module inside it, parents first."""
+    chain = (*chain, LayerInfo(path, type(module), _kind(type(module))))
+    out = [(module, chain)]
+    for keys, leaf in _children(module)[0]:
+        if isinstance(leaf, eqx.Module) and not isinstance(leaf, eqx.nn.StateIndex):
+            out += _layers(leaf, _join(path, keys), chain)
+    return out
+
+
+def _own_arrays(module: Any, path: str) -> list:
+    return [(_join(path, keys), dtype_name(getattr(leaf, "dtype", None)))
+            for keys, leaf in _children(module)[0] if not isinstance(leaf, eqx.Module)]
+
+
 def apply_policy(model: Any, policy_map: PolicyMap) -> PolicyModule:
     model = remove_policy(model)
-    infos: list[LayerInfo] = []
+    steps = {step.path: step for step in plan(
+        policy_map, _layers(model), variables=_own_arrays,
+        fix="Create the module with float32 arrays (or cast them with jax.tree.map)")}
 
-    def rebuild(module: Any, path: str, chain: list) -> PolicyModule:
-        info = LayerInfo(path, type(module), _kind(type(module)))
-        chain = [*chain, info]
-        infos.append(info)
-        resolution = policy_map.resolve(chain)
-        policy = resolution.policy
+    def rebuild(module: Any, path: str) -> PolicyModule:
+        step = steps[path]
+        policy = step.policy
         leaves, treedef = _children(module)
         new, casts, kept = [], [], {}
         for keys, leaf in leaves:
@@ -150,22 +165,18 @@ def apply_policy(model: Any, policy_map: PolicyMap) -> PolicyModule:
                 new.append(leaf)
                 continue
             if isinstance(leaf, eqx.Module):
-                new.append(rebuild(leaf, _join(path, keys), chain))
+                new.append(rebuild(leaf, _join(path, keys)))
                 continue
             dtype = dtype_name(getattr(leaf, "dtype", None))
-            check_master_weights(_join(path, keys), dtype, policy,
-                                 "Create the module with float32 arrays (or cast them with jax.tree.map)")
             if dtype is not None and dtype != policy.variable_dtype:
                 casts.append((_join("", keys), dtype))
                 kept[_join("", keys)] = leaf
                 leaf = cast_leaf(leaf, policy.variable_dtype)
             new.append(leaf)
-        return PolicyModule(jax.tree_util.tree_unflatten(treedef, new), policy, resolution.source,
+        return PolicyModule(jax.tree_util.tree_unflatten(treedef, new), policy, step.resolution.source,
                             tuple(casts), Kept(kept) if kept else None)
 
-    wrapped = rebuild(model, "", [])
-    policy_map.warn_unmatched(infos)
-    return wrapped
+    return rebuild(model, "")
 
 
 def remove_policy(model: Any) -> Any:

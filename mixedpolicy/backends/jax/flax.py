@@ -34,11 +34,12 @@ from typing import Any, NamedTuple
 
 import jax
 
-from mixedpolicy._adapter import ModelAdapter, check_master_weights
+from mixedpolicy._adapter import ModelAdapter
 from mixedpolicy.backends._subclass import policy_subclass
 from mixedpolicy.backends.jax.arrays import Kept, cast_leaf, dtype_name, jnp_dtype, restore_leaf
 from mixedpolicy.table import LayerPolicy
 from mixedpolicy.policy import Policy
+from mixedpolicy.layer_plan import dotted_chains, join, plan
 from mixedpolicy.policy_map import NORMALIZATION, LayerInfo, PolicyMap, Resolution
 
 _STATE = "_mixedpolicy"
@@ -140,22 +141,13 @@ def _nnx_apply(model: Any, policy_map: PolicyMap) -> Any:
     from flax import nnx
 
     _nnx_remove(model)
-    modules = _nnx_modules(model)
-    chains: dict[str, list[LayerInfo]] = {}
-    plan = []
-    for path, module in modules:
-        info = LayerInfo(path, type(module), _kind(type(module), nnx))
-        parent = path.rpartition(".")[0] if path else None
-        chains[path] = (chains[parent] if parent is not None else []) + [info]
-        resolution = policy_map.resolve(chains[path])
-        for name, var in _own_variables(module):
-            check_master_weights(f"{path}.{name}" if path else name, dtype_name(var.get_value().dtype),
-                                 resolution.policy, "Create the module with param_dtype=jnp.float32")
-        plan.append((path, module, resolution))
-    policy_map.warn_unmatched(chains[path][-1] for path, _ in modules)
-    policies = {path: resolution.policy for path, _, resolution in plan}
-    for path, module, resolution in plan:
-        policy = resolution.policy
+    layers = dotted_chains((path, module, LayerInfo(path, type(module), _kind(type(module), nnx)))
+                           for path, module in _nnx_modules(model))
+    steps = plan(policy_map, layers, fix="Create the module with param_dtype=jnp.float32",
+                 variables=lambda module, path: [(join(path, name), dtype_name(var.get_value().dtype))
+                                                 for name, var in _own_variables(module)])
+    for step in steps:
+        module, policy, resolution = step.layer, step.policy, step.resolution
         before_dtype = getattr(module, "dtype", _MISSING)
         before_param = getattr(module, "param_dtype", _MISSING)
         if before_dtype is not _MISSING:
@@ -170,8 +162,7 @@ def _nnx_apply(model: Any, policy_map: PolicyMap) -> Any:
                 kept[name] = var.get_value()
                 var.set_value(var.get_value().astype(jnp_dtype(policy.variable_dtype)))
         cls = type(module)
-        parent = path.rpartition(".")[0] if path else None
-        region = parent is None or policies[parent] != policy or before_dtype is not _MISSING
+        region = step.changes_policy or before_dtype is not _MISSING
         if region and policy.output_dtype != policy.compute_dtype:
             module.__class__ = policy_subclass("jax", cls, _cast_outputs)
         setattr(module, _STATE, _Applied(policy, resolution.source, before_dtype, before_param,

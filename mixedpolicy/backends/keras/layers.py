@@ -38,6 +38,7 @@ from keras.src.dtype_policies import dtype_policy as _keras_dtype_policy
 from mixedpolicy._adapter import ModelAdapter
 from mixedpolicy.table import LayerPolicy
 from mixedpolicy.policy import Policy
+from mixedpolicy.layer_plan import plan
 from mixedpolicy.policy_map import NORMALIZATION, LayerInfo
 
 _STATE = "_mixedpolicy"
@@ -148,16 +149,15 @@ class KerasModels(ModelAdapter):
 
     def apply_policy(self, model: Any, policy_map: Any) -> Any:
         _note_global()
-        layers = _layers(model)
-        policy_map.warn_unmatched(chain[-1] for _, chain in layers)
-        by_path = {chain[-1].path: layer for layer, chain in layers}
-        plan = []
-        for layer, chain in layers:
-            resolution = policy_map.resolve(chain)
+        steps = plan(policy_map, _layers(model))
+        by_path = {step.path: step.layer for step in steps}
+        planned = []
+        for step in steps:
+            layer, chain, resolution = step.layer, step.chain, step.resolution
             policy, source = resolution.policy, resolution.source
             explicit = _explicit_dtype(layer, by_path.get(chain[-2].path) if len(chain) > 1 else None)
             if explicit is not None and resolution.origin != "key" and layer is not model:
-                plan.append((layer, explicit.name, f"the layer's own dtype={explicit.name!r}"))
+                planned.append((layer, explicit.name, f"the layer's own dtype={explicit.name!r}"))
                 continue
             if resolution.origin == "rule" and chain[-1].kind == NORMALIZATION:
                 # float32 variables; Keras's own kernels compute the statistics in float32
@@ -175,12 +175,12 @@ class KerasModels(ModelAdapter):
                     f"dtype of existing variables. Apply the policy before the model is built "
                     f"(before its first call or model.build), or choose a policy with "
                     f"{layer.dtype_policy.variable_dtype} variables.")
-            plan.append((layer, name, source))
+            planned.append((layer, name, source))
         remove_policy(model)
-        for layer, name, source in plan:
+        for layer, name, source in planned:
             object.__setattr__(layer, _STATE, (layer.dtype_policy, source))
             layer.dtype_policy = keras.DTypePolicy(name)
-        if any(name in ("float16", "mixed_float16") for _, name, _ in plan):
+        if any(name in ("float16", "mixed_float16") for _, name, _ in planned):
             use_bounded_loss_scale_in_compile()
             if isinstance(model, keras.Model) and model.dtype_policy.name != "mixed_float16":
                 # Keras wraps only when the model itself is mixed_float16; a map with

@@ -30,10 +30,11 @@ from typing import Any, NamedTuple
 import tensorflow as tf
 
 from mixedpolicy.backends._subclass import policy_subclass
-from mixedpolicy._adapter import ModelAdapter, check_master_weights
+from mixedpolicy._adapter import ModelAdapter
 from mixedpolicy.backends.tensorflow.arrays import NAMES as _NAMES, TF_DTYPES as _TF_DTYPES
 from mixedpolicy.table import LayerPolicy
 from mixedpolicy.policy import Policy
+from mixedpolicy.layer_plan import dotted_chains, join, plan
 from mixedpolicy.policy_map import NORMALIZATION, LayerInfo, PolicyMap
 
 _STATE = "_mixedpolicy"
@@ -130,23 +131,13 @@ def _cast_floating(tree: Any, dtype: Any) -> Any:
 
 def apply_policy(model: tf.Module, policy_map: PolicyMap) -> tf.Module:
     remove_policy(model)
-    modules = _modules(model)
-    chains: dict[str, list[LayerInfo]] = {}
-    plan = []
-    for path, module in modules:
-        parent = path.rpartition(".")[0] if path else None
-        info = LayerInfo(path, type(module), _kind(type(module)))
-        chains[path] = (chains.get(parent, []) if parent is not None else []) + [info]
-        resolution = policy_map.resolve(chains[path])
-        policy = resolution.policy
-        for name, var in _own_variables(module).items():
-            check_master_weights(f"{path}.{name}" if path else name, _NAMES.get(var.dtype), policy,
-                                 "Create the variables in float32")
-        plan.append((path, module, resolution, parent))
-    policy_map.warn_unmatched(chains[path][-1] for path, _ in modules)
-    policies = {path: resolution.policy for path, _, resolution, _ in plan}
-    for path, module, resolution, parent in plan:
-        policy = resolution.policy
+    layers = dotted_chains((path, module, LayerInfo(path, type(module), _kind(type(module))))
+                           for path, module in _modules(model))
+    steps = plan(policy_map, layers, fix="Create the variables in float32",
+                 variables=lambda module, path: [(join(path, name), _NAMES.get(var.dtype))
+                                                 for name, var in _own_variables(module).items()])
+    for step in steps:
+        module, policy = step.layer, step.policy
         target = _TF_DTYPES[policy.variable_dtype]
         replaced = {}
         for name, var in _own_variables(module).items():
@@ -156,11 +147,12 @@ def apply_policy(model: tf.Module, policy_map: PolicyMap) -> tf.Module:
                                                   name=var.name.split(":")[0]))
         cast = tuple(name for name in _own_variables(module)
                      if policy.compute_dtype != policy.variable_dtype)
-        differs = policies.get(parent) != policy if parent is not None else policy != Policy("float32")
+        # a float32 root is plain TensorFlow; elsewhere a region where the policy changes
+        differs = step.changes_policy if step.parent_policy is not None else policy != Policy("float32")
         cls = type(module)
         if cast or differs:
             module.__class__ = policy_subclass("tensorflow", cls, _call_under_policy)
-        module.__dict__[_STATE] = _Applied(policy, resolution.source, cls, cast, replaced,
+        module.__dict__[_STATE] = _Applied(policy, step.resolution.source, cls, cast, replaced,
                                            {name: module.__dict__[name] for name in cast},
                                            threading.RLock())
     return model

@@ -35,10 +35,11 @@ from typing import Any, Callable
 import torch
 from torch.utils import _pytree as pytree
 
-from mixedpolicy._adapter import ModelAdapter, check_master_weights
+from mixedpolicy._adapter import ModelAdapter
 from mixedpolicy.backends.torch.arrays import NAMES as _NAMES, TORCH_DTYPES as _TORCH_DTYPES
 from mixedpolicy.table import LayerPolicy
 from mixedpolicy.policy import Policy
+from mixedpolicy.layer_plan import dotted_chains, join, plan
 from mixedpolicy.policy_map import LOSS, NORMALIZATION, LayerInfo, Resolution
 
 _STATE = "_mixedpolicy"
@@ -134,14 +135,14 @@ class TorchModels(ModelAdapter):
 
     def apply_policy(self, model: torch.nn.Module, policy_map: Any) -> torch.nn.Module:
         remove_policy(model)
-        resolved = _resolve(model, policy_map)
-        policy_map.warn_unmatched(info for info, _, _ in resolved.values())
-        for path, (_, resolution, _) in resolved.items():
-            _check_master_weights(path, model.get_submodule(path), resolution.policy)
+        layers = dotted_chains((path, module, LayerInfo(path, type(module), _kind(module)))
+                               for path, module in model.named_modules())
+        steps = plan(policy_map, layers, variables=_own_parameters, fix="Call model.float()",
+                     adjust=_follow_attention)
         changed = {}
-        for path, (info, resolution, parent_policy) in resolved.items():
-            module = model.get_submodule(path)
-            policy = resolution.policy
+        for step in steps:
+            module, policy, resolution, path = step.layer, step.policy, step.resolution, step.path
+            info, parent_policy = step.info, step.parent_policy
             state = {"policy": policy, "source": resolution.source, "dtypes": {}}
             target = _TORCH_DTYPES[policy.variable_dtype]
             # A narrowing cast keeps the original values, so remove_policy can give back
@@ -159,7 +160,7 @@ class TorchModels(ModelAdapter):
             # A region where the policy changes; a plain float32 root needs none (plain
             # PyTorch). A loss or norm root still casts its half-precision inputs.
             plain_root = parent_policy is None and policy == _FLOAT32 and info.kind is None
-            if parent_policy != policy and not plain_root and not _kernel_norm(module, resolution, parent_policy):
+            if step.changes_policy and not plain_root and not _kernel_norm(module, resolution, parent_policy):
                 state["forward"] = module.__dict__.get("forward")
                 module.forward = _Region(module, policy, state["forward"])
             changed[path] = state
@@ -184,29 +185,23 @@ class TorchModels(ModelAdapter):
         return rows
 
 
-def _resolve(model: torch.nn.Module, policy_map: Any) -> dict:
-    """path -> (LayerInfo, Resolution, parent's policy or None), in named_modules() order."""
-    out: dict = {}
-    chains: dict[str, list[LayerInfo]] = {}
-    for path, module in model.named_modules():
-        info = LayerInfo(path, type(module), _kind(module))
-        parent = path.rpartition(".")[0] if path else None
-        chain = (chains[parent] if parent is not None else []) + [info]
-        chains[path] = chain
-        resolution = policy_map.resolve(chain)
-        parent_policy = out[parent][1].policy if parent is not None else None
-        if parent is not None and isinstance(model.get_submodule(parent), torch.nn.MultiheadAttention) \
-                and resolution.policy != parent_policy:
-            # torch's attention reads out_proj.weight itself and never calls out_proj's forward,
-            # so a policy of its own would be reported but never computed: it follows its parent.
-            warnings.warn(
-                f"The override {resolution.source!r} reaches {path!r}, which cannot take a policy of "
-                f"its own: torch.nn.MultiheadAttention reads its weight directly and never calls its "
-                f"forward. It follows {parent or 'the root'!r} ({parent_policy}); to change it, put "
-                f"the override on the MultiheadAttention module itself.", stacklevel=4)
-            resolution = Resolution(parent_policy, f"follows its MultiheadAttention {parent!r}", "inherited")
-        out[path] = (info, resolution, parent_policy)
-    return out
+def _follow_attention(module: torch.nn.Module, chain: Any, resolution: Resolution, parent: Any) -> Resolution:
+    """torch's attention reads ``out_proj.weight`` itself and never calls out_proj's forward,
+    so a policy of its own would be reported but never computed: it follows its parent."""
+    if parent is None or not isinstance(parent.layer, torch.nn.MultiheadAttention) \
+            or resolution.policy == parent.policy:
+        return resolution
+    where = parent.path or "the root"
+    warnings.warn(
+        f"The override {resolution.source!r} reaches {chain[-1].path!r}, which cannot take a policy "
+        f"of its own: torch.nn.MultiheadAttention reads its weight directly and never calls its "
+        f"forward. It follows {where!r} ({parent.policy}); to change it, put the override on the "
+        f"MultiheadAttention module itself.", stacklevel=5)
+    return Resolution(parent.policy, f"follows its MultiheadAttention {parent.path!r}", "inherited")
+
+
+def _own_parameters(module: torch.nn.Module, path: str) -> list:
+    return [(join(path, name), _NAMES.get(p.dtype)) for name, p in module.named_parameters(recurse=False)]
 
 
 def _autocasts(policy: Policy) -> bool:
@@ -222,12 +217,6 @@ def _kernel_norm(module: torch.nn.Module, resolution: Any, parent_policy: Policy
             and parent_policy is not None and _autocasts(parent_policy)
             and policy.compute_dtype == policy.variable_dtype == "float32"
             and policy.output_dtype == parent_policy.compute_dtype)
-
-
-def _check_master_weights(path: str, module: torch.nn.Module, policy: Policy) -> None:
-    for name, p in module.named_parameters(recurse=False):
-        check_master_weights(f"{path}.{name}" if path else name, _NAMES.get(p.dtype), policy,
-                             "Call model.float()")
 
 
 def remove_policy(model: torch.nn.Module) -> torch.nn.Module:

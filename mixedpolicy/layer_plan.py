@@ -1,0 +1,130 @@
+"""The layer walk every model adapter shares: resolve each layer, check it, then warn once.
+
+An adapter lists its model's layers, parents first, each with its chain of `LayerInfo`
+from the root (`dotted_chains` builds the chains from dotted paths such as
+``"encoder.layers.0"``); `plan` resolves each layer's policy against the `PolicyMap`,
+refuses half-precision master weights, warns about override keys that matched no
+layer, and hands back one `PlannedLayer` per layer: what the adapter then puts on
+the model in its framework's own way. Flax linen, which builds its layers only when
+called, resolves each layer at its first call instead (``PolicyMap.resolve``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
+
+from mixedpolicy.policy import Policy
+from mixedpolicy.policy_map import LayerInfo, PolicyMap, Resolution
+
+
+class PlannedLayer(NamedTuple):
+    """One layer's place in the plan.
+
+    Attributes:
+      layer: the framework's layer (module) object.
+      chain: the `LayerInfo` of the layers from the root down to this one.
+      resolution: its resolved policy, and where it came from.
+      parent_policy: the policy resolved for its parent; None for the root.
+    """
+
+    layer: Any
+    chain: tuple
+    resolution: Resolution
+    parent_policy: Policy | None
+
+    @property
+    def path(self) -> str:
+        return self.chain[-1].path
+
+    @property
+    def info(self) -> LayerInfo:
+        return self.chain[-1]
+
+    @property
+    def policy(self) -> Policy:
+        return self.resolution.policy
+
+    @property
+    def changes_policy(self) -> bool:
+        """Does the policy change here: the root, or a layer whose policy is not its parent's?"""
+        return self.parent_policy is None or self.parent_policy != self.policy
+
+
+#: variables(layer, path) -> (full variable path, plain dtype name or None) of its own variables
+Variables = Callable[[Any, str], Iterable[tuple[str, Any]]]
+#: adjust(layer, chain, resolution, parent PlannedLayer or None) -> the resolution to use
+Adjust = Callable[[Any, Sequence[LayerInfo], Resolution, "PlannedLayer | None"], Resolution]
+
+
+def dotted_chains(layers: Iterable[tuple[str, Any, LayerInfo]]) -> list[tuple[Any, list[LayerInfo]]]:
+    """(layer, chain) for (dotted path, layer, info) triples listed parents first."""
+    chains: dict[str, list[LayerInfo]] = {}
+    out = []
+    for path, layer, info in layers:
+        parent = path.rpartition(".")[0] if path else None
+        chains[path] = (chains.get(parent, []) if parent is not None else []) + [info]
+        out.append((layer, chains[path]))
+    return out
+
+
+def plan(policy_map: PolicyMap, layers: Iterable[tuple[Any, Sequence[LayerInfo]]], *,
+         variables: Variables | None = None, fix: str = "", adjust: Adjust | None = None
+         ) -> list[PlannedLayer]:
+    """Resolves every layer of a model, checks it, and warns about unmatched keys.
+
+    Args:
+      policy_map: the map to resolve against.
+      layers: (layer, chain) pairs, parents first; a chain ends with the layer's own info.
+      variables: the floating variables a layer holds itself, for the master-weight check.
+      fix: how to create variables in float32 in this framework (for that check's message).
+      adjust: a framework's last word on a resolution (a layer that cannot take a
+        policy of its own follows its parent).
+
+    Raises:
+      ValueError: a mixed policy would train half-precision master weights, or two keys
+        tie for a layer with different policies.
+    """
+    layers = [(layer, tuple(chain)) for layer, chain in layers]
+    planned: dict[str, PlannedLayer] = {}
+    out = []
+    for layer, chain in layers:
+        parent = planned.get(chain[-2].path) if len(chain) > 1 else None
+        resolution = policy_map.resolve(chain)
+        if adjust is not None:
+            resolution = adjust(layer, chain, resolution, parent)
+        step = PlannedLayer(layer, chain, resolution, parent.policy if parent is not None else None)
+        for where, dtype in (variables(layer, step.path) if variables is not None else ()):
+            check_master_weights(where, dtype, step.policy, fix)
+        planned[step.path] = step
+        out.append(step)
+    policy_map.warn_unmatched(chain[-1] for _, chain in layers)
+    return out
+
+
+def join(path: str, name: str) -> str:
+    """A variable's full path: `name` under the layer at `path` ("" is the root)."""
+    return f"{path}.{name}" if path else name
+
+
+def check_master_weights(where: str, dtype: str | None, policy: Any, fix: str) -> None:
+    """Refuses a mixed policy over a variable already in half precision.
+
+    Such a policy keeps variables in float32 and computes in half precision; over
+    half-precision variables it would silently train half-precision master weights.
+
+    Args:
+      where: the variable's path, for the message.
+      dtype: the variable's plain dtype name.
+      policy: the policy about to be applied to its layer.
+      fix: how to create the variables in float32 in this framework.
+
+    Raises:
+      ValueError: the variable is float16 or bfloat16 under such a policy.
+    """
+    if dtype in ("float16", "bfloat16") and policy.variable_dtype == "float32" \
+            and policy.compute_dtype != policy.variable_dtype:
+        raise ValueError(
+            f"Received a model whose variable {where!r} is already {dtype}, but the policy "
+            f"{policy.name} keeps variables in float32 and computes in {policy.compute_dtype}: "
+            f"applying it would silently train half-precision master weights. {fix} before "
+            f"apply_policy, or use the pure policy {dtype!r} if half-precision weights are intended.")
