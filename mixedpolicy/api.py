@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 from typing import Any, Mapping
 
 from mixedpolicy import _registry
@@ -100,23 +101,15 @@ def describe(model: Any) -> PolicyTable:
     return PolicyTable(_model_adapter(model, "the result of apply_policy on a function, or ").describe(model))
 
 
-class _FactoryMeta(type):
-    """Lets ``isinstance(x, LossScaleOptimizer)`` recognise every framework's wrapper."""
-
-    def __instancecheck__(cls, obj: Any) -> bool:
-        return _registry.is_loss_scale_wrapper(obj)
-
-    def __subclasscheck__(cls, sub: Any) -> bool:
-        return isinstance(sub, type) and (sub is cls or issubclass(sub, _registry.loss_scale_wrapper_types()))
-
-
-class LossScaleOptimizer(metaclass=_FactoryMeta):
+class LossScaleOptimizer(abc.ABC):
     """Wraps an optimizer of any supported framework with a bounded dynamic loss scale.
 
     Returns the wrapper that fits the framework's idiom (a ``torch.optim``-like
     optimizer, an ``optax.GradientTransformation``, a Keras optimizer). A step whose
     gradients are not all finite is skipped whole and the scale backs off; every
     wrapper exposes ``loss_scale``, ``last_step_skipped`` and ``num_skipped_steps``.
+    ``isinstance(x, LossScaleOptimizer)`` is true for each of them (an abstract base
+    class: ``LossScaleOptimizer.register`` adds a wrapper class of one's own).
 
     Args:
       inner: the optimizer to wrap.
@@ -136,6 +129,14 @@ class LossScaleOptimizer(metaclass=_FactoryMeta):
         argument that belongs to the inner optimizer was passed here.
       ValueError: a setting is out of range.
     """
+
+    @classmethod
+    def __subclasshook__(cls, sub: type) -> Any:
+        # every framework's wrapper class named in the registry, once its module is loaded;
+        # `LossScaleOptimizer.register(cls)` adds a wrapper of one's own
+        if cls is LossScaleOptimizer and issubclass(sub, _registry.loss_scale_wrapper_types()):
+            return True
+        return NotImplemented
 
     def __new__(cls, inner: Any, initial_scale: float = 2.0**15, dynamic_growth_steps: int = 2000,
                 *, growth_factor: float = 2.0, backoff_factor: float = 0.5, min_scale: float = 1.0,

@@ -249,13 +249,25 @@ class DynamicLossScale(LossScale):
         shrunk = ops.where(shrunk < self.min_scale, ops.full_like(scale, self.min_scale), shrunk)
         new_scale = ops.where(grow, grown, ops.where(finite, scale, shrunk))
         new_counter = ops.where(grow, ops.zeros_like(counter), counter)
-        return self._evolve(loss_scale=new_scale, counter=new_counter)
+        return self.with_state(new_scale, new_counter)
 
-    def _evolve(self, **arrays: Any) -> "DynamicLossScale":
-        """A copy with new array fields, skipping validation (the hot path under jit)."""
+    def with_state(self, loss_scale: Any, counter: Any) -> "DynamicLossScale":
+        """These settings at another state: the scale and counter an optimizer keeps.
+
+        A framework's optimizer holds the two arrays in its own state (optax's
+        ``LossScaleState``, Keras's variables, torch tensors); this puts them back
+        beside the settings, so `adjust` steps them. Nothing is checked or copied: the
+        arrays may be traced (under ``jit``) or on a device, and stay there.
+
+        >>> s = DynamicLossScale(loss_scale=8.0, dynamic_growth_steps=2)
+        >>> float(s.with_state(np.float32(4.0), np.int32(1)).adjust(True).loss_scale)
+        8.0
+        """
         new = object.__new__(DynamicLossScale)
         for field in dataclasses.fields(self):
-            object.__setattr__(new, field.name, arrays.get(field.name, getattr(self, field.name)))
+            object.__setattr__(new, field.name, getattr(self, field.name))
+        object.__setattr__(new, "loss_scale", loss_scale)
+        object.__setattr__(new, "counter", counter)
         return new
 
     def _settings(self) -> tuple:

@@ -68,6 +68,19 @@ def test_isinstance_works_before_any_wrapper_was_made_by_the_factory():
     assert not issubclass(torch.optim.SGD, mp.LossScaleOptimizer) and not issubclass(int, mp.LossScaleOptimizer)
 
 
+def test_loss_scale_optimizer_is_an_abstract_base_class_one_can_register_with():
+    import abc
+
+    class OwnWrapper:  # a wrapper of one's own, for a framework mixedpolicy does not know
+        pass
+
+    assert isinstance(mp.LossScaleOptimizer, abc.ABCMeta) and not isinstance(OwnWrapper(), mp.LossScaleOptimizer)
+    mp.LossScaleOptimizer.register(OwnWrapper)
+    assert isinstance(OwnWrapper(), mp.LossScaleOptimizer) and issubclass(OwnWrapper, mp.LossScaleOptimizer)
+    with pytest.raises(TypeError, match="OwnWrapper"):  # the factory still only wraps what it knows
+        mp.LossScaleOptimizer(OwnWrapper())
+
+
 def test_a_refused_list_does_not_poison_the_dispatch_of_lists():
     torch = require_module("torch")
     with pytest.raises(TypeError):

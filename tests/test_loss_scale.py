@@ -120,8 +120,8 @@ def test_bad_types_are_rejected():
 
 def _on(backend, state):
     """The same state with arrays of `backend`."""
-    return state._evolve(loss_scale=backend.asarray(float(state.loss_scale), "float32"),
-                         counter=backend.asarray(int(state.counter), "int32"))
+    return state.with_state(backend.asarray(float(state.loss_scale), "float32"),
+                            backend.asarray(int(state.counter), "int32"))
 
 
 FLAGS = [False, True, True, True, False, False, True, True, True, True, True, False] + [True] * 7

@@ -158,7 +158,7 @@ def test_torch_no_loss_scale_skips_and_survives_its_state_dict():
     opt.step()
     assert opt.last_step_skipped and torch.equal(model.weight, before)
     opt.load_state_dict(opt.state_dict())
-    assert isinstance(opt._config, mp.NoLossScale)
+    assert isinstance(opt._scale_settings, mp.NoLossScale)
     assert opt.scale_loss(torch.tensor(3.0)).item() == 3.0
 
 

@@ -90,7 +90,7 @@ def test_drop_in():
         m = keras.saving.load_model({path!r})
         assert isinstance(m.optimizer, mp.LossScaleOptimizer), type(m.optimizer)
         assert m.optimizer.loss_scale == {scale!r}, m.optimizer.loss_scale
-        assert m.optimizer._config.min_scale == 0.5
+        assert m.optimizer._scale_settings.min_scale == 0.5
         assert int(keras.ops.convert_to_numpy(m.optimizer.iterations)) == {int(keras.ops.convert_to_numpy(model.optimizer.iterations))}
         np.testing.assert_allclose(m.predict(np.asarray({x.tolist()!r}, "float32"), verbose=0), np.load({path!r} + ".npy"), rtol=1e-2, atol=1e-3)
         print("loaded")

@@ -30,9 +30,9 @@ def test_keras_own_loss_scale_optimizer_tests():
     config = LossScaleOptimizer(keras.optimizers.SGD(0.5), 3.0, 2, name="t", min_scale=0.5).get_config()
     assert set(config) == {"name", "inner_optimizer", "initial_scale", "dynamic_growth_steps", "min_scale"}
     again = mp.LossScaleOptimizer.from_config(config)
-    assert (again.initial_scale, again.dynamic_growth_steps, again._config.min_scale) == (3.0, 2, 0.5)
+    assert (again.initial_scale, again.dynamic_growth_steps, again._scale_settings.min_scale) == (3.0, 2, 0.5)
     static = LossScaleOptimizer(keras.optimizers.SGD(0.5), loss_scale=mp.StaticLossScale(8.0))
-    assert LossScaleOptimizer.from_config(static.get_config())._config == mp.StaticLossScale(8.0)
+    assert LossScaleOptimizer.from_config(static.get_config())._scale_settings == mp.StaticLossScale(8.0)
     # a config written by Keras's own LossScaleOptimizer reads back, and ours reads in Keras's
     own = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.5), 4.0, 3, name="k").get_config()
     mine = mp.LossScaleOptimizer.from_config(own)
@@ -121,7 +121,7 @@ def test_bounded_scale_skips_and_checkpoints():
     model.save(path)
     loaded = keras.models.load_model(path)
     assert isinstance(loaded.optimizer, LossScaleOptimizer)
-    assert loaded.optimizer._config == model.optimizer._config
+    assert loaded.optimizer._scale_settings == model.optimizer._scale_settings
     assert loaded.optimizer.num_skipped_steps == skipped
     assert loaded.optimizer.loss_scale == model.optimizer.loss_scale
     mp.set_global_policy(None)

@@ -117,7 +117,7 @@ class LossScaleTransformation(optax.GradientTransformationExtraArgs):
 
 def _scale_state(config: LossScale, state: LossScaleState) -> LossScale:
     if isinstance(config, DynamicLossScale):
-        return config._evolve(loss_scale=state.loss_scale, counter=state.counter)
+        return config.with_state(state.loss_scale, state.counter)
     return config
 
 

@@ -100,7 +100,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             raise ValueError(f"{err} Settings of the optimizer itself (learning_rate, momentum...) "
                              f"belong to the inner optimizer: pass them when you create it, then "
                              f"wrap it.") from None
-        self._config = loss_scale
+        self._scale_settings = loss_scale
         self._skip_store = _SkipCounts(self)
         extra = set(self.get_config()) - {"name", "inner_optimizer", "initial_scale",
                                           "dynamic_growth_steps"}
@@ -158,9 +158,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def _update_scale(self, finite: Any) -> None:
         """Assigns the next scale, growth counter and skip counters (no branch)."""
-        if isinstance(self._config, DynamicLossScale):
-            state = self._config._evolve(loss_scale=self.dynamic_scale.value,
-                                         counter=self.step_counter.value)
+        if isinstance(self._scale_settings, DynamicLossScale):
+            state = self._scale_settings.with_state(self.dynamic_scale.value, self.step_counter.value)
             state = state.adjust(finite)
             self.dynamic_scale.assign(state.loss_scale)
             self.step_counter.assign(ops.cast(state.counter, self.step_counter.dtype))
@@ -256,7 +255,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         ``initial_scale``, ``dynamic_growth_steps``).
         """
         config = super().get_config()
-        cfg = self._config
+        cfg = self._scale_settings
         if isinstance(cfg, DynamicLossScale):
             for key, default in _DEFAULTS.items():
                 if getattr(cfg, key) != default:

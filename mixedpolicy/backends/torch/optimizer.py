@@ -52,7 +52,7 @@ class TorchLossScaleOptimizer(Checkpoints, torch.optim.Optimizer):
                 check_half_master_weights(group, loss_scale)
             check_capturable(opt)
         self._inners = inners
-        self._config = loss_scale
+        self._scale_settings = loss_scale
         self._scale: torch.Tensor | None = None
         self._growth_tracker: torch.Tensor | None = None
         self._found_inf: torch.Tensor | None = None  # of the current step, once checked
@@ -85,7 +85,7 @@ class TorchLossScaleOptimizer(Checkpoints, torch.optim.Optimizer):
         if isinstance(param_group, dict):
             params = param_group.get("params")
             params = [params] if isinstance(params, torch.Tensor) else list(params or [])
-            check_half_master_weights({"params": params}, self._config)
+            check_half_master_weights({"params": params}, self._scale_settings)
         self._inners[0].add_param_group(param_group)
     # -- the inner optimizer's view -------------------------------------------
     @property
@@ -118,7 +118,7 @@ class TorchLossScaleOptimizer(Checkpoints, torch.optim.Optimizer):
     # -- scale ----------------------------------------------------------------
     def _ensure_scale(self, device: torch.device) -> torch.Tensor:
         if self._scale is None:
-            cfg = self._config
+            cfg = self._scale_settings
             self._scale = torch.tensor(float(cfg.loss_scale), dtype=torch.float32, device=device)
             counter = int(cfg.counter) if isinstance(cfg, DynamicLossScale) else 0
             self._growth_tracker = torch.tensor(counter, dtype=torch.int32, device=device)
@@ -163,16 +163,16 @@ class TorchLossScaleOptimizer(Checkpoints, torch.optim.Optimizer):
             raise TypeError(f"Received a loss of type {type(loss).__name__} ({loss!r:.60}); "
                             f"expected the loss tensor of this step (or a list of them), whose "
                             f".backward() computes the gradients.")
-        if isinstance(self._config, NoLossScale):
+        if isinstance(self._scale_settings, NoLossScale):
             return loss
         scale = self._ensure_scale(loss.device)
         return loss.float() * scale.to(loss.device, non_blocking=True)
 
     # -- unscale and step -----------------------------------------------------
     def _grads_by_device_and_dtype(self) -> dict:
-        return grads_by_device_and_dtype(self.param_groups, half_allowed=isinstance(self._config, NoLossScale))
+        return grads_by_device_and_dtype(self.param_groups, half_allowed=isinstance(self._scale_settings, NoLossScale))
 
-    def _check(self, inv_scale: torch.Tensor) -> torch.Tensor:
+    def _unscale_and_check(self, inv_scale: torch.Tensor) -> torch.Tensor:
         """Multiplies every gradient by `inv_scale` and returns one found-inf flag (no sync)."""
         scale = self._ensure_scale(self._first_device())
         per_device: dict = {}
@@ -197,7 +197,7 @@ class TorchLossScaleOptimizer(Checkpoints, torch.optim.Optimizer):
             raise RuntimeError("unscale_() was already called since the last step(); the "
                                "gradients are unscaled once per step. Call step() next.")
         scale = self._ensure_scale(self._first_device())
-        self._found_inf = self._check(scale.double().reciprocal().float())
+        self._found_inf = self._unscale_and_check(scale.double().reciprocal().float())
         self._unscaled = True
 
     def step(self, closure: Any = None) -> Any:
@@ -216,7 +216,7 @@ class TorchLossScaleOptimizer(Checkpoints, torch.optim.Optimizer):
         fused = all(getattr(opt, "_step_supports_amp_scaling", False) for opt in self._inners)
         if fused:
             if self._found_inf is None:  # the fused kernel unscales; only check here
-                self._found_inf = self._check(torch.ones((), dtype=torch.float32, device=scale.device))
+                self._found_inf = self._unscale_and_check(torch.ones((), dtype=torch.float32, device=scale.device))
             for opt in self._inners:
                 opt.grad_scale = None if self._unscaled else scale
                 opt.found_inf = self._found_inf
@@ -242,7 +242,7 @@ class TorchLossScaleOptimizer(Checkpoints, torch.optim.Optimizer):
         skipped = found_inf.reshape(()) > 0
         self._last_skipped.copy_(skipped)
         self._skipped.add_(skipped.to(torch.int64))
-        cfg = self._config
+        cfg = self._scale_settings
         if not isinstance(cfg, DynamicLossScale):
             return
         torch._amp_update_scale_(self._scale, self._growth_tracker, found_inf,
@@ -251,7 +251,7 @@ class TorchLossScaleOptimizer(Checkpoints, torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         inner = ", ".join(type(o).__name__ for o in self._inners)
-        return f"LossScaleOptimizer({inner}, {self._config!r})"
+        return f"LossScaleOptimizer({inner}, {self._scale_settings!r})"
 
 
 class TorchOptimizers(OptimizerAdapter):

@@ -18,7 +18,7 @@ class Checkpoints:
     def scaler_state_dict(self) -> dict:
         """The scale in ``torch.amp.GradScaler.state_dict()`` format."""
         self._ensure_scale(self._first_device())
-        cfg = self._config
+        cfg = self._scale_settings
         dynamic = isinstance(cfg, DynamicLossScale)
         return {
             "scale": float(self._scale),
@@ -43,12 +43,12 @@ class Checkpoints:
 
     def _scale_state_from(self, state: Any) -> tuple:
         """(loss-scale config, skip count or None) from a scaler state dict; changes nothing."""
-        return config_from_scaler_state(self._config, state)
+        return config_from_scaler_state(self._scale_settings, state)
 
     def _set_scale_state(self, cfg: LossScale, skipped: int | None) -> None:
         if skipped is None:
             skipped = self.num_skipped_steps
-        self._config, self._scale = cfg, None
+        self._scale_settings, self._scale = cfg, None
         self._ensure_scale(self._first_device())
         self._skipped.fill_(int(skipped))
 
@@ -64,8 +64,8 @@ class Checkpoints:
             out = dict(self._inners[0].state_dict())
         else:
             out = {"inner": [opt.state_dict() for opt in self._inners]}
-        out["loss_scale"] = dict(self.scaler_state_dict(), min_scale=getattr(self._config, "min_scale", None),
-                                 max_scale=getattr(self._config, "max_scale", None),
+        out["loss_scale"] = dict(self.scaler_state_dict(), min_scale=getattr(self._scale_settings, "min_scale", None),
+                                 max_scale=getattr(self._scale_settings, "max_scale", None),
                                  num_skipped_steps=self.num_skipped_steps)
         for hook in self._optimizer_state_dict_post_hooks.values():
             result = hook(self, out)
