@@ -20,9 +20,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import mixedpolicy  # noqa: E402
 from mixedpolicy import _registry  # noqa: E402
 
-# tests/keras_suite runs once per Keras backend, started by tests/test_keras.py with
+# tests/backends/keras/suite runs once per Keras backend, started by tests/backends/keras/test_keras.py with
 # MIXEDPOLICY_KERAS_SUITE set (Keras picks its backend per process); the main run skips it.
-collect_ignore = [] if os.environ.get("MIXEDPOLICY_KERAS_SUITE") else ["keras_suite"]
+collect_ignore = [] if os.environ.get("MIXEDPOLICY_KERAS_SUITE") else ["backends/keras/suite"]
 
 
 def expected_backends() -> set[str]:

@@ -9,7 +9,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
-# keras_mlp.py runs under every Keras backend in tests/keras_suite/test_example.py
+# keras_mlp.py runs under every Keras backend in tests/backends/keras/suite/test_example.py
 SMOKE = [p for p in EXAMPLES if p.name != "keras_mlp.py"]
 
 

@@ -5,7 +5,7 @@ with transformer" block, built under Keras's own global policy, under `mp.set_gl
 and under `mp.apply_policy`: every layer's dtype policy and every output dtype are Keras's;
 the one under `apply_policy` trains a few steps on generated data (scale and skips visible),
 saves and loads.
-Run by tests/test_keras.py once per Keras backend; not collected by the main run.
+Run by tests/backends/keras/test_keras.py once per Keras backend; not collected by the main run.
 """
 
 import os

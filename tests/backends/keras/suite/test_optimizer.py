@@ -1,6 +1,6 @@
 """mixedpolicy's Keras LossScaleOptimizer: Keras's own tests, skips, fit, saving.
 
-Run by tests/test_keras.py once per Keras backend, in a pytest process of its own
+Run by tests/backends/keras/test_keras.py once per Keras backend, in a pytest process of its own
 (KERAS_BACKEND is chosen per process); not collected by the main run.
 """
 

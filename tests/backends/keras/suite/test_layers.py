@@ -1,6 +1,6 @@
 """Keras layers under mixedpolicy maps: paths, globs, classes, inheritance, the norm rule, built or not.
 
-Run by tests/test_keras.py once per Keras backend, in a pytest process of its own
+Run by tests/backends/keras/test_keras.py once per Keras backend, in a pytest process of its own
 (KERAS_BACKEND is chosen per process); not collected by the main run.
 """
 

@@ -1,12 +1,12 @@
 """examples/keras_mlp.py trains unchanged under this Keras backend, mixed_float16 near float32.
 
-Run by tests/test_keras.py once per Keras backend; not collected by the main run.
+Run by tests/backends/keras/test_keras.py once per Keras backend; not collected by the main run.
 """
 
 import sys
 from pathlib import Path
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[4] / "examples"
 
 
 def test_the_keras_example_trains_every_policy_near_float32():

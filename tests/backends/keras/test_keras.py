@@ -1,5 +1,5 @@
 """Keras 3 under every backend: the global policy whatever the import order (a fresh process
-per backend, `keras_helper`), and tests/keras_suite in one pytest process per backend
+per backend, `keras_helper`), and tests/backends/keras/suite in one pytest process per backend
 (layers, the loss-scale optimizer, the drop-in regressions, the example)."""
 
 import os
@@ -14,7 +14,7 @@ from keras_helper import KERAS_BACKENDS, run_under_keras_backends
 
 pytestmark = pytest.mark.slow  # starts processes of its own (see docs/contributing.md)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 
 _PRELUDE = """
 import os, sys, tempfile, warnings
@@ -68,10 +68,10 @@ def test_the_global_policy_whatever_the_import_order_under_every_backend():
 
 @pytest.mark.parametrize("backend", KERAS_BACKENDS)
 def test_keras_suite_under_each_backend(backend):
-    """tests/keras_suite, in one pytest process per Keras backend (as Keras's own CI runs)."""
+    """tests/backends/keras/suite, in one pytest process per Keras backend (as Keras's own CI runs)."""
     env = dict(os.environ, KERAS_BACKEND=backend, MIXEDPOLICY_KERAS_SUITE="1", TF_CPP_MIN_LOG_LEVEL="3")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           str(ROOT / "tests" / "keras_suite")], cwd=ROOT, env=env,
+                           str(ROOT / "tests" / "backends" / "keras" / "suite")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"KERAS_BACKEND={backend}\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
 

@@ -7,7 +7,7 @@ differences, each asserted below: mixedpolicy has no quantized policies
 ("int8_from_mixed_bfloat16" is a ValueError naming the policy), and a value of the wrong
 type (12345) is a TypeError, Python's convention, where Keras raises ValueError.
 
-Run by tests/test_keras.py once per Keras backend, in a pytest process of its own.
+Run by tests/backends/keras/test_keras.py once per Keras backend, in a pytest process of its own.
 """
 
 import sys

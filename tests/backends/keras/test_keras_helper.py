@@ -9,7 +9,7 @@ from keras_helper import KERAS_BACKENDS, run_under_keras_backends
 @pytest.mark.slow
 def test_each_backend_runs_in_its_own_process():
     require_module("keras")
-    two = KERAS_BACKENDS[:2]  # two are enough to see it switch (all three run tests/keras_suite)
+    two = KERAS_BACKENDS[:2]  # two are enough to see it switch (all three run tests/backends/keras/suite)
     out = run_under_keras_backends("""
         import keras, os
         print(keras.backend.backend(), os.getpid())
