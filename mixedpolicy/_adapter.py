@@ -111,3 +111,8 @@ class OptimizerAdapter(abc.ABC):
     def optimizer_from_config(self, config: dict, custom_objects: Any = None) -> Any:
         """Rebuilds this framework's wrapper from a config, or None if it is not one of its."""
         return None
+
+    def policies_of(self, optimizer: Any) -> tuple[Any, str] | None:
+        """(the policies the optimizer's variables are trained under, where that was read),
+        or None where the framework cannot tell (the global policy then decides)."""
+        return None

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import abc
+import weakref
 from typing import Any, Mapping
 
 from mixedpolicy import _registry
 from mixedpolicy.table import LayerPolicy, PolicyTable
 from mixedpolicy.function import PolicyFunction
 from mixedpolicy._scale_checks import check_scale
-from mixedpolicy.loss_scale import DynamicLossScale, LossScale
-from mixedpolicy.policy_map import as_policy_map
+from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale
+from mixedpolicy.policy import as_policy
+from mixedpolicy.policy_map import PolicyMap, as_policy_map
+from mixedpolicy.scope import global_policy
 
 
 _KERAS_2_MODULES = ("tf_keras", "tensorflow.python.keras", "keras.src.legacy", "tensorflow.keras.")
@@ -70,9 +73,41 @@ def apply_policy(model: Any, policy: Any = None, overrides: Mapping[Any, Any] | 
     policy_map = as_policy_map(policy, overrides)
     adapter = _registry.model_adapter(model)
     if adapter is None and callable(model) and not isinstance(model, type):
-        return PolicyFunction(model, policy_map)
-    adapter = adapter or _model_adapter(model, "a plain function of arrays, or ")
-    return adapter.apply_policy(model, policy_map)
+        result = PolicyFunction(model, policy_map)
+    else:
+        adapter = adapter or _model_adapter(model, "a plain function of arrays, or ")
+        result = adapter.apply_policy(model, policy_map)
+    _note_float16(result, policy_map)
+    return result
+
+
+#: the live models `apply_policy` put a float16-computing policy on (by id: an Equinox
+#: module is not hashable): a LossScaleOptimizer that cannot see its model's policy
+#: (optax, Keras, TensorFlow) scales while one lives
+_FLOAT16_MODELS: dict[int, Any] = {}
+_float16_unweakable = False  # one such model could not be held weakly: scale from now on
+
+
+def _policies_in(policy_map: PolicyMap) -> tuple:
+    return (policy_map.default or global_policy(), *(p for _, p in policy_map.overrides))
+
+
+def _note_float16(model: Any, policy_map: PolicyMap) -> None:
+    global _float16_unweakable
+    key = id(model)
+    _forget_float16(model)
+    if not any(p.needs_loss_scaling for p in _policies_in(policy_map)):
+        return
+    try:
+        _FLOAT16_MODELS[key] = weakref.ref(model, lambda _, key=key: _FLOAT16_MODELS.pop(key, None))
+    except TypeError:
+        _float16_unweakable = True
+
+
+def _forget_float16(model: Any) -> None:
+    ref = _FLOAT16_MODELS.get(id(model))
+    if ref is not None and ref() is model:
+        del _FLOAT16_MODELS[id(model)]
 
 
 def remove_policy(model: Any) -> Any:
@@ -84,6 +119,7 @@ def remove_policy(model: Any) -> Any:
     Raises:
       TypeError: the model is of a type no installed adapter handles.
     """
+    _forget_float16(model)
     if isinstance(model, PolicyFunction):
         return model.fn
     return _model_adapter(model).remove_policy(model)
@@ -101,23 +137,62 @@ def describe(model: Any) -> PolicyTable:
     return PolicyTable(_model_adapter(model, "the result of apply_policy on a function, or ").describe(model))
 
 
+def _needs_scaling(adapter: Any, inner: Any, policy: Any) -> bool:
+    """Does the policy the optimizer runs under compute in float16 anywhere?
+
+    `policy` when given (a policy, its name or a `PolicyMap`); else what the framework
+    knows of its variables (torch: the policies `apply_policy` put on them); else: does
+    a live model `apply_policy` put a float16 policy on, or the global policy, compute
+    in float16?
+    """
+    if policy is None:
+        known = adapter.policies_of(inner)
+        if known is None and (_float16_unweakable or len(_FLOAT16_MODELS)):
+            return True  # a model here computes in float16, and nothing says it is not this one's
+        policies = known[0] if known is not None else (global_policy(),)
+    elif isinstance(policy, PolicyMap):
+        policies = _policies_in(policy)
+    else:
+        policies = (as_policy(policy, what="policy"),)
+    return any(p.needs_loss_scaling for p in policies)
+
+
 class LossScaleOptimizer(abc.ABC):
-    """Wraps an optimizer of any supported framework with a bounded dynamic loss scale.
+    """Wraps an optimizer of any supported framework with loss scaling that follows the policy.
 
     Returns the wrapper that fits the framework's idiom (a ``torch.optim``-like
-    optimizer, an ``optax.GradientTransformation``, a Keras optimizer). A step whose
-    gradients are not all finite is skipped whole and the scale backs off; every
-    wrapper exposes ``loss_scale``, ``last_step_skipped`` and ``num_skipped_steps``.
-    ``isinstance(x, LossScaleOptimizer)`` is true for each of them (an abstract base
-    class: ``LossScaleOptimizer.register`` adds a wrapper class of one's own).
+    optimizer, an ``optax.GradientTransformation``, a Keras optimizer). Every wrapper
+    exposes ``loss_scale``, ``last_step_skipped``, ``num_skipped_steps`` and
+    ``loss_scaling`` (one line on what it chose). ``isinstance(x, LossScaleOptimizer)``
+    is true for each of them (an abstract base class: ``LossScaleOptimizer.register``
+    adds a wrapper class of one's own).
+
+    What it does to a step:
+
+    - with `loss_scale`, or any of the scale settings below: that scale (a bounded
+      dynamic one for the settings): a step whose gradients are not all finite is
+      skipped whole and a dynamic scale backs off;
+    - otherwise it follows the policy the optimizer runs under: `policy` when given,
+      else what the framework knows of its variables (torch: the policies
+      `apply_policy` put on the modules owning its parameters; Keras: its global
+      dtype policy too), else the global policy. Where any of those computes in
+      float16, a bounded `DynamicLossScale` with the defaults below; else (float32,
+      bfloat16) a pass-through whose step is the inner optimizer's step, nothing
+      added: no scaling and no finiteness check (``skip_nonfinite=True`` keeps the
+      check and the skip, unscaled).
 
     Args:
       inner: the optimizer to wrap.
-      initial_scale: the first loss scale (Keras's default, 2**15).
-      dynamic_growth_steps: finite steps in a row before the scale doubles.
-      growth_factor, backoff_factor, min_scale, max_scale: see `DynamicLossScale`.
-      loss_scale: a ready `LossScale` (for example `StaticLossScale`) instead of the
-        settings above.
+      initial_scale: the first loss scale (default 2**15, Keras's).
+      dynamic_growth_steps: finite steps in a row before the scale grows (default 2000).
+      growth_factor, backoff_factor, min_scale, max_scale: see `DynamicLossScale`
+        (defaults 2, 0.5, 1, 2**24).
+      loss_scale: a ready `LossScale` (`DynamicLossScale`, `StaticLossScale`,
+        `NoLossScale`) used as it is, instead of the settings above and the policy.
+      policy: the policy (a `Policy`, its name, or a `PolicyMap`) whose compute dtypes
+        decide whether to scale; None reads it as described above.
+      skip_nonfinite: for the pass-through only: still skip a step whose gradients
+        are not all finite.
       axis_name: JAX only: the ``pmap`` / ``shard_map`` axis over which replicas agree
         to skip a step.
       **kwargs: Keras only: what ``keras.optimizers.LossScaleOptimizer`` takes besides
@@ -125,8 +200,9 @@ class LossScaleOptimizer(abc.ABC):
         refuses them (ValueError: set them on the inner optimizer).
 
     Raises:
-      TypeError: `inner` is not an optimizer of an installed framework, or an
-        argument that belongs to the inner optimizer was passed here.
+      TypeError: `inner` is not an optimizer of an installed framework, an argument
+        that belongs to the inner optimizer was passed here, or `loss_scale` came with
+        scale settings or a policy.
       ValueError: a setting is out of range.
     """
 
@@ -138,10 +214,11 @@ class LossScaleOptimizer(abc.ABC):
             return True
         return NotImplemented
 
-    def __new__(cls, inner: Any, initial_scale: float = 2.0**15, dynamic_growth_steps: int = 2000,
-                *, growth_factor: float = 2.0, backoff_factor: float = 0.5, min_scale: float = 1.0,
-                max_scale: float = 2.0**24, loss_scale: LossScale | None = None,
-                axis_name: Any = None, **kwargs: Any):
+    def __new__(cls, inner: Any, initial_scale: float | None = None, dynamic_growth_steps: int | None = None,
+                *, growth_factor: float | None = None, backoff_factor: float | None = None,
+                min_scale: float | None = None, max_scale: float | None = None,
+                loss_scale: LossScale | None = None, policy: Any = None,
+                skip_nonfinite: bool = False, axis_name: Any = None, **kwargs: Any):
         adapter = _registry.optimizer_adapter(inner)
         if kwargs and not (adapter is not None and adapter.takes_optimizer_options):
             raise TypeError(
@@ -149,18 +226,33 @@ class LossScaleOptimizer(abc.ABC):
                 f"such as learning_rate or weight_decay belong to the inner optimizer: pass "
                 f"them when you create it, then wrap it. The wrapper takes initial_scale, "
                 f"dynamic_growth_steps, growth_factor, backoff_factor, min_scale, max_scale, "
-                f"loss_scale and axis_name.")
-        if loss_scale is None:
-            check_scale(initial_scale, "initial_scale")
-            loss_scale = DynamicLossScale(
-                loss_scale=initial_scale, dynamic_growth_steps=dynamic_growth_steps,
-                growth_factor=growth_factor, backoff_factor=backoff_factor,
-                min_scale=min_scale, max_scale=max_scale)
-        elif not isinstance(loss_scale, LossScale):
-            raise TypeError(f"Received loss_scale of type {type(loss_scale).__name__}; expected "
-                            f"a DynamicLossScale, StaticLossScale or NoLossScale.")
+                f"loss_scale, policy, skip_nonfinite and axis_name.")
+        if not isinstance(skip_nonfinite, bool):
+            raise TypeError(f"Received skip_nonfinite={skip_nonfinite!r:.60}; expected True or False.")
+        settings = {name: value for name, value in (
+            ("loss_scale", initial_scale), ("dynamic_growth_steps", dynamic_growth_steps),
+            ("growth_factor", growth_factor), ("backoff_factor", backoff_factor),
+            ("min_scale", min_scale), ("max_scale", max_scale)) if value is not None}
+        if loss_scale is not None:
+            if not isinstance(loss_scale, LossScale):
+                raise TypeError(f"Received loss_scale of type {type(loss_scale).__name__}; expected "
+                                f"a DynamicLossScale, StaticLossScale or NoLossScale.")
+            if settings or policy is not None:
+                given = sorted(["initial_scale" if k == "loss_scale" else k for k in settings]
+                               + (["policy"] if policy is not None else []))
+                raise TypeError(f"Received loss_scale={loss_scale!r} together with {given}; the "
+                                f"loss_scale given is used as it is. Pass one or the other.")
+        if loss_scale is None and settings:  # checked before dispatch: a bad setting is named first
+            if "loss_scale" in settings:
+                check_scale(initial_scale, "initial_scale")
+            loss_scale = DynamicLossScale(**settings)
         if adapter is None:
             raise _no_adapter(inner, "optimizer")
+        if loss_scale is None:
+            if _needs_scaling(adapter, inner, policy):
+                loss_scale = DynamicLossScale()
+            else:
+                loss_scale = NoLossScale(skip_nonfinite=skip_nonfinite)
         if kwargs:  # a framework's own options (Keras: name, dynamic, its base arguments)
             return adapter.wrap_optimizer(inner, loss_scale, axis_name, **kwargs)
         return adapter.wrap_optimizer(inner, loss_scale, axis_name)

@@ -87,9 +87,24 @@ class LossScale(abc.ABC):
 class NoLossScale(LossScale):
     """No scaling: `scale` and `unscale` return their input, `adjust` returns self.
 
+    Args:
+      skip_nonfinite: does a wrapper holding it still check the gradients and skip a
+        step that is not finite (True, the default), or is it a pass-through whose step
+        is the inner optimizer's step and nothing else (False: what
+        `mixedpolicy.LossScaleOptimizer` chooses under a policy that needs no scaling)?
+
     >>> NoLossScale().scale(3.0)
     3.0
     """
+
+    skip_nonfinite: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.skip_nonfinite, (bool, np.bool_)):
+            raise TypeError(f"Received skip_nonfinite={self.skip_nonfinite!r:.60}; expected True "
+                            f"(check the gradients and skip a non-finite step) or False (a "
+                            f"pass-through: the inner optimizer's step alone).")
+        object.__setattr__(self, "skip_nonfinite", bool(self.skip_nonfinite))
 
     @property
     def loss_scale(self) -> Any:
@@ -106,10 +121,35 @@ class NoLossScale(LossScale):
         return self
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is NoLossScale
+        return type(other) is NoLossScale and other.skip_nonfinite == self.skip_nonfinite
 
     def __hash__(self) -> int:
-        return hash(NoLossScale)
+        return hash((NoLossScale, self.skip_nonfinite))
+
+
+def is_pass_through(loss_scale: LossScale) -> bool:
+    """Does a wrapper holding `loss_scale` add nothing to its inner optimizer's step?"""
+    return isinstance(loss_scale, NoLossScale) and not loss_scale.skip_nonfinite
+
+
+def summary(loss_scale: LossScale) -> str:
+    """One line on what a wrapper holding `loss_scale` does to each step (its ``loss_scaling``).
+
+    >>> summary(NoLossScale(skip_nonfinite=False))
+    "pass-through: the inner optimizer's step, nothing added (no scaling, no finiteness check)"
+    """
+    if is_pass_through(loss_scale):
+        return "pass-through: the inner optimizer's step, nothing added (no scaling, no finiteness check)"
+    if isinstance(loss_scale, NoLossScale):
+        return "no scaling; a step whose gradients are not all finite is skipped"
+    if isinstance(loss_scale, StaticLossScale):
+        return (f"static loss scale {float(np.asarray(loss_scale.loss_scale)):g}; a step whose "
+                f"gradients are not all finite is skipped")
+    if not isinstance(loss_scale, DynamicLossScale):
+        return f"{type(loss_scale).__name__}: a loss scale of one's own"
+    return (f"dynamic loss scale in [{loss_scale.min_scale:.10g}, {loss_scale.max_scale:.10g}], x"
+            f"{loss_scale.growth_factor:g} after {loss_scale.dynamic_growth_steps} finite steps, x"
+            f"{loss_scale.backoff_factor:g} and the step skipped on a non-finite gradient")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -296,7 +336,7 @@ def _register_jax_pytrees(jax: Any) -> None:
         return new
 
     jax.tree_util.register_pytree_node(
-        NoLossScale, lambda s: ((), ()), lambda aux, kids: NoLossScale())
+        NoLossScale, lambda s: ((), (s.skip_nonfinite,)), lambda aux, kids: NoLossScale(*aux))
     jax.tree_util.register_pytree_node(
         StaticLossScale, lambda s: ((s.loss_scale,), ()),
         lambda aux, kids: unflatten(StaticLossScale, aux, kids))

@@ -9,6 +9,13 @@ from conftest import require_module
 
 import mixedpolicy as mp
 
+
+@pytest.fixture(autouse=True)
+def _where_loss_scaling_is_on():
+    """These tests are about scaling: they run under a float16 global policy, where
+    LossScaleOptimizer(opt) scales (tests/test_loss_scale_follows_policy.py: the rest)."""
+    mp.set_global_policy("mixed_float16")  # the root conftest restores it
+
 pytestmark = pytest.mark.gpu
 
 

@@ -12,6 +12,13 @@ import mixedpolicy as mp
 from mixedpolicy.loss_scale import all_finite
 
 
+@pytest.fixture(autouse=True)
+def _where_loss_scaling_is_on():
+    """These tests are about scaling: they run under a float16 global policy, where
+    LossScaleOptimizer(opt) scales (tests/test_loss_scale_follows_policy.py: the rest)."""
+    mp.set_global_policy("mixed_float16")  # the root conftest restores it
+
+
 # -- the core, on numpy and Python numbers ---------------------------------------------
 def test_python_float_gradients_are_unscaled_and_checked():
     s = mp.DynamicLossScale(4.0)

@@ -36,7 +36,7 @@ import optax
 
 from mixedpolicy._adapter import OptimizerAdapter
 from mixedpolicy.backends.jax.arrays import all_finite
-from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale
+from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, is_pass_through, summary
 
 # The updates each LossScaleOptimizer handed on (their first leaf, weakly): a second
 # wrapper in the same optax.chain receives exactly these and would unscale them again.
@@ -96,6 +96,11 @@ class LossScaleTransformation(optax.GradientTransformationExtraArgs):
     """
 
     __slots__ = ()
+
+    @property
+    def loss_scaling(self) -> str:
+        """What this wrapper does to a step: dynamic, static, none, or a pass-through."""
+        return summary(self.update.loss_scale)
 
     def scale_loss(self, loss: Any, state: Any) -> Any:
         """Returns ``loss * state.loss_scale`` in float32: differentiate this.
@@ -158,6 +163,9 @@ def loss_scale_transformation(inner: Any, config: LossScale, axis_name: Any = No
                 "(two in one optax.chain?): they are already unscaled, and dividing them by a "
                 "second scale would make them 32768x too small. Use one LossScaleOptimizer around "
                 "the whole chain: mp.LossScaleOptimizer(optax.chain(...)).")
+        if is_pass_through(config):  # the inner update, nothing added
+            updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
+            return updates, LossScaleState(inner_state, state.loss_scale, state.counts)
         scale = _scale_state(config, state)  # NoLossScale: no unscale, but the skip all the same
         grads = scale.unscale(grads)
         finite = all_finite(grads)

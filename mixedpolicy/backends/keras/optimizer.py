@@ -21,16 +21,16 @@ changes what made Keras's unsafe:
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from typing import Any
 
 import keras
 from keras import ops
 from keras.src.saving import object_registration as _registry  # the name a class saves under
-from keras.src.saving.keras_saveable import KerasSaveable
 
 from mixedpolicy._adapter import OptimizerAdapter
-from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale
+from mixedpolicy.backends.keras.saving import SkipCounts, load_keras_layout, save_keras_layout
+from mixedpolicy.policy import Policy
+from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale, is_pass_through, summary
 
 
 def _is_concrete(x: Any) -> bool:
@@ -86,10 +86,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 loss_scale=initial_scale, dynamic_growth_steps=dynamic_growth_steps,
                 growth_factor=growth_factor, backoff_factor=backoff_factor,
                 min_scale=min_scale, max_scale=max_scale)
-        if isinstance(loss_scale, NoLossScale) or not isinstance(loss_scale, LossScale):
-            raise TypeError(f"Received loss_scale={loss_scale!r}; a Keras LossScaleOptimizer takes "
-                            f"a DynamicLossScale or a StaticLossScale. Without loss scaling, use "
-                            f"the inner optimizer as it is.")
+        if not isinstance(loss_scale, LossScale):
+            raise TypeError(f"Received loss_scale={loss_scale!r:.80}; a Keras LossScaleOptimizer "
+                            f"takes a DynamicLossScale, a StaticLossScale or a NoLossScale.")
+        pass_through = is_pass_through(loss_scale)
+        if isinstance(loss_scale, NoLossScale) and not pass_through:
+            loss_scale = StaticLossScale(1.0)  # the same steps: scale 1, a non-finite one skipped
         steps = getattr(loss_scale, "dynamic_growth_steps", dynamic_growth_steps)
         try:
             super().__init__(inner_optimizer, initial_scale=float(loss_scale.loss_scale),
@@ -101,7 +103,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                              f"belong to the inner optimizer: pass them when you create it, then "
                              f"wrap it.") from None
         self._scale_settings = loss_scale
-        self._skip_store = _SkipCounts(self)
+        self._pass_through = pass_through
+        self._skip_store = SkipCounts(self)
         extra = set(self.get_config()) - {"name", "inner_optimizer", "initial_scale",
                                           "dynamic_growth_steps"}
         if type(self) is LossScaleOptimizer and not extra:
@@ -130,8 +133,15 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """How many steps were skipped so far."""
         return int(ops.convert_to_numpy(self._skips)[0]) if self.built else 0
 
+    @property
+    def loss_scaling(self) -> str:
+        """What this wrapper does to a step: dynamic, static, or a pass-through."""
+        return summary(NoLossScale(skip_nonfinite=False) if self._pass_through else self._scale_settings)
+
     def scale_loss(self, loss: Any) -> Any:
-        """Returns ``loss * loss_scale`` in float32; differentiate this."""
+        """Returns ``loss * loss_scale`` in float32; differentiate this (a pass-through: `loss`)."""
+        if self._pass_through:
+            return loss
         scale = self.dynamic_scale if self.built else self.initial_scale
         return ops.multiply(ops.cast(loss, "float32"), scale)
 
@@ -166,12 +176,24 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         skipped = ops.cast(ops.logical_not(finite), "int32")
         self._skips.assign(ops.stack([ops.add(self._skips[0], skipped), skipped]))
 
+    def apply(self, grads: Any, trainable_variables: Any = None) -> None:
+        if not self._pass_through:
+            return super().apply(grads, trainable_variables)
+        if not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(trainable_variables)
+        self.inner_optimizer.apply(grads, trainable_variables=trainable_variables)
+
     def stateless_apply(self, optimizer_variables: Any, grads: Any, trainable_variables: Any) -> Any:
         if not self.built:
             raise ValueError(f"To call `stateless_apply`, {type(self).__name__} must be built: "
                              f"call optimizer.build(trainable_variables) first.")
-        mapping = list(zip(self.variables, optimizer_variables))
         own = len(self._variables)
+        if self._pass_through:  # the inner step, nothing added
+            new_trainable, new_inner = self.inner_optimizer.stateless_apply(
+                list(optimizer_variables[own:]), grads, trainable_variables)
+            return new_trainable, list(optimizer_variables[:own]) + list(new_inner)
+        mapping = list(zip(self.variables, optimizer_variables))
         old_trainable, old_inner = list(trainable_variables), list(optimizer_variables[own:])
         with keras.StatelessScope(state_mapping=mapping) as scope:
             finite = self.check_finite(grads)
@@ -218,35 +240,16 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._update_scale(ops.convert_to_tensor(False))
 
     # -- saving --------------------------------------------------------------
-    def _keras_variables(self) -> list:
-        """The variables in the order Keras's own LossScaleOptimizer has them (no counters)."""
-        return [v for v in self.variables if v is not self._skips]
-
     def save_own_variables(self, store: Any) -> None:
         """Keras's own layout (what ``keras.optimizers.LossScaleOptimizer`` reads); the skip
         counters go beside it, under ``_skip_store``."""
-        for i, variable in enumerate(self._keras_variables()):
-            store[str(i)] = variable.numpy() if hasattr(variable, "numpy") else variable
+        save_keras_layout(self, store)
 
     def load_own_variables(self, store: Any) -> None:
         """Reads Keras's layout (and the one this class wrote before, with the counters inside),
         then checks the scale: one that is not a finite number > 0 is refused."""
-        if not self.built:
-            return super().load_own_variables(store)  # Keras's warning: nothing to restore into
-        ours = self._keras_variables()
-        if len(store.keys()) == len(self.variables):  # earlier layout: the counters at index 2
-            ours = self.variables
-        elif len(store.keys()) != len(ours):
-            return super().load_own_variables(store)  # Keras's warning about the mismatch
-        for i, variable in enumerate(ours):
-            variable.assign(store[str(i)])
-        scale = float(ops.convert_to_numpy(self.dynamic_scale))
-        if not (scale > 0 and scale < float("inf")):
-            raise ValueError(
-                f"Received a checkpoint whose loss scale is {scale}; expected a finite number > 0 "
-                f"(a scale of 0, NaN or inf turns the weights into NaN at the next step). The "
-                f"file was written by an optimizer whose scale had collapsed; load the model with "
-                f"compile=False and compile it with a fresh LossScaleOptimizer.")
+        if not load_keras_layout(self, store):
+            super().load_own_variables(store)  # Keras's warning: nothing or a mismatch
 
     def get_config(self) -> dict:
         """Keras's four keys; the settings Keras's own cannot express only where they are set.
@@ -256,7 +259,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """
         config = super().get_config()
         cfg = self._scale_settings
-        if isinstance(cfg, DynamicLossScale):
+        if self._pass_through:
+            config["pass_through"] = True
+        elif isinstance(cfg, DynamicLossScale):
             for key, default in _DEFAULTS.items():
                 if getattr(cfg, key) != default:
                     config[key] = getattr(cfg, key)
@@ -270,6 +275,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         config = dict(config)
         inner = keras.saving.deserialize_keras_object(config.pop("inner_optimizer"),
                                                       custom_objects=custom_objects)
+        if config.pop("pass_through", False):
+            for key in ("initial_scale", "dynamic_growth_steps"):
+                config.pop(key, None)
+            return cls(inner, loss_scale=NoLossScale(skip_nonfinite=False), **config)
         static = config.pop("static", False)
         dynamic = config.pop("dynamic", True)  # this class's configs from before said dynamic=False
         if static or dynamic is False:
@@ -277,31 +286,6 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             config.pop("dynamic_growth_steps", None)
             return cls(inner, loss_scale=scale, **config)
         return cls(inner, **config)
-
-
-class _SkipCounts(KerasSaveable):
-    """Saves a wrapper's skip counters in a group of their own (``optimizer/_skip_store``), so
-    the optimizer's group holds exactly what Keras's own LossScaleOptimizer reads."""
-
-    def __init__(self, optimizer: LossScaleOptimizer):
-        self._owner = weakref.ref(optimizer)
-
-    def _obj_type(self) -> str:
-        return "Optimizer"  # picks which attributes Keras walks; this object has none to walk
-
-    def _keras_variables(self) -> list:
-        """The variables in the order Keras's own LossScaleOptimizer has them (no counters)."""
-        return [v for v in self.variables if v is not self._skips]
-
-    def save_own_variables(self, store: Any) -> None:
-        owner = self._owner()
-        if owner is not None and owner.built:
-            store["0"] = ops.convert_to_numpy(owner._skips)
-
-    def load_own_variables(self, store: Any) -> None:
-        owner = self._owner()
-        if owner is not None and owner.built and "0" in store.keys():
-            owner._skips.assign(store["0"])
 
 
 class _SavedAsKeras(LossScaleOptimizer):
@@ -338,6 +322,15 @@ class KerasOptimizers(OptimizerAdapter):
             raise TypeError(f"Received axis_name={axis_name!r} for a Keras optimizer; axis_name "
                             f"names a JAX replica axis. Keras agrees across replicas by itself.")
         return LossScaleOptimizer(optimizer, loss_scale=loss_scale, **options)
+
+    def policies_of(self, optimizer: Any) -> tuple[Any, str] | None:
+        # Keras's global dtype policy, where it computes in float16 (set through Keras
+        # itself); else the factory's own rule (mixedpolicy's global policy, live models)
+        try:
+            policy = Policy.from_keras(keras.config.dtype_policy())
+        except ValueError:  # a quantized Keras policy: its float source is not what runs
+            return None
+        return ((policy,), "Keras's global dtype policy") if policy.needs_loss_scaling else None
 
     def optimizer_from_config(self, config: dict, custom_objects: Any = None) -> Any:
         if "inner_optimizer" not in config:

@@ -43,6 +43,8 @@ from mixedpolicy.layer_plan import dotted_chains, join, plan
 from mixedpolicy.policy_map import LOSS, NORMALIZATION, LayerInfo, Resolution
 
 _STATE = "_mixedpolicy"
+#: the attribute of a parameter that holds the policy of the module that owns it
+PARAMETER_POLICY = "_mixedpolicy_policy"
 _FLOAT32 = Policy("float32")  # attribute holding what apply_policy changed on a module
 
 # Norms whose PyTorch kernels compute in float32 from half inputs and float32 parameters.
@@ -148,6 +150,7 @@ class TorchModels(ModelAdapter):
             # A narrowing cast keeps the original values, so remove_policy can give back
             # every value that was not changed since (see remove_policy).
             for name, p in module.named_parameters(recurse=False):
+                p.__dict__[PARAMETER_POLICY] = policy  # what LossScaleOptimizer(opt) follows
                 if p.is_floating_point() and p.dtype != target:
                     state["dtypes"][name] = p.dtype
                     state.setdefault("originals", {})[name] = p.data
@@ -225,6 +228,8 @@ def remove_policy(model: torch.nn.Module) -> torch.nn.Module:
         state = module.__dict__.pop(_STATE, None)
         if state is None:
             continue
+        for p in module.parameters(recurse=False):
+            p.__dict__.pop(PARAMETER_POLICY, None)
         if "forward" in state:
             if state["forward"] is None:
                 module.__dict__.pop("forward", None)

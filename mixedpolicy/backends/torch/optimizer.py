@@ -22,9 +22,11 @@ from typing import Any
 import torch
 
 from mixedpolicy._adapter import OptimizerAdapter
+from mixedpolicy.backends.torch.modules import PARAMETER_POLICY
 from mixedpolicy.backends.torch.checks import check_capturable, check_half_master_weights, grads_by_device_and_dtype
 from mixedpolicy.backends.torch.state import Checkpoints
-from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale
+from mixedpolicy.scope import global_policy
+from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, is_pass_through, summary
 
 
 class TorchLossScaleOptimizer(Checkpoints, torch.optim.Optimizer):
@@ -149,6 +151,11 @@ class TorchLossScaleOptimizer(Checkpoints, torch.optim.Optimizer):
         self._ensure_scale(self._first_device())
         return int(self._skipped)
 
+    @property
+    def loss_scaling(self) -> str:
+        """What this wrapper does to a step: dynamic, static, none, or a pass-through."""
+        return summary(self._scale_settings)
+
     def scale_loss(self, loss: Any) -> Any:
         """Returns ``loss * loss_scale`` in float32; call ``.backward()`` on it.
 
@@ -193,6 +200,8 @@ class TorchLossScaleOptimizer(Checkpoints, torch.optim.Optimizer):
         Raises:
           RuntimeError: `unscale_` was already called since the last `step`.
         """
+        if is_pass_through(self._scale_settings):
+            return  # nothing was scaled (GradScaler(enabled=False).unscale_ does nothing either)
         if self._unscaled:
             raise RuntimeError("unscale_() was already called since the last step(); the "
                                "gradients are unscaled once per step. Call step() next.")
@@ -211,6 +220,10 @@ class TorchLossScaleOptimizer(Checkpoints, torch.optim.Optimizer):
             raise TypeError("LossScaleOptimizer.step() takes no closure: an optimizer that "
                             "re-evaluates the loss (LBFGS) cannot be loss-scaled. Use it without "
                             "a LossScaleOptimizer and a bfloat16 or float32 policy.")
+        if is_pass_through(self._scale_settings):  # the inner step, nothing added
+            for opt in self._inners:
+                opt.step()
+            return None
         # NoLossScale too: its scale is 1, and a non-finite step is still skipped
         scale = self._ensure_scale(self._first_device())
         fused = all(getattr(opt, "_step_supports_amp_scaling", False) for opt in self._inners)
@@ -267,3 +280,12 @@ class TorchOptimizers(OptimizerAdapter):
                 f"replica axis. Under DistributedDataParallel every rank already skips "
                 f"together: the gradients are all-reduced before the step checks them.")
         return TorchLossScaleOptimizer(optimizer, loss_scale)
+
+    def policies_of(self, optimizer: Any) -> tuple[Any, str] | None:
+        inners = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
+        found = {p.__dict__[PARAMETER_POLICY] for opt in inners for group in opt.param_groups
+                 for p in group["params"] if PARAMETER_POLICY in p.__dict__}
+        if found:
+            return tuple(found), "the policies apply_policy put on its parameters' modules"
+        # a model of its own without a policy: a float16 model elsewhere is not this one
+        return (global_policy(),), "the global policy (no policy applied to its parameters)"

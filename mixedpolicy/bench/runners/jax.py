@@ -187,9 +187,7 @@ def _predict(model, x):
 def _ours_step(model, optimizer, x, y):
     def scaled(model):
         loss = _loss(model, x, y)
-        if isinstance(optimizer.tx, mp.LossScaleOptimizer):
-            return optimizer.tx.scale_loss(loss, optimizer.opt_state), loss
-        return loss, loss
+        return optimizer.tx.scale_loss(loss, optimizer.opt_state), loss
     grads, loss = nnx.grad(scaled, has_aux=True)(model)
     optimizer.update(model, grads)
     return loss
@@ -199,8 +197,9 @@ class Ours(_Nnx):
     def __init__(self, model: str, cfg: dict, policy: str, weights: dict):
         super().__init__(mp.apply_policy(_MODELS[model](weights, cfg), policy))
         sgd = optax.sgd(LR, momentum=MOMENTUM)
-        tx = mp.LossScaleOptimizer(sgd) if mp.Policy(policy).needs_loss_scaling else sgd
-        self.optimizer = nnx.Optimizer(self.model, tx, wrt=nnx.Param)
+        # one training loop for every policy: a pass-through where the policy needs no scaling
+        self.optimizer = nnx.Optimizer(self.model, mp.LossScaleOptimizer(sgd, policy=policy), wrt=nnx.Param)
+        self._scaled = mp.Policy(policy).needs_loss_scaling
         self._step = nnx.cached_partial(_ours_step, self.model, self.optimizer)
 
     def step(self, x, y) -> None:
@@ -212,7 +211,7 @@ class Ours(_Nnx):
 
     def loss_scale(self):
         state = self.optimizer.opt_state
-        return float(state.loss_scale.get_value()) if hasattr(state, "loss_scale") else None
+        return float(state.loss_scale.get_value()) if self._scaled else None
 
 
 @nnx.jit

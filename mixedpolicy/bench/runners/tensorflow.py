@@ -217,6 +217,8 @@ class _Tf(Trainer):
         return getattr(self.opt, "num_skipped_steps", 0)
 
     def loss_scale(self):
+        if getattr(self.opt, "loss_scaling", "").startswith("pass-through"):
+            return None  # no scale: the policy needs none
         return getattr(self.opt, "loss_scale", None)
 
 
@@ -224,8 +226,9 @@ def trainers(model: str, cfg: dict, policy: str, weights: dict, device: str):
     pin_tf32("tensorflow", device)
     scaled = mp.Policy(policy).needs_loss_scaling
     ours_opt = keras.optimizers.SGD(LR, momentum=MOMENTUM)
+    # one training loop for every policy: a pass-through where the policy needs no scaling
     ours = _Tf(mp.apply_policy(_MODELS[model](weights, cfg), policy),
-               mp.LossScaleOptimizer(ours_opt) if scaled else ours_opt)
+               mp.LossScaleOptimizer(ours_opt, policy=policy))
     native_opt = keras.optimizers.SGD(LR, momentum=MOMENTUM)
     # A float32 hand-written model casts nothing; a mixed one casts inputs and variables.
     native = _Tf(_MODELS[model](weights, cfg, None if policy == "float32" else _COMPUTE[policy]),

@@ -169,21 +169,23 @@ class Ours(_Torch):
     def __init__(self, net: torch.nn.Module, policy: str, device: str):
         super().__init__(mp.apply_policy(net, policy), device)
         sgd = torch.optim.SGD(self.model.parameters(), lr=LR, momentum=MOMENTUM)
-        self.opt = mp.LossScaleOptimizer(sgd) if mp.Policy(policy).needs_loss_scaling else sgd
+        # one training loop for every policy: a pass-through where the policy needs no scaling
+        self.opt = mp.LossScaleOptimizer(sgd, policy=policy)
+        self._scaled = mp.Policy(policy).needs_loss_scaling
 
     def step(self, x, y) -> None:
         x, y = self._batch(x, y)
         loss = torch.nn.functional.cross_entropy(self.model(x).float(), y)
-        (self.opt.scale_loss(loss) if hasattr(self.opt, "scale_loss") else loss).backward()
+        self.opt.scale_loss(loss).backward()
         self.opt.step()
         self.opt.zero_grad()
         self._loss = loss.detach()
 
     def skipped_steps(self) -> int:
-        return getattr(self.opt, "num_skipped_steps", 0)
+        return self.opt.num_skipped_steps
 
     def loss_scale(self):
-        return float(self.opt.loss_scale) if hasattr(self.opt, "loss_scale") else None
+        return float(self.opt.loss_scale) if self._scaled else None
 
 
 class Native(_Torch):

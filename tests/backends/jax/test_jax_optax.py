@@ -18,6 +18,13 @@ jmp = require_module("jmp", "jax")
 import mixedpolicy as mp  # noqa: E402
 from mixedpolicy.backends.jax.optax import LossScaleState  # noqa: E402
 
+
+@pytest.fixture(autouse=True)
+def _where_loss_scaling_is_on():
+    """These tests are about scaling: they run under a float16 global policy, where
+    LossScaleOptimizer(opt) scales (tests/test_loss_scale_follows_policy.py: the rest)."""
+    mp.set_global_policy("mixed_float16")  # the root conftest restores it
+
 X = np.random.default_rng(0).normal(size=(16, 6)).astype(np.float32)
 Y = np.random.default_rng(1).normal(size=(16, 3)).astype(np.float32)
 
@@ -235,7 +242,7 @@ _REPLICAS = textwrap.dedent("""
     # Replica 1 overflows, replica 0 does not: both must skip and keep equal scales.
     poison = jnp.asarray([False, True])
     for name in ("pmap", "shard_map"):
-        opt = mp.LossScaleOptimizer(optax.sgd(0.1), axis_name="r")
+        opt = mp.LossScaleOptimizer(optax.sgd(0.1), axis_name="r", policy="mixed_float16")
         state = opt.init(params)
         rep = lambda t: jax.tree_util.tree_map(lambda a: jnp.stack([a, a]), t)
         if name == "pmap":
@@ -252,7 +259,7 @@ _REPLICAS = textwrap.dedent("""
         assert np.asarray(s.loss_scale).tolist() == [2.0**14] * 2, (name, s)
         np.testing.assert_array_equal(np.asarray(p["w"]), np.ones((2, 3), np.float32))
         # without axis_name, replica 0 would have stepped on its own
-        alone = mp.LossScaleOptimizer(optax.sgd(0.1))
+        alone = mp.LossScaleOptimizer(optax.sgd(0.1), policy="mixed_float16")
         q, t = jax.pmap(functools.partial(local_step, alone))(rep(params), rep(alone.init(params)), x, poison)
         assert np.asarray(t.last_step_skipped).tolist() == [False, True]
         print(name, "ok")

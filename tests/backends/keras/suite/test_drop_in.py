@@ -158,7 +158,7 @@ def test_settings_keras_cannot_express_keep_mixedpolicys_name():
     assert type(opt).__module__.startswith("mixedpolicy")
     config = keras.saving.serialize_keras_object(opt)
     assert config["registered_name"] == "mixedpolicy>LossScaleOptimizer", config
-    default = keras.saving.serialize_keras_object(mp.LossScaleOptimizer(keras.optimizers.SGD()))
+    default = keras.saving.serialize_keras_object(mp.LossScaleOptimizer(keras.optimizers.SGD(), policy="mixed_float16"))
     assert (default["module"], default["registered_name"]) == ("keras.optimizers", "LossScaleOptimizer")
     # a config Keras's own wrote (registered_name None) still builds Keras's own class
     own = keras.saving.serialize_keras_object(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()))

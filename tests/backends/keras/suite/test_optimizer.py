@@ -20,8 +20,16 @@ def test_keras_own_loss_scale_optimizer_tests():
     import keras.src.optimizers.loss_scale_optimizer_test as keras_tests
     from mixedpolicy.backends.keras.optimizer import LossScaleOptimizer
 
-    # Every one of Keras's own tests, through the class and through the factory.
-    for under_test in (LossScaleOptimizer, mp.LossScaleOptimizer):
+    # Every one of Keras's own tests, through the class and through the factory under a
+    # float16 policy (where Keras itself uses a LossScaleOptimizer; elsewhere the factory
+    # gives a pass-through: test_the_factory_follows_the_policy).
+    class factory:
+        from_config = mp.LossScaleOptimizer.from_config
+
+        def __new__(cls, inner, *args, **kwargs):
+            return mp.LossScaleOptimizer(inner, *args, policy="mixed_float16", **kwargs)
+
+    for under_test in (LossScaleOptimizer, factory):
         keras_tests.LossScaleOptimizer = under_test
         suite = unittest.TestLoader().loadTestsFromTestCase(keras_tests.LossScaleOptimizerTest)
         result = unittest.TextTestRunner(stream=sys.stdout, verbosity=0).run(suite)
@@ -37,7 +45,7 @@ def test_keras_own_loss_scale_optimizer_tests():
     own = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.5), 4.0, 3, name="k").get_config()
     mine = mp.LossScaleOptimizer.from_config(own)
     assert isinstance(mine, LossScaleOptimizer) and (mine.initial_scale, mine.dynamic_growth_steps, mine.name) == (4.0, 3, "k")
-    theirs = keras.optimizers.LossScaleOptimizer.from_config(mp.LossScaleOptimizer(keras.optimizers.SGD(0.5)).get_config())
+    theirs = keras.optimizers.LossScaleOptimizer.from_config(mp.LossScaleOptimizer(keras.optimizers.SGD(0.5), policy="mixed_float16").get_config())
     assert theirs.initial_scale == 2.0**15
 
 
@@ -46,7 +54,7 @@ def test_bounded_scale_skips_and_checkpoints():
     from keras import ops
 
     backend = keras.backend.backend()
-    opt = mp.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    opt = mp.LossScaleOptimizer(keras.optimizers.SGD(0.1), policy="mixed_float16")
     assert isinstance(opt, mp.LossScaleOptimizer) and isinstance(opt, keras.optimizers.LossScaleOptimizer)
     try:  # Keras's exception type, with the fix
         mp.LossScaleOptimizer(keras.optimizers.SGD(0.1), learning_rate=0.1)
@@ -129,12 +137,12 @@ def test_bounded_scale_skips_and_checkpoints():
 
 def test_a_checkpoint_with_a_collapsed_scale_is_refused_on_load():
     w = keras.Variable(np.ones(3, "float32"))
-    opt = mp.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    opt = mp.LossScaleOptimizer(keras.optimizers.SGD(0.1), policy="mixed_float16")
     opt.build([w])
     store = {str(i): keras.ops.convert_to_numpy(v) for i, v in enumerate(opt.variables)}
     index = [i for i, v in enumerate(opt.variables) if v is opt.dynamic_scale][0]
     store[str(index)] = np.asarray(np.nan, "float32")
-    fresh = mp.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    fresh = mp.LossScaleOptimizer(keras.optimizers.SGD(0.1), policy="mixed_float16")
     fresh.build([keras.Variable(np.ones(3, "float32"))])
     try:
         fresh.load_own_variables(store)
@@ -169,3 +177,60 @@ def test_reads_keras_layout_and_its_own_earlier_layout():
         opt.load_own_variables({"0": np.asarray(1)})
     assert any("Skipping variable loading" in str(c.message) for c in caught)
     assert opt.loss_scale == 512.0 and values  # nothing was overwritten
+
+
+def test_the_factory_follows_the_policy():
+    """Under float32 or bfloat16, mp.LossScaleOptimizer(opt) adds nothing to the inner step."""
+    import gc
+    from keras import ops
+    from mixedpolicy.backends.keras.optimizer import LossScaleOptimizer
+
+    mp.set_global_policy(None)
+    gc.collect()  # the float16 models of earlier tests: while one lives, the factory scales
+    opt = mp.LossScaleOptimizer(keras.optimizers.SGD(0.5))
+    assert isinstance(opt, LossScaleOptimizer) and opt.loss_scaling.startswith("pass-through")
+    loss = ops.convert_to_tensor(np.float32(3.0))
+    assert opt.scale_loss(loss) is loss and opt.loss_scale == 1.0
+    w = keras.Variable(np.ones(2, "float32"))
+    opt.apply([ops.convert_to_tensor(np.array([1.0, np.inf], "float32"))], [w])
+    np.testing.assert_array_equal(ops.convert_to_numpy(w), [0.5, -np.inf])  # nothing checked
+    assert not opt.last_step_skipped and opt.num_skipped_steps == 0
+    # stateless (JAX's trainer): the inner optimizer's own stateless step
+    plain = keras.optimizers.SGD(0.5) if keras.backend.backend() != "tensorflow" else None
+    if plain is None:  # TensorFlow has no stateless_apply
+        return _fit_with_the_pass_through()
+    opt = mp.LossScaleOptimizer(keras.optimizers.SGD(0.5))
+    w1, w2 = keras.Variable(np.ones(2, "float32")), keras.Variable(np.ones(2, "float32"))
+    opt.build([w1])
+    plain.build([w2])
+    grads = [ops.convert_to_tensor(np.array([1.0, 2.0], "float32"))]
+    new_w, new_vars = opt.stateless_apply([v.value for v in opt.variables], grads, [w1.value])
+    ref_w, ref_vars = plain.stateless_apply([v.value for v in plain.variables], grads, [w2.value])
+    np.testing.assert_array_equal(ops.convert_to_numpy(new_w[0]), ops.convert_to_numpy(ref_w[0]))
+    assert len(new_vars) == len(opt.variables)
+    # the choice survives a config round trip; Keras's global policy is read too
+    again = mp.LossScaleOptimizer.from_config(opt.get_config())
+    assert again.loss_scaling.startswith("pass-through") and again.get_config()["pass_through"]
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        assert mp.LossScaleOptimizer(keras.optimizers.SGD(0.5)).loss_scaling.startswith("dynamic")
+    finally:
+        keras.config.set_dtype_policy("float32")
+    assert mp.LossScaleOptimizer(keras.optimizers.SGD(0.5), policy="mixed_float16").loss_scaling.startswith("dynamic")
+    _fit_with_the_pass_through()
+
+
+def _fit_with_the_pass_through():
+    """fit under bfloat16 with the pass-through trains like the bare optimizer."""
+    mp.set_global_policy("mixed_bfloat16")
+    try:
+        keras.utils.set_random_seed(0)
+        x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+        y = x.sum(axis=1, keepdims=True)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(mp.LossScaleOptimizer(keras.optimizers.SGD(0.05)), "mse")
+        first = model.evaluate(x, y, verbose=0)
+        model.fit(x, y, epochs=5, batch_size=8, verbose=0)
+        assert model.evaluate(x, y, verbose=0) < first
+    finally:
+        mp.set_global_policy(None)

@@ -1,0 +1,179 @@
+"""LossScaleOptimizer(opt) follows the policy: dynamic scaling where something computes in
+float16, else a pass-through that adds nothing to the inner optimizer's step.
+
+(Keras: tests/backends/keras/suite/test_optimizer.py, under each Keras backend.)
+"""
+
+import gc
+
+import numpy as np
+import pytest
+
+from conftest import require_module
+
+import mixedpolicy as mp
+
+PASS = "pass-through"
+
+
+def _torch_model(torch, seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+# -- the choice ------------------------------------------------------------------------
+def test_torch_follows_the_policies_apply_policy_put_on_its_parameters():
+    torch = require_module("torch")
+
+    def choice(model, **kw):
+        return mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), **kw).loss_scaling
+
+    assert choice(_torch_model(torch)).startswith(PASS)  # plain float32 model, float32 global
+    assert choice(mp.apply_policy(_torch_model(torch), "mixed_bfloat16")).startswith(PASS)
+    half = mp.apply_policy(_torch_model(torch), "mixed_float16")
+    assert choice(half).startswith("dynamic")
+    # one float16 layer in a bfloat16 model is enough
+    assert choice(mp.apply_policy(_torch_model(torch), "mixed_bfloat16", {"2": "mixed_float16"})).startswith("dynamic")
+    # the parameters' policies win over the global policy, both ways
+    mp.set_global_policy("mixed_float16")
+    assert choice(mp.apply_policy(_torch_model(torch), "float32")).startswith(PASS)
+    mp.set_global_policy("float32")
+    assert choice(half).startswith("dynamic")
+    # removed policy: the parameters no longer carry one; the global policy decides
+    assert choice(mp.remove_policy(half)).startswith(PASS)
+    # what the user says wins: policy=, any scale setting, a ready loss scale
+    assert choice(half, policy="mixed_bfloat16").startswith(PASS)
+    assert choice(_torch_model(torch), policy="mixed_float16").startswith("dynamic")
+    assert choice(_torch_model(torch), policy=mp.PolicyMap("float32", {"0": "mixed_float16"})).startswith("dynamic")
+    assert choice(_torch_model(torch), dynamic_growth_steps=10).startswith("dynamic")
+    assert choice(_torch_model(torch), loss_scale=mp.StaticLossScale(8.0)).startswith("static")
+    assert choice(_torch_model(torch), skip_nonfinite=True).startswith("no scaling")
+
+
+def test_without_a_view_of_the_model_a_live_float16_model_or_the_global_policy_decides():
+    jax = require_module("jax")
+    optax = require_module("optax", "jax")
+    nnx = require_module("flax.nnx", "jax")
+
+    def choice():
+        return mp.LossScaleOptimizer(optax.sgd(0.1)).loss_scaling
+
+    assert choice().startswith(PASS)
+    with mp.policy_scope("mixed_float16"):
+        assert choice().startswith("dynamic")
+    bf16 = mp.apply_policy(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), "mixed_bfloat16")
+    assert choice().startswith(PASS)
+    model = mp.apply_policy(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), "mixed_float16")
+    assert choice().startswith("dynamic")  # it may be this optimizer's model: scale
+    mp.remove_policy(model)
+    assert choice().startswith(PASS)
+    model = mp.apply_policy(model, "mixed_float16")
+    del model
+    gc.collect()
+    assert choice().startswith(PASS)
+    f = mp.apply_policy(lambda w, x: w @ x, "mixed_float16")  # a plain function counts too
+    assert choice().startswith("dynamic")
+    del f, bf16
+    gc.collect()
+    assert choice().startswith(PASS) and jax is not None
+
+
+def test_conflicting_or_bad_arguments_are_refused_with_the_fix():
+    torch = require_module("torch")
+    opt = torch.optim.SGD(_torch_model(torch).parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=r"together with \['initial_scale', 'policy'\].*one or the other"):
+        mp.LossScaleOptimizer(opt, loss_scale=mp.NoLossScale(), initial_scale=8.0, policy="float32")
+    with pytest.raises(TypeError, match="skip_nonfinite='yes'; expected True or False"):
+        mp.LossScaleOptimizer(opt, skip_nonfinite="yes")
+    with pytest.raises(ValueError, match="mixed_floatt"):
+        mp.LossScaleOptimizer(opt, policy="mixed_floatt")
+    with pytest.raises(TypeError, match="skip_nonfinite=3"):
+        mp.NoLossScale(skip_nonfinite=3)
+    assert mp.NoLossScale(False) != mp.NoLossScale() and mp.NoLossScale() == mp.NoLossScale(True)
+
+
+# -- the pass-through adds nothing -----------------------------------------------------
+def _aten_ops(torch, fn):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not str(func).startswith("profiler."):  # step-hook markers, not computation
+                self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Count() as count:
+        fn()
+    return count.ops
+
+
+@pytest.mark.parametrize("make", ["sgd", "adamw-foreach"])
+def test_torch_pass_through_is_the_inner_step_bit_for_bit_and_op_for_op(make):
+    torch = require_module("torch")
+    build = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+             "adamw-foreach": lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=True)}[make]
+    x, y = torch.randn(16, 4, generator=torch.Generator().manual_seed(1)), torch.randn(16, 2)
+    ours_model, plain_model = _torch_model(torch), _torch_model(torch)
+    mp.apply_policy(ours_model, "mixed_bfloat16")
+    mp.apply_policy(plain_model, "mixed_bfloat16")
+    ours = mp.LossScaleOptimizer(build(ours_model.parameters()))
+    plain = build(plain_model.parameters())
+    assert ours.loss_scaling.startswith(PASS)
+    for _ in range(3):
+        for model, opt in ((ours_model, ours), (plain_model, plain)):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+            scaled = ours.scale_loss(loss) if opt is ours else loss
+            assert scaled is loss
+            scaled.backward()
+        ours.unscale_()  # nothing to unscale: a no-op, as GradScaler(enabled=False)'s
+        ours_ops = _aten_ops(torch, ours.step)
+        plain_ops = _aten_ops(torch, plain.step)
+        assert ours_ops == plain_ops and ours_ops
+    for a, b in zip(ours_model.parameters(), plain_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert not ours.last_step_skipped and ours.num_skipped_steps == 0 and float(ours.loss_scale) == 1.0
+
+
+def test_torch_pass_through_takes_a_non_finite_step_unless_asked_to_skip():
+    torch = require_module("torch")
+    for skip in (False, True):
+        model = _torch_model(torch)
+        opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), skip_nonfinite=skip)
+        (model(torch.ones(1, 4)).sum() * float("inf")).backward()
+        opt.step()
+        finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+        assert finite == skip and opt.last_step_skipped == skip
+
+
+def test_optax_pass_through_is_the_inner_update_and_adds_no_operation():
+    jax = require_module("jax")
+    optax = require_module("optax", "jax")
+    jnp = jax.numpy
+    params = {"w": jnp.arange(6.0, dtype=jnp.float32).reshape(2, 3), "b": jnp.ones(3, jnp.float32)}
+    grads = jax.tree_util.tree_map(lambda p: p * 0.5 - 1.0, params)
+    inner = optax.sgd(0.1, momentum=0.9)  # (adamw trips strict dtype promotion inside optax)
+    opt = mp.LossScaleOptimizer(inner)
+    assert opt.loss_scaling.startswith(PASS)
+    state, inner_state = opt.init(params), inner.init(params)
+    assert opt.scale_loss(jnp.float32(3.0), state) == 3.0
+
+    def prims(fn, *args):
+        return [e.primitive.name for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns]
+
+    assert prims(lambda g, s, p: opt.update(g, s, p), grads, state, params) == \
+        prims(lambda g, s, p: inner.update(g, s, p), grads, inner_state, params)
+    ours, _ = jax.jit(opt.update)(grads, state, params)
+    plain, _ = jax.jit(inner.update)(grads, inner_state, params)
+    for a, b in zip(jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(plain)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # skip_nonfinite=True: unscaled, but a non-finite update is skipped
+    careful = mp.LossScaleOptimizer(inner, skip_nonfinite=True)
+    bad = jax.tree_util.tree_map(lambda g: g * jnp.inf, grads)
+    updates, new = careful.update(bad, careful.init(params), params)
+    assert bool(new.last_step_skipped) and not any(bool(jnp.any(u)) for u in jax.tree_util.tree_leaves(updates))
+    np.testing.assert_array_equal(np.asarray(new.loss_scale), 1.0)
