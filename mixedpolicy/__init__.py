@@ -18,6 +18,15 @@ from mixedpolicy.policy_map import LayerInfo, PolicyMap, Resolution
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    # mp.distributed and mp.jax load on first use (mp.jax imports JAX)
+    if name in ("distributed", "jax", "codecs"):
+        import importlib
+
+        return importlib.import_module(f"mixedpolicy.{name}")
+    raise AttributeError(f"module 'mixedpolicy' has no attribute {name!r}")
+
 __all__ = [
     "DynamicLossScale",
     "LayerInfo",

@@ -12,6 +12,10 @@ from __future__ import annotations
 
 FLOATING_DTYPES = ("float16", "bfloat16", "float32", "float64")
 HALF_DTYPES = ("float16", "bfloat16")
+#: the 8-bit floating formats gradients may travel in (never stored or computed in)
+FLOAT8_DTYPES = ("float8_e5m2", "float8_e4m3fn")
+#: every dtype a `Policy` may reduce gradients in across replicas
+REDUCE_DTYPES = FLOATING_DTYPES + FLOAT8_DTYPES
 
 # Spellings accepted for each dtype: Keras/numpy names, jmp's contractions and the
 # short forms people type. Every spelling an error message suggests is listed here.
@@ -22,6 +26,11 @@ _ALIASES = {
     "float64": ("float64", "f64", "fp64", "double"),
 }
 _BY_ALIAS = {alias: name for name, aliases in _ALIASES.items() for alias in aliases}
+_FLOAT8_ALIASES = {
+    "float8_e5m2": ("float8_e5m2", "e5m2", "fp8_e5m2", "f8e5m2", "f8_e5m2"),
+    "float8_e4m3fn": ("float8_e4m3fn", "e4m3fn", "e4m3", "fp8_e4m3", "f8e4m3fn", "f8_e4m3fn"),
+}
+_FLOAT8_BY_ALIAS = {alias: name for name, aliases in _FLOAT8_ALIASES.items() for alias in aliases}
 
 
 def show(value: object, limit: int = 80) -> str:
@@ -99,3 +108,31 @@ def _dtype_name(value: object, what: str) -> str:
         f"name such as 'float32' or 'bfloat16', or a dtype object of numpy, JAX, "
         f"PyTorch or TensorFlow."
     )
+
+
+def canonical_reduce_dtype(value: object, *, what: str = "reduce_dtype") -> str:
+    """Returns the plain name of a dtype gradients may be reduced in: a floating dtype
+    (any spelling `canonical_dtype` takes) or an 8-bit float, ``"float8_e5m2"`` or
+    ``"float8_e4m3fn"`` (short ``"e5m2"``, ``"e4m3"``).
+
+    Raises:
+      ValueError: the value names no such dtype (plain ``"fp8"`` is ambiguous).
+      TypeError: the value is neither a string nor a dtype object.
+
+    >>> canonical_reduce_dtype("e5m2"), canonical_reduce_dtype("bf16")
+    ('float8_e5m2', 'bfloat16')
+    """
+    name = _dtype_name(value, what).strip().lower()
+    if name in _FLOAT8_BY_ALIAS:
+        return _FLOAT8_BY_ALIAS[name]
+    if name in ("fp8", "float8", "f8", "8"):
+        raise ValueError(
+            f"Received {what}={show(value)}, which is ambiguous: 8-bit floats come as "
+            f"'float8_e5m2' (wider range, for gradients) and 'float8_e4m3fn' (finer steps). "
+            f"Name one of them.")
+    try:
+        return canonical_dtype(value, what=what)
+    except ValueError:
+        valid = ", ".join(repr(n) for n in REDUCE_DTYPES)
+        raise ValueError(f"Received {what}={show(value)}, which is not a dtype gradients can be "
+                         f"reduced in. Expected one of {valid}.") from None

@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any, Mapping
 
 from mixedpolicy import _conversions
-from mixedpolicy._dtypes import FLOATING_DTYPES, HALF_DTYPES, canonical_dtype, show
+from mixedpolicy._dtypes import FLOATING_DTYPES, HALF_DTYPES, canonical_dtype, canonical_reduce_dtype, show
 from mixedpolicy._registry import cast_tree
 
 # Lightning's `precision=` strings, normalised to (variable, compute) dtypes.
@@ -19,7 +19,7 @@ _LIGHTNING = {
     "64-true": ("float64", "float64"),
 }
 _JMP_KEYS = {"p": "params", "params": "params", "c": "compute", "compute": "compute",
-             "o": "output", "output": "output"}
+             "o": "output", "output": "output", "r": "reduce", "reduce": "reduce"}
 _KERAS_NAMES = FLOATING_DTYPES + tuple(f"mixed_{d}" for d in HALF_DTYPES)
 
 
@@ -31,8 +31,8 @@ def _valid_names_hint() -> str:
     )
 
 
-def _parse_name(name: str) -> tuple[str, str, str | None]:
-    """Returns (variable, compute, output-or-None) for a policy name of any family."""
+def _parse_name(name: str) -> tuple[str, str, str | None, str | None]:
+    """Returns (variable, compute, output-or-None, reduce-or-None) for a policy name of any family."""
     text = name.strip()
     key = text.lower()
     if key.startswith("mixed_"):
@@ -43,10 +43,10 @@ def _parse_name(name: str) -> tuple[str, str, str | None]:
                 f"precision, so it must be 'mixed_float16' or 'mixed_bfloat16'. For "
                 f"full precision use {compute!r} itself."
             )
-        return "float32", compute, None
+        return "float32", compute, None, None
     if key in _LIGHTNING:
         variable, compute = _LIGHTNING[key]
-        return variable, compute, None
+        return variable, compute, None, None
     if "=" in key:
         return _parse_jmp(name)
     try:
@@ -54,10 +54,10 @@ def _parse_name(name: str) -> tuple[str, str, str | None]:
     except ValueError:
         raise ValueError(f"Received policy name {show(name)}, which is not a policy "
                          f"mixedpolicy knows. {_valid_names_hint()}") from None
-    return dtype, dtype, None
+    return dtype, dtype, None, None
 
 
-def _parse_jmp(name: str) -> tuple[str, str, str | None]:
+def _parse_jmp(name: str) -> tuple[str, str, str | None, str | None]:
     found: dict[str, str] = {}
     for part in name.split(","):
         key, sep, value = part.partition("=")
@@ -65,20 +65,23 @@ def _parse_jmp(name: str) -> tuple[str, str, str | None]:
         if not sep or field is None:
             raise ValueError(
                 f"Received policy name {show(name)}: the part {part.strip()!r} is not "
-                f"'key=dtype' with key one of 'params' ('p'), 'compute' ('c') or "
-                f"'output' ('o'). Example: 'params=float32,compute=bfloat16,output=float32'."
+                f"'key=dtype' with key one of 'params' ('p'), 'compute' ('c'), 'output' "
+                f"('o') or 'reduce' ('r'). Example: 'params=float32,compute=bfloat16,output=float32'."
             )
         if field in found:
             raise ValueError(f"Received policy name {show(name)}, which sets {field!r} "
-                             f"twice; give each of params, compute, output at most once.")
-        found[field] = canonical_dtype(value, what=f"{field} in policy {show(name)}")
+                             f"twice; give each of params, compute, output, reduce at most once.")
+        canonical = canonical_reduce_dtype if field == "reduce" else canonical_dtype
+        found[field] = canonical(value, what=f"{field} in policy {show(name)}")
     # jmp's rule: params default to float32, compute follows params, output follows compute.
     variable = found.get("params", "float32")
     compute = found.get("compute", variable)
-    return variable, compute, found.get("output")
+    return variable, compute, found.get("output"), found.get("reduce")
 
 
-def _canonical_name(variable: str, compute: str, output: str) -> str:
+def _canonical_name(variable: str, compute: str, output: str, reduce: str) -> str:
+    if reduce != variable:  # only jmp's grammar (with reduce=) can say it
+        return f"params={variable},compute={compute},output={output},reduce={reduce}"
     if variable == compute == output:
         return compute
     if variable == "float32" and compute in HALF_DTYPES and output == compute:
@@ -99,7 +102,9 @@ class Policy:
 
     The dtype keywords override what the name says; a dtype the name leaves open
     follows jmp: variables default to float32, compute follows the variables and the
-    output follows the compute dtype.
+    output follows the compute dtype. The reduce dtype, the dtype gradients travel in
+    between replicas, follows the variables (float32 for the mixed policies), so a
+    policy without one reduces as the frameworks do by default.
 
     Args:
       name: a policy name of any of the families above, or ``None`` to build the
@@ -107,6 +112,9 @@ class Policy:
       compute_dtype: dtype the math runs in.
       variable_dtype: dtype variables (weights) are stored in.
       output_dtype: dtype layer outputs are cast to.
+      reduce_dtype: dtype gradients are reduced in across replicas: a floating dtype
+        or ``"float8_e5m2"`` / ``"float8_e4m3fn"`` (sent with a per-tensor scale,
+        summed in float32); in jmp's grammar ``reduce=`` / ``r=``.
 
     Raises:
       ValueError: the name or a dtype is not one mixedpolicy knows.
@@ -119,21 +127,27 @@ class Policy:
     True
     >>> Policy("p=f32,c=f16,o=f32")
     Policy('params=float32,compute=float16,output=float32')
+    >>> Policy("mixed_bfloat16", reduce_dtype="bf16").reduce_dtype
+    'bfloat16'
     """
 
     name: str
     compute_dtype: str
     variable_dtype: str
     output_dtype: str
+    reduce_dtype: str
 
     def __init__(self, name: str | None = "float32", *, compute_dtype: Any = None,
-                 variable_dtype: Any = None, output_dtype: Any = None):
+                 variable_dtype: Any = None, output_dtype: Any = None, reduce_dtype: Any = None):
+        reduce = None
         if isinstance(name, Policy):
             variable, compute, output = name.variable_dtype, name.compute_dtype, name.output_dtype
+            if name.reduce_dtype != name.variable_dtype:
+                reduce = name.reduce_dtype
         elif name is None:
             variable, compute, output = "float32", None, None
         elif isinstance(name, str):
-            variable, compute, output = _parse_name(name)
+            variable, compute, output, reduce = _parse_name(name)
         else:
             hint = ""
             if isinstance(name, int) and not isinstance(name, bool):
@@ -153,12 +167,17 @@ class Policy:
             output = canonical_dtype(output_dtype, what="output_dtype")
         if compute is None:
             compute = variable
+        if reduce_dtype is not None:
+            reduce = canonical_reduce_dtype(reduce_dtype, what="reduce_dtype")
         if output is None:
             output = compute
+        if reduce is None:
+            reduce = variable
         object.__setattr__(self, "variable_dtype", variable)
         object.__setattr__(self, "compute_dtype", compute)
         object.__setattr__(self, "output_dtype", output)
-        object.__setattr__(self, "name", _canonical_name(variable, compute, output))
+        object.__setattr__(self, "reduce_dtype", reduce)
+        object.__setattr__(self, "name", _canonical_name(variable, compute, output, reduce))
 
     def __repr__(self) -> str:
         return f"Policy({self.name!r})"
@@ -199,7 +218,7 @@ class Policy:
             raise ValueError(f"Received a policy config with unknown keys {unknown}; "
                              f"expected only {sorted(known)}.")
         dtypes = {k: config[k] for k in sorted(known - {"name"}) if k in config}
-        if "name" not in config and "compute_dtype" not in dtypes and "variable_dtype" not in dtypes:
+        if "name" not in config and not {"compute_dtype", "variable_dtype"} & set(dtypes):
             raise ValueError(f"Received the policy config {show(dict(config))}, which names no "
                              f"policy; expected the dict returned by Policy.get_config(), such "
                              f"as {Policy('mixed_float16').get_config()}.")

@@ -41,15 +41,22 @@ NORMALIZATION = "normalization"
 LOSS = "loss"
 
 
+def _changed(policy: Policy, **dtypes: str) -> Policy:
+    """`policy` with other dtypes; a reduce dtype it did not set follows the new variables."""
+    reduce = policy.reduce_dtype if policy.reduce_dtype != policy.variable_dtype else None
+    return Policy(None, **{"variable_dtype": policy.variable_dtype, "compute_dtype": policy.compute_dtype,
+                           "output_dtype": policy.output_dtype, "reduce_dtype": reduce, **dtypes})
+
+
 def _rule_normalization(policy: Policy) -> Policy:
     # Statistics in float32; so are the (tiny) scale and shift, which a float32
     # computation needs in float32 even under a pure half-precision policy.
     variable = "float32" if policy.variable_dtype in ("float16", "bfloat16") else policy.variable_dtype
-    return dataclasses.replace(policy, compute_dtype="float32", variable_dtype=variable)
+    return _changed(policy, compute_dtype="float32", variable_dtype=variable)
 
 
 def _rule_loss(policy: Policy) -> Policy:
-    return dataclasses.replace(policy, compute_dtype="float32", output_dtype="float32")
+    return _changed(policy, compute_dtype="float32", output_dtype="float32")
 
 
 _RULES = {NORMALIZATION: _rule_normalization, LOSS: _rule_loss}

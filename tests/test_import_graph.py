@@ -86,11 +86,15 @@ GROUND = {"mixedpolicy._dtypes", "mixedpolicy._scale_checks", "mixedpolicy._impo
           "mixedpolicy._adapter", "mixedpolicy._registry", "mixedpolicy._conversions"}
 
 
+#: public modules that name a framework's engine: on the top floor with the backends
+TOP_FACADES = {"mixedpolicy.__main__", "mixedpolicy.distributed", "mixedpolicy.jax"}
+
+
 def _floor(module: str) -> int:
     """0: the ground floor; 1: the core; 2: backends, bench and the command line."""
     if module in GROUND:
         return 0
-    if module.startswith(("mixedpolicy.backends", "mixedpolicy.bench")) or module == "mixedpolicy.__main__":
+    if module.startswith(("mixedpolicy.backends", "mixedpolicy.bench")) or module in TOP_FACADES:
         return 2
     return 1
 

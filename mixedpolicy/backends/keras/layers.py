@@ -149,7 +149,7 @@ class KerasModels(ModelAdapter):
 
     def apply_policy(self, model: Any, policy_map: Any) -> Any:
         _note_global()
-        steps = plan(policy_map, _layers(model))
+        steps = plan(policy_map, _layers(model), no_reduce="Keras")
         by_path = {step.path: step.layer for step in steps}
         planned = []
         for step in steps:

@@ -133,7 +133,7 @@ def apply_policy(model: tf.Module, policy_map: PolicyMap) -> tf.Module:
     remove_policy(model)
     layers = dotted_chains((path, module, LayerInfo(path, type(module), _kind(type(module))))
                            for path, module in _modules(model))
-    steps = plan(policy_map, layers, fix="Create the variables in float32",
+    steps = plan(policy_map, layers, fix="Create the variables in float32", no_reduce="TensorFlow",
                  variables=lambda module, path: [(join(path, name), _NAMES.get(var.dtype))
                                                  for name, var in _own_variables(module).items()])
     for step in steps:

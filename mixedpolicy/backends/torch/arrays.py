@@ -13,6 +13,9 @@ from mixedpolicy._dtypes import FLOATING_DTYPES
 TORCH_DTYPES = {name: getattr(torch, name) for name in FLOATING_DTYPES}
 TORCH_DTYPES.update(bool=torch.bool, int32=torch.int32, int64=torch.int64)
 NAMES = {v: k for k, v in TORCH_DTYPES.items() if k in FLOATING_DTYPES}
+#: the attribute of a parameter that holds the policy apply_policy gave its module (read by
+#: LossScaleOptimizer to choose its scaling, and by DDP's reduce hook for the reduce dtype)
+PARAMETER_POLICY = "_mixedpolicy_policy"
 
 
 class TorchArrays(ArrayOps):

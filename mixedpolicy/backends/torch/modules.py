@@ -36,15 +36,13 @@ import torch
 from torch.utils import _pytree as pytree
 
 from mixedpolicy._adapter import ModelAdapter
-from mixedpolicy.backends.torch.arrays import NAMES as _NAMES, TORCH_DTYPES as _TORCH_DTYPES
+from mixedpolicy.backends.torch.arrays import NAMES as _NAMES, PARAMETER_POLICY, TORCH_DTYPES as _TORCH_DTYPES
 from mixedpolicy.table import LayerPolicy
 from mixedpolicy.policy import Policy
 from mixedpolicy.layer_plan import dotted_chains, join, plan
 from mixedpolicy.policy_map import LOSS, NORMALIZATION, LayerInfo, Resolution
 
 _STATE = "_mixedpolicy"
-#: the attribute of a parameter that holds the policy of the module that owns it
-PARAMETER_POLICY = "_mixedpolicy_policy"
 _FLOAT32 = Policy("float32")  # attribute holding what apply_policy changed on a module
 
 # Norms whose PyTorch kernels compute in float32 from half inputs and float32 parameters.
@@ -136,6 +134,10 @@ class TorchModels(ModelAdapter):
         return isinstance(obj, torch.nn.Module)
 
     def apply_policy(self, model: torch.nn.Module, policy_map: Any) -> torch.nn.Module:
+        if _is_ddp(model):  # the policy goes on the wrapped module; the reduce dtypes to DDP's hook
+            from mixedpolicy.backends.torch.ddp import apply_to_ddp
+
+            return apply_to_ddp(model, lambda inner: self.apply_policy(inner, policy_map), remove_policy)
         remove_policy(model)
         layers = dotted_chains((path, module, LayerInfo(path, type(module), _kind(module)))
                                for path, module in model.named_modules())
@@ -172,6 +174,10 @@ class TorchModels(ModelAdapter):
         return model
 
     def remove_policy(self, model: torch.nn.Module) -> torch.nn.Module:
+        if _is_ddp(model):
+            from mixedpolicy.backends.torch.ddp import remove_from_ddp
+
+            return remove_from_ddp(model, remove_policy)
         return remove_policy(model)
 
     def describe(self, model: torch.nn.Module) -> list:
@@ -186,6 +192,11 @@ class TorchModels(ModelAdapter):
                 policy, source = Policy(dtype), "no policy applied"
             rows.append(LayerPolicy(path, type(module).__name__, policy, source))
         return rows
+
+
+def _is_ddp(model: Any) -> bool:
+    parallel = getattr(getattr(torch, "nn", None), "parallel", None)
+    return parallel is not None and isinstance(model, parallel.DistributedDataParallel)
 
 
 def _follow_attention(module: torch.nn.Module, chain: Any, resolution: Resolution, parent: Any) -> Resolution:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from mixedpolicy._adapter import OptimizerAdapter
-from mixedpolicy.backends.torch.modules import PARAMETER_POLICY
+from mixedpolicy.backends.torch.arrays import PARAMETER_POLICY
 from mixedpolicy.backends.torch.checks import check_capturable, check_half_master_weights, grads_by_device_and_dtype
 from mixedpolicy.backends.torch.state import Checkpoints
 from mixedpolicy.scope import global_policy

@@ -7,6 +7,7 @@ Run by tests/backends/keras/test_keras.py once per Keras backend, in a pytest pr
 import warnings
 
 import numpy as np
+import pytest
 import keras
 
 import mixedpolicy as mp
@@ -101,3 +102,11 @@ def test_per_layer_maps():
     g.compile(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
     assert type(g.optimizer) is keras.optimizers.LossScaleOptimizer
     mp.set_global_policy(None)
+
+
+def test_a_reduce_dtype_keras_cannot_carry_is_refused_before_anything_changes():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    before = model.layers[0].dtype_policy.name
+    with pytest.raises(ValueError, match=r"reduced across replicas in float8_e5m2.*not through Keras"):
+        mp.apply_policy(model, mp.Policy("mixed_bfloat16", reduce_dtype="e5m2"))
+    assert model.layers[0].dtype_policy.name == before

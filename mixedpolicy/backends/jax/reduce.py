@@ -1,0 +1,123 @@
+"""Reducing gradients across JAX replicas in a policy's ``reduce_dtype``.
+
+`all_reduce(grads, axis_name, policy)` is called inside ``shard_map`` or ``pmap``, where
+the replicas are the named axis: ``psum`` carries float32/bfloat16/float16, and
+``all_gather`` carries the 8-bit tensors and their scales, summed in float32 after the
+exchange (`mixedpolicy.codecs` gives the rules). Each leaf keeps its own dtype; a
+`PolicyMap` gives each leaf the policy of its path (``"dense.kernel"`` resolves as the
+layer ``"dense"``), so a layer's gradients travel in its own reduce dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from mixedpolicy.codecs import FLOAT8_MAX, is_float8, wire_bytes
+from mixedpolicy.policy import as_policy
+from mixedpolicy.policy_map import LayerInfo, PolicyMap
+
+
+def _gather_invariant() -> Any:
+    """JAX's all_gather whose result shard_map knows to be the same on every replica (so
+    ``out_specs=P()`` accepts it): public where JAX exports it, else JAX's own internal
+    one, else the plain all_gather (then pass ``check_vma=False`` to shard_map)."""
+    found = getattr(jax.lax, "all_gather_invariant", None)
+    if found is None:
+        try:
+            from jax._src.lax.parallel import all_gather_invariant as found
+        except ImportError:
+            found = jax.lax.all_gather
+    return found
+
+
+def _path(keys: tuple) -> str:
+    parts = []
+    for k in keys:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return ".".join(parts)
+
+
+def _reduce_dtypes(grads: Any, policy: Any) -> tuple[list, list, Any]:
+    """(leaves, their reduce dtypes, treedef)."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(grads)
+    if isinstance(policy, PolicyMap):
+        dtypes = []
+        for keys, _ in flat:
+            path = _path(keys)
+            layer = path.rpartition(".")[0]
+            chain = [LayerInfo(p, object) for p in _prefixes(layer)]
+            dtypes.append(policy.resolve(chain).policy.reduce_dtype)
+    else:
+        dtypes = [as_policy(policy).reduce_dtype] * len(flat)
+    return [leaf for _, leaf in flat], dtypes, treedef
+
+
+def _prefixes(layer: str) -> list[str]:
+    """The chain of layer paths from the root down to `layer` ("" is the root)."""
+    parts = layer.split(".") if layer else []
+    return [""] + [".".join(parts[:i + 1]) for i in range(len(parts))]
+
+
+def _reduce_leaf(g: Any, reduce_dtype: str, axis_name: Any, count: Any, mean: bool) -> Any:
+    if not jnp.issubdtype(g.dtype, jnp.floating):
+        return g
+    n = count.astype(g.dtype)
+    if is_float8(reduce_dtype):
+        amax = jnp.max(jnp.abs(g.astype(jnp.float32))) if g.size else jnp.float32(0)
+        finite = jnp.isfinite(amax) & (amax > 0)
+        exponent = jnp.floor(jnp.log2(jnp.float32(FLOAT8_MAX[reduce_dtype]) / jnp.where(finite, amax, 1.0)))
+        scale = jnp.exp2(jnp.where(finite, jnp.clip(exponent, -126, 126), 0.0)).astype(jnp.float32)
+        q = (g.astype(jnp.float32) * scale).astype(getattr(jnp, reduce_dtype))
+        gather = _gather_invariant()
+        qs = gather(q, axis_name)
+        scales = gather(scale, axis_name)
+        total = jnp.sum(qs.astype(jnp.float32) / scales.reshape((-1,) + (1,) * g.ndim), axis=0)
+        return (total / count if mean else total).astype(g.dtype)
+    if reduce_dtype == "float16":  # divided before the cast: the sum cannot overflow
+        total = jax.lax.psum((g / n).astype(jnp.float16), axis_name).astype(g.dtype)
+        return total if mean else total * n
+    total = jax.lax.psum(g.astype(jnp.dtype(reduce_dtype)), axis_name).astype(g.dtype)
+    return total / n if mean else total
+
+
+def all_reduce(grads: Any, axis_name: Any, policy: Any = None, *, mean: bool = True) -> Any:
+    """Reduces a gradient pytree over the replicas of `axis_name` in the policy's reduce dtype.
+
+    Call it inside ``shard_map`` or ``pmap``, where `axis_name` is bound.
+
+    Args:
+      grads: a pytree of gradients (non-floating leaves pass unchanged).
+      axis_name: the replica axis (a name or a tuple of names).
+      policy: a `Policy`, its name, or a `PolicyMap` resolved by each leaf's path;
+        None uses the global policy.
+      mean: the mean over replicas (as DDP averages), else the sum.
+
+    Returns:
+      The reduced gradients, each leaf in its own dtype.
+
+    Raises:
+      TypeError: `policy` is none of those.
+    """
+    from mixedpolicy.scope import global_policy
+
+    leaves, dtypes, treedef = _reduce_dtypes(grads, global_policy() if policy is None else policy)
+    count = jax.lax.psum(jnp.float32(1.0), axis_name)  # the number of replicas
+    out = [_reduce_leaf(g, d, axis_name, count, mean) for g, d in zip(leaves, dtypes)]
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def bytes_per_step(grads: Any, policy: Any = None) -> int:
+    """Bytes one replica sends to reduce `grads` once (floating leaves; scales included)."""
+    from mixedpolicy.scope import global_policy
+
+    leaves, dtypes, _ = _reduce_dtypes(grads, global_policy() if policy is None else policy)
+    return sum(wire_bytes(int(g.size), d) for g, d in zip(leaves, dtypes)
+               if jnp.issubdtype(jnp.asarray(g).dtype, jnp.floating))

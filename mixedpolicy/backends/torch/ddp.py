@@ -1,0 +1,215 @@
+"""Reducing DDP gradients in a policy's ``reduce_dtype``: one DDP communication hook.
+
+`register(ddp_model, policy)` gives every parameter the reduce dtype of its module's
+policy and registers one hook with ``DistributedDataParallel.register_comm_hook``; DDP
+and its process group do the communication. For each bucket the hook sends:
+
+- a bucket whose parameters all reduce in float32: DDP's own ``allreduce_hook``
+  (the same result as DDP without a hook);
+- all in bfloat16 / float16: torch's own ``bf16_compress_hook`` / ``fp16_compress_hook``;
+- otherwise (8-bit, or parameters with different reduce dtypes in one bucket): each
+  group of the bucket in its own codec (`mixedpolicy.codecs`), 8-bit tensors through
+  ``all_gather`` with their scales, summed in float32 after the exchange; a float16
+  group is divided by the world size before its cast.
+
+The result is the mean over ranks, as DDP's. `ReduceState.bytes_sent` counts the bytes
+this rank handed to the process group (tensors as exchanged, scales included).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+
+from mixedpolicy.backends.torch.arrays import PARAMETER_POLICY
+from mixedpolicy.codecs import FLOAT8_MAX, is_float8, wire_bytes
+from mixedpolicy.policy import as_policy
+from mixedpolicy.policy_map import LayerInfo, PolicyMap
+from mixedpolicy.scope import global_policy
+
+_TORCH = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+          "float16": torch.float16, "float8_e5m2": torch.float8_e5m2, "float8_e4m3fn": torch.float8_e4m3fn}
+_STATE = "_mixedpolicy_reduce"  # the ReduceState of a DDP model's hook, on the DDP module
+_TORCH_HOOKS = {"bfloat16": default_hooks.bf16_compress_hook, "float16": default_hooks.fp16_compress_hook}
+
+
+class ReduceState:
+    """What the hook knows: the process group, each parameter's reduce dtype, and counts.
+
+    Attributes:
+      reduce_dtypes: parameter name -> reduce dtype.
+      bytes_sent: bytes this rank handed to the process group since registration.
+      buckets: buckets reduced since registration.
+    """
+
+    def __init__(self, process_group: Any, by_param: dict, names: dict):
+        self.process_group = process_group
+        self._by_param = by_param  # id(parameter) -> reduce dtype
+        self.reduce_dtypes = dict(names)
+        self.bytes_sent = 0
+        self.buckets = 0
+
+    def __getstate__(self) -> dict:  # DDP may pickle its hook state; the group stays behind
+        return {k: v for k, v in self.__dict__.items() if k != "process_group"} | {"process_group": None}
+
+    def dtype_of(self, p: torch.Tensor) -> str:
+        return self._by_param.get(id(p), "float32")
+
+    def update(self, module: torch.nn.Module, names: dict) -> None:
+        """New reduce dtypes (parameter name -> dtype) for the parameters of `module`."""
+        params = dict(module.named_parameters())
+        self._by_param = {id(params[n]): d for n, d in names.items() if n in params}
+        self.reduce_dtypes = dict(names)
+
+
+def _per_parameter(model: torch.nn.Module, policy: Any) -> dict[str, str]:
+    """parameter name -> reduce dtype: `policy` (a Policy, a name, a PolicyMap by module
+    path), else the policy apply_policy put on each parameter's module, else the global."""
+    out = {}
+    for path, module in model.named_modules():
+        chain = None
+        for name, p in module.named_parameters(recurse=False):
+            full = f"{path}.{name}" if path else name
+            if isinstance(policy, PolicyMap):
+                if chain is None:
+                    parts = path.split(".") if path else []
+                    chain = [LayerInfo(".".join(parts[:i]), object) for i in range(len(parts) + 1)]
+                out[full] = policy.resolve(chain).policy.reduce_dtype
+            elif policy is not None:
+                out[full] = as_policy(policy).reduce_dtype
+            else:
+                out[full] = p.__dict__.get(PARAMETER_POLICY, global_policy()).reduce_dtype
+    return out
+
+
+def register(ddp_model: Any, policy: Any = None) -> ReduceState:
+    """Registers the reduce-dtype hook on a ``DistributedDataParallel`` model.
+
+    Args:
+      ddp_model: the DDP-wrapped model (before its first backward).
+      policy: a `Policy`, a name, or a `PolicyMap` resolved by module path inside the
+        wrapped module; None reads the policies `apply_policy` put on its modules.
+
+    Returns:
+      The hook's `ReduceState` (``bytes_sent``, ``reduce_dtypes``).
+
+    Raises:
+      TypeError: `ddp_model` is not a DistributedDataParallel module.
+      RuntimeError: DDP already has a communication hook of another library (DDP allows
+        one; registering again here updates mixedpolicy's own).
+    """
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise TypeError(
+            f"Received {type(ddp_model).__name__}; expected a torch.nn.parallel."
+            f"DistributedDataParallel module. Wrap the model first: "
+            f"ddp = DistributedDataParallel(model); mp.distributed.register(ddp, policy).")
+    names = _per_parameter(ddp_model.module, policy)
+    state = ddp_model.__dict__.get(_STATE)
+    if state is not None:  # registered before (DDP takes one hook): new dtypes for it
+        state.update(ddp_model.module, names)
+        return state
+    state = ReduceState(ddp_model.process_group, {}, names)
+    state.update(ddp_model.module, names)
+    ddp_model.register_comm_hook(state, _hook)
+    ddp_model.__dict__[_STATE] = state
+    return state
+
+
+def apply_to_ddp(ddp_model: Any, apply: Any, remove: Any) -> Any:
+    """`apply` (the policy) on the wrapped module, then its reduce dtypes into DDP's hook
+    (`remove` undoes `apply` where the policy cannot stay).
+
+    The hook is registered once, where a reduce dtype is not float32 (DDP allows one
+    hook; a later apply_policy updates its dtypes). A policy that would change the
+    parameters' dtypes is refused: DDP laid out its buckets for the dtypes it saw.
+
+    Raises:
+      ValueError: the policy changes a parameter's dtype; nothing is applied.
+    """
+    before = {n: p.dtype for n, p in ddp_model.module.named_parameters()}
+    apply(ddp_model.module)
+    changed = {n: (before[n], p.dtype) for n, p in ddp_model.module.named_parameters() if p.dtype != before[n]}
+    if changed:
+        remove(ddp_model.module)
+        name, (was, now) = next(iter(changed.items()))
+        raise ValueError(
+            f"Received a policy that stores the parameters of a DistributedDataParallel model in "
+            f"another dtype ({name}: {was} -> {now}); DDP laid out its gradient buckets for "
+            f"{was} when it was created. Apply the policy to the model before wrapping it in "
+            f"DDP, or use a mixed policy (float32 variables). Nothing was applied.")
+    names = _per_parameter(ddp_model.module, None)
+    state = ddp_model.__dict__.get(_STATE)
+    if state is not None:
+        state.update(ddp_model.module, names)
+    elif any(d != "float32" for d in names.values()):
+        register(ddp_model, None)
+    return ddp_model
+
+
+def remove_from_ddp(ddp_model: Any, remove: Any) -> Any:
+    """Removes the policy from the wrapped module; DDP's hook (which DDP cannot drop)
+    goes back to float32, plain DDP's result."""
+    remove(ddp_model.module)
+    state = ddp_model.__dict__.get(_STATE)
+    if state is not None:
+        state.update(ddp_model.module, {n: "float32" for n, _ in ddp_model.module.named_parameters()})
+    return ddp_model
+
+
+def _hook(state: ReduceState, bucket):  # noqa: ANN (DDP checks the annotations; none passes)
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    buffer = bucket.buffer()
+    dtypes = [state.dtype_of(p) for p in bucket.parameters()]
+    state.buckets += 1
+    uniform = dtypes[0] if dtypes and all(d == dtypes[0] for d in dtypes) else None
+    if uniform is not None and not is_float8(uniform) and buffer.dtype == torch.float32:
+        state.bytes_sent += wire_bytes(buffer.numel(), uniform)
+        if uniform == "float32":
+            return default_hooks.allreduce_hook(group, bucket)
+        if uniform in _TORCH_HOOKS:
+            return _TORCH_HOOKS[uniform](group, bucket)
+    world = group.size()
+    slices, offset = [], 0
+    for g in bucket.gradients():
+        slices.append(buffer[offset:offset + g.numel()])
+        offset += g.numel()
+    for dtype in sorted(set(dtypes)):
+        members = [s for s, d in zip(slices, dtypes) if d == dtype]
+        flat = torch.cat([s.reshape(-1) for s in members])
+        reduced = _reduce(flat, dtype, group, world)
+        state.bytes_sent += wire_bytes(flat.numel(), dtype)
+        start = 0
+        for s in members:
+            s.copy_(reduced[start:start + s.numel()].view_as(s))
+            start += s.numel()
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(buffer)
+    return fut
+
+
+def _reduce(flat: torch.Tensor, dtype: str, group: Any, world: int) -> torch.Tensor:
+    """The mean over ranks of `flat`, sent in `dtype` (synchronously)."""
+    if is_float8(dtype):
+        wide = flat.float()
+        amax = wide.abs().max() if wide.numel() else torch.zeros((), device=flat.device)
+        ok = torch.isfinite(amax) & (amax > 0)
+        exponent = torch.floor(torch.log2(FLOAT8_MAX[dtype] / torch.where(ok, amax, torch.ones_like(amax))))
+        scale = torch.exp2(torch.where(ok, exponent.clamp(-126, 126), torch.zeros_like(exponent)))
+        q = (wide * scale).to(_TORCH[dtype]).view(torch.uint8)
+        qs = [torch.empty_like(q) for _ in range(world)]
+        scales = [torch.empty_like(scale) for _ in range(world)]
+        dist.all_gather(qs, q, group=group)
+        dist.all_gather(scales, scale.reshape(()), group=group)
+        total = sum(x.view(_TORCH[dtype]).float() / s for x, s in zip(qs, scales))
+        return (total / world).to(flat.dtype)
+    if dtype == "float16":  # divided before the cast: the sum cannot overflow
+        sent = flat.float().div(world).to(torch.float16)
+        dist.all_reduce(sent, group=group)
+        return sent.to(flat.dtype)
+    sent = flat.to(_TORCH[dtype])
+    dist.all_reduce(sent, group=group)
+    return sent.to(flat.dtype).div_(world)

@@ -1,0 +1,82 @@
+"""How gradients travel between replicas in each reduce dtype: the codec rules, in one place.
+
+A `Policy`'s ``reduce_dtype`` names the codec; the engines (DDP communication hooks,
+``psum`` / ``all_gather`` in JAX) move the bytes. The rules every backend follows:
+
+- ``float32`` / ``float64``: the gradient as it is, summed by the engine;
+- ``bfloat16``: cast, summed by the engine in bfloat16, cast back (DDP's
+  ``bf16_compress_hook``);
+- ``float16``: divided by the replica count *before* the cast, so the sum of
+  replicas cannot overflow, summed in float16, cast back (DDP's ``fp16_compress_hook``);
+- ``float8_e5m2`` / ``float8_e4m3fn``: each replica multiplies its tensor by a
+  power-of-two scale chosen from its own largest magnitude (so the largest value
+  lands just under the format's maximum), casts to the 8-bit format, and sends the
+  8-bit tensor and its float32 scale; every replica gathers all of them and sums
+  the decoded values in float32. Eight-bit values are never accumulated in 8 bits.
+  Magnitudes above about 2.98e38 (where no power-of-two scale keeps the format's top
+  value within float32) arrive as inf: the step is then skipped, never silently wrong.
+
+`wire_bytes` counts what one replica sends for one tensor; `encode_float8` and
+`decode_float8` are the reference (numpy and ml_dtypes) the backends are tested against.
+
+>>> wire_bytes(1000, "float32"), wire_bytes(1000, "bfloat16"), wire_bytes(1000, "float8_e5m2")
+(4000, 2000, 1004)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from mixedpolicy._dtypes import FLOAT8_DTYPES, REDUCE_DTYPES
+
+#: bytes per element on the wire
+ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2,
+            "float8_e5m2": 1, "float8_e4m3fn": 1}
+#: the largest finite value of each 8-bit format
+FLOAT8_MAX = {"float8_e5m2": 57344.0, "float8_e4m3fn": 448.0}
+#: bytes of the per-tensor scale an 8-bit tensor travels with
+SCALE_BYTES = 4
+
+
+def is_float8(reduce_dtype: str) -> bool:
+    return reduce_dtype in FLOAT8_DTYPES
+
+
+def wire_bytes(numel: int, reduce_dtype: str) -> int:
+    """Bytes one replica sends for a tensor of `numel` elements in `reduce_dtype`.
+
+    Raises:
+      ValueError: `reduce_dtype` is not one a policy can reduce in.
+    """
+    if reduce_dtype not in ITEMSIZE:
+        raise ValueError(f"Received reduce_dtype={reduce_dtype!r}; expected one of {list(REDUCE_DTYPES)}.")
+    return numel * ITEMSIZE[reduce_dtype] + (SCALE_BYTES if is_float8(reduce_dtype) else 0)
+
+
+def float8_scale_exponent(amax: float, reduce_dtype: str) -> int:
+    """The power of two e such that ``amax * 2**e`` is at most the format's maximum and
+    more than half of it (within float32's powers of two); 0 for a tensor of zeros (or one that is not finite: it is sent
+    as it is, and the receivers see its inf/NaN, so every replica skips the step)."""
+    if not (amax > 0 and math.isfinite(amax)):
+        return 0
+    # within float32's normal powers of two, so the scale itself is finite and exact
+    return max(-126, min(126, math.floor(math.log2(FLOAT8_MAX[reduce_dtype] / amax))))
+
+
+def encode_float8(x: np.ndarray, reduce_dtype: str) -> tuple[np.ndarray, np.float32]:
+    """The reference encoder: (the 8-bit tensor, its float32 scale)."""
+    import ml_dtypes
+
+    x = np.asarray(x, np.float32)
+    amax = float(np.max(np.abs(x))) if x.size else 0.0
+    scale = np.float32(2.0 ** float8_scale_exponent(amax, reduce_dtype))
+    return (x * scale).astype(getattr(ml_dtypes, reduce_dtype)), scale
+
+
+def decode_float8(q: np.ndarray, scale: Any) -> np.ndarray:
+    """The reference decoder: float32 values of an 8-bit tensor sent with `scale`."""
+    with np.errstate(over="ignore"):  # see the module docstring: inf, and the step is skipped
+        return np.asarray(q).astype(np.float32) / np.float32(scale)

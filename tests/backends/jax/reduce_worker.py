@@ -1,0 +1,85 @@
+"""Run by test_jax_reduce.py with four host devices: mp.jax.all_reduce in every reduce dtype.
+
+    python reduce_worker.py
+
+Asserts; prints one JSON line of bytes per step.
+"""
+
+import json
+import os
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["JAX_NUMPY_DTYPE_PROMOTION"] = "strict"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
+
+import mixedpolicy as mp  # noqa: E402
+
+assert jax.device_count() == 4
+mesh = Mesh(np.array(jax.devices()), ("r",))
+rng = np.random.default_rng(0)
+grads = {"dense": {"kernel": jnp.asarray(rng.normal(size=(4, 16, 8)), jnp.float32)},
+         "head": {"bias": jnp.asarray(rng.normal(size=(4, 8)), jnp.float32)},
+         "step": jnp.arange(4, dtype=jnp.int32)}
+
+
+def per_replica(fn):
+    """fn on each replica's slice (leading axis), under shard_map over the four devices."""
+    def body(t):
+        out = fn(jax.tree_util.tree_map(lambda a: a[0], t))
+        return jax.tree_util.tree_map(lambda a: a[None], out)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("r"), out_specs=P("r")))
+
+
+def run(policy, mean=True):
+    return per_replica(lambda g: mp.jax.all_reduce(g, "r", policy, mean=mean))(grads)
+
+
+leaves = lambda t: jax.tree_util.tree_leaves(t)  # noqa: E731
+# float32: the sum is plain psum bit for bit; the mean is plain pmean's
+ours = run("mixed_float16", mean=False)
+plain = per_replica(lambda g: jax.tree_util.tree_map(
+    lambda a: jax.lax.psum(a, "r") if a.dtype == jnp.float32 else a, g))(grads)
+assert all(np.array_equal(a, b) for a, b in zip(leaves(ours), leaves(plain)))
+assert np.array_equal(ours["step"], grads["step"])  # integers pass unchanged
+mean = jax.tree_util.tree_map(lambda a: a.mean(0), grads)
+figures = {}
+for name, tol in (("float32", 1e-6), ("bfloat16", 2e-2), ("float16", 2e-3), ("float8_e5m2", 0.13),
+                  ("float8_e4m3fn", 0.07)):
+    policy = mp.Policy("mixed_float16", reduce_dtype=name)
+    out = run(policy)
+    for o, m in zip(leaves(out)[:2], leaves(mean)[:2]):
+        assert o.dtype == jnp.float32
+        assert np.all(o == o[0]), name  # every replica holds the same result
+        np.testing.assert_allclose(o[0], m, rtol=tol, atol=tol * float(np.abs(m).max()), err_msg=name)
+    figures[name] = mp.jax.bytes_per_step(jax.tree_util.tree_map(lambda a: a[0], grads), policy)
+# under pmap too
+pm = jax.pmap(lambda g: mp.jax.all_reduce(g, "r", mp.Policy("float32", reduce_dtype="e5m2")), axis_name="r")(grads)
+np.testing.assert_allclose(pm["head"]["bias"][3], mean["head"]["bias"], rtol=0.13, atol=0.13 * float(np.abs(mean["head"]["bias"]).max()))
+# per layer: the dense layer in 8 bits, the head in float32 (exactly pmean's)
+per_layer = mp.PolicyMap("float32", {"dense": mp.Policy("float32", reduce_dtype="e5m2")})
+out = run(per_layer)
+pmean = per_replica(lambda g: jax.tree_util.tree_map(lambda a: jax.lax.pmean(a, "r") if a.dtype == jnp.float32 else a, g))(grads)
+assert np.array_equal(out["head"]["bias"], pmean["head"]["bias"])
+assert not np.array_equal(out["dense"]["kernel"], pmean["dense"]["kernel"])
+figures["per_layer"] = mp.jax.bytes_per_step(jax.tree_util.tree_map(lambda a: a[0], grads), per_layer)
+# an overflow on one replica reaches all, in every reduce dtype: every replica skips
+poisoned = dict(grads, head={"bias": grads["head"]["bias"].at[2, 0].set(jnp.inf)})
+for name in ("float32", "bfloat16", "float16", "float8_e5m2", "float8_e4m3fn"):
+    policy = mp.Policy("mixed_float16", reduce_dtype=name)
+    opt = mp.LossScaleOptimizer(optax.sgd(0.1), policy=policy)
+
+    def step(g, opt=opt, policy=policy):
+        g = {"dense": g["dense"], "head": g["head"]}
+        params = jax.tree_util.tree_map(jnp.zeros_like, g)
+        reduced = mp.jax.all_reduce(g, "r", policy)
+        _, state = opt.update(reduced, opt.init(params), params)
+        return {"skipped": state.last_step_skipped}
+
+    skipped = per_replica(step)(poisoned)["skipped"]
+    assert np.asarray(skipped).tolist() == [True] * 4, (name, skipped)
+print(json.dumps(figures), flush=True)

@@ -1,0 +1,37 @@
+"""mp.jax.all_reduce: gradients reduced over four host devices in the reduce dtype (reduce_worker.py)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import require_module
+
+
+@pytest.mark.slow
+def test_every_reduce_dtype_over_four_host_devices():
+    """float32 is plain psum / pmean bit for bit, the half and 8-bit codecs close to the mean,
+    per-layer dtypes by path, integers untouched, bytes 4 : 2 : 1 (+ scales), and an overflow
+    on one replica makes every replica skip (asserts in reduce_worker.py)."""
+    require_module("jax")
+    require_module("optax", "jax")
+    worker = Path(__file__).with_name("reduce_worker.py")
+    done = subprocess.run([sys.executable, str(worker)], capture_output=True, text=True,
+                          timeout=300, cwd=worker.parent)
+    assert done.returncode == 0, done.stderr[-4000:]
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    n = figures["float32"] // 4  # floating elements per replica
+    assert (figures["bfloat16"], figures["float16"]) == (2 * n, 2 * n)
+    assert figures["float8_e5m2"] == figures["float8_e4m3fn"] == n + 2 * 4  # two tensors, two scales
+    assert n < figures["per_layer"] < figures["float32"]
+
+
+def test_all_reduce_refuses_a_policy_it_cannot_read():
+    jax = require_module("jax")
+    import mixedpolicy as mp
+
+    with pytest.raises(TypeError, match="Received policy=3"):
+        mp.jax.bytes_per_step({"w": jax.numpy.ones(3)}, 3)
+    assert mp.jax.bytes_per_step({"w": jax.numpy.ones(3), "i": jax.numpy.arange(2)}, "bfloat16") == 6

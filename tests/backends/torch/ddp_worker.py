@@ -1,0 +1,115 @@
+"""Run by test_torch_ddp.py: two gloo ranks on CPU check the reduce-dtype DDP hook.
+
+    python ddp_worker.py PORT
+
+Each rank asserts; rank 0 prints one JSON line of figures at the end.
+"""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as tmp
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import mixedpolicy as mp
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def _grads(rank, policy=None, hook=None, poison=False, plain=False, tag=None):
+    """Gradients of one DDP backward on this rank's batch, and the hook state."""
+    model = _model()
+    if tag is not None:
+        mp.apply_policy(model, tag)
+    ddp = DDP(model)
+    state = None
+    if hook is not None:
+        ddp.register_comm_hook(None, lambda state, bucket: hook(state, bucket))  # torch's own, the reference
+    elif not plain:
+        state = mp.distributed.register(ddp, policy)
+    torch.manual_seed(rank + 1)
+    x = torch.randn(32, 8)
+    if poison and rank == 1:
+        x[0, 0] = float("inf")
+    ddp(x).float().square().mean().backward()
+    return [p.grad.clone() for p in model.parameters()], state, model
+
+
+def _equal(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def run(rank, world, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    figures = {}
+    plain, _, _ = _grads(rank, plain=True)
+    # float32: bit for bit plain DDP
+    f32, state, _ = _grads(rank, "float32")
+    assert _equal(f32, plain), "float32 reduce differs from plain DDP"
+    figures["float32"] = state.bytes_sent
+    # bfloat16 / float16: bit for bit torch's own compress hooks
+    for name, hook in (("bfloat16", default_hooks.bf16_compress_hook), ("float16", default_hooks.fp16_compress_hook)):
+        ours, state, _ = _grads(rank, mp.Policy("mixed_float16", reduce_dtype=name))
+        theirs, _, _ = _grads(rank, hook=hook)
+        assert _equal(ours, theirs), f"{name} reduce differs from torch's {name} compress hook"
+        assert not _equal(ours, plain)
+        figures[name] = state.bytes_sent
+    # 8-bit: close to the float32 mean, summed in float32
+    for name in ("float8_e5m2", "float8_e4m3fn"):
+        ours, state, _ = _grads(rank, mp.Policy("float32", reduce_dtype=name))
+        for a, b in zip(ours, plain):
+            tol = 0.13 if name == "float8_e5m2" else 0.07
+            assert torch.allclose(a, b, rtol=tol, atol=tol * float(b.abs().max())), (name, a, b)
+        figures[name] = state.bytes_sent
+    # per layer: layer 0 in 8 bits, the last layer in float32 exactly as plain DDP
+    per_layer = mp.PolicyMap("float32", {"0": mp.Policy("float32", reduce_dtype="e5m2")})
+    ours, state, _ = _grads(rank, per_layer)
+    assert state.reduce_dtypes == {"0.weight": "float8_e5m2", "0.bias": "float8_e5m2",
+                                   "2.weight": "float32", "2.bias": "float32"}, state.reduce_dtypes
+    assert _equal(ours[2:], plain[2:]) and not _equal(ours[:2], plain[:2])
+    figures["per_layer"] = state.bytes_sent
+    # no policy given: the one apply_policy put on the modules
+    _, state, _ = _grads(rank, tag=mp.Policy("mixed_bfloat16", reduce_dtype="bfloat16"))
+    assert set(state.reduce_dtypes.values()) == {"bfloat16"}
+    # apply_policy on the DDP model: the policy on the wrapped module, the dtypes to one hook
+    model = _model()
+    ddp = DDP(model)
+    mp.apply_policy(ddp, mp.Policy("mixed_bfloat16", reduce_dtype="e5m2"), {"2": "mixed_bfloat16"})
+    state = ddp.__dict__["_mixedpolicy_reduce"]
+    assert state.reduce_dtypes["0.weight"] == "float8_e5m2" and state.reduce_dtypes["2.weight"] == "float32"
+    mp.apply_policy(ddp, mp.Policy("mixed_bfloat16", reduce_dtype="float16"))  # again: the same hook
+    assert set(state.reduce_dtypes.values()) == {"float16"}
+    assert "reduce" in str(mp.describe(ddp)) and mp.describe(ddp)[2].reduce_dtype == "float16"
+    torch.manual_seed(rank + 1)
+    ddp(torch.randn(4, 8)).float().sum().backward()
+    assert state.buckets == 1
+    mp.remove_policy(ddp)
+    assert set(state.reduce_dtypes.values()) == {"float32"} and model[0].forward.__func__ is torch.nn.Linear.forward
+    try:
+        mp.apply_policy(DDP(_model()), "bfloat16")  # would recast parameters DDP bucketed as float32
+        raise AssertionError("expected a ValueError")
+    except ValueError as err:
+        assert "before wrapping it in DDP" in str(err) and "Nothing was applied" in str(err), err
+    # an overflow on one rank reaches every rank, in every reduce dtype: all skip together
+    for name in ("float32", "bfloat16", "float16", "float8_e5m2", "float8_e4m3fn"):
+        grads, _, model = _grads(rank, mp.Policy("mixed_float16", reduce_dtype=name), poison=True)
+        opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), policy="mixed_float16")
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.step()
+        assert opt.last_step_skipped, (rank, name)
+        assert _equal([p.detach() for p in model.parameters()], before)
+    if rank == 0:
+        print(json.dumps(figures), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    tmp.spawn(run, args=(2, int(sys.argv[1])), nprocs=2)

@@ -1,0 +1,88 @@
+"""Reduce dtypes: the Policy field, its grammar, and the 8-bit codec against ml_dtypes."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import mixedpolicy as mp
+from mixedpolicy import codecs
+
+
+def test_reduce_dtype_defaults_to_the_variable_dtype_and_is_spelled_every_way():
+    assert mp.Policy("mixed_float16").reduce_dtype == "float32"
+    assert mp.Policy("bfloat16").reduce_dtype == "bfloat16"
+    p = mp.Policy("mixed_bfloat16", reduce_dtype="bf16")
+    assert p == mp.Policy("p=f32,c=bf16,r=bf16") == mp.Policy("params=float32,compute=bfloat16,reduce=bfloat16")
+    assert p.name == "params=float32,compute=bfloat16,output=bfloat16,reduce=bfloat16"
+    assert p != mp.Policy("mixed_bfloat16") and mp.Policy(p.name) == p and mp.Policy(p) == p
+    assert mp.Policy.from_config(p.get_config()) == p and p.get_config()["reduce_dtype"] == "bfloat16"
+    # a config from before reduce_dtype existed still loads, as the default
+    old = {"name": "mixed_float16", "compute_dtype": "float16", "variable_dtype": "float32", "output_dtype": "float16"}
+    assert mp.Policy.from_config(old) == mp.Policy("mixed_float16")
+    for spelling in ("float8_e5m2", "e5m2", "fp8_e5m2"):
+        assert mp.Policy("float32", reduce_dtype=spelling).reduce_dtype == "float8_e5m2"
+    assert mp.Policy("mixed_float16", reduce_dtype="e4m3").reduce_dtype == "float8_e4m3fn"
+    # the reduce dtype follows a changed variable dtype unless it was set
+    assert mp.Policy(mp.Policy("float32"), variable_dtype="bfloat16").reduce_dtype == "bfloat16"
+    assert mp.Policy(p, variable_dtype="float64").reduce_dtype == "bfloat16"
+
+
+def test_bad_reduce_dtypes_are_refused_with_what_to_write():
+    with pytest.raises(ValueError, match="ambiguous.*'float8_e5m2'.*'float8_e4m3fn'"):
+        mp.Policy("mixed_float16", reduce_dtype="fp8")
+    with pytest.raises(ValueError, match="reduce_dtype='int8'.*not a dtype gradients can be reduced in"):
+        mp.Policy("mixed_float16", reduce_dtype="int8")
+    with pytest.raises(ValueError, match="sets 'reduce' twice"):
+        mp.Policy("p=f32,r=bf16,reduce=f16")
+    with pytest.raises(ValueError, match="'reduce' \\('r'\\)"):
+        mp.Policy("p=f32,x=bf16")
+    with pytest.raises(TypeError, match="reduce_dtype=3"):
+        mp.Policy("float32", reduce_dtype=3)
+
+
+def test_describe_and_policy_maps_carry_the_reduce_dtype_per_layer():
+    m = mp.PolicyMap("mixed_bfloat16", {"head": mp.Policy("mixed_bfloat16", reduce_dtype="e5m2")})
+    table = mp.describe(mp.apply_policy(lambda w, x: w * x, "mixed_bfloat16"))
+    assert "reduce" in str(table).splitlines()[0] and table[0].reduce_dtype == "float32"
+    assert m.resolve([mp.LayerInfo("", object), mp.LayerInfo("head", object)]).policy.reduce_dtype == "float8_e5m2"
+
+
+def test_wire_bytes_are_4_2_1_plus_the_scale():
+    n = 1 << 12
+    f32, bf16, fp8 = (codecs.wire_bytes(n, d) for d in ("float32", "bfloat16", "float8_e5m2"))
+    assert (f32, bf16, fp8) == (4 * n, 2 * n, n + codecs.SCALE_BYTES)
+    with pytest.raises(ValueError, match="reduce_dtype='int8'"):
+        codecs.wire_bytes(n, "int8")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(-2.0**127, 2.0**127, allow_nan=False, width=32), min_size=1, max_size=64),
+       st.sampled_from(["float8_e5m2", "float8_e4m3fn"]))
+def test_float8_round_trip_is_within_the_formats_step_of_the_largest_value(values, fmt):
+    import ml_dtypes
+
+    x = np.asarray(values, np.float32)
+    q, scale = codecs.encode_float8(x, fmt)
+    assert q.dtype == np.dtype(getattr(ml_dtypes, fmt)) and np.isfinite(scale)
+    back = codecs.decode_float8(q, scale)
+    amax = float(np.max(np.abs(x)))
+    assert np.all(np.isfinite(back))
+    if amax == 0:
+        assert np.all(back == 0)
+        return
+    # the scale puts the largest value in the format's top binade (tiny tensors: the largest scale)
+    assert codecs.FLOAT8_MAX[fmt] / 2 < amax * float(scale) <= codecs.FLOAT8_MAX[fmt] or float(scale) == 2.0**126
+    eps = float(ml_dtypes.finfo(getattr(ml_dtypes, fmt)).eps)
+    tiny = float(ml_dtypes.finfo(getattr(ml_dtypes, fmt)).smallest_subnormal) / float(scale)
+    # each value within half a step of its binade, or the subnormal step, of the format
+    assert np.all(np.abs(back - x) <= np.abs(x) * eps / 2 * 1.0001 + tiny)
+
+
+def test_what_no_8_bit_scale_can_carry_arrives_non_finite_never_silently_wrong():
+    # above about 2.98e38 no power of two brings an 8-bit maximum within float32: such a
+    # gradient arrives as inf, so a LossScaleOptimizer skips the step on every replica
+    for fmt in ("float8_e5m2", "float8_e4m3fn"):
+        q, scale = codecs.encode_float8(np.asarray([3.2e38, 1.0], np.float32), fmt)
+        back = codecs.decode_float8(q, scale)
+        with np.errstate(over="ignore"):
+            assert not np.all(np.isfinite(codecs.decode_float8(q, scale))) or np.allclose(back, [3.2e38, 0], rtol=0.07)
