@@ -106,8 +106,29 @@ def run(rank, world, port):
         opt.step()
         assert opt.last_step_skipped, (rank, name)
         assert _equal([p.detach() for p in model.parameters()], before)
+    # plain DDP, four steps, an overflow on rank 0 at the second: the same skips and scale
+    # on both ranks, and replicas that stay equal
+    torch.manual_seed(0)
+    ddp = DDP(torch.nn.Linear(4, 2))
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(ddp.parameters(), lr=0.1), policy="mixed_float16")
+    skipped = []
+    for step in range(4):
+        loss = ddp(torch.randn(3, 4) + rank).square().mean()
+        if step == 1 and rank == 0:
+            loss = loss * float("inf")
+        opt.scale_loss(loss).backward()
+        opt.step()
+        opt.zero_grad()
+        skipped.append(opt.last_step_skipped)
+    assert skipped == [False, True, False, False] and float(opt.loss_scale) == 2.0**14, (skipped, opt.loss_scale)
+    w = torch.cat([p.detach().flatten() for p in ddp.parameters()])
+    both = [torch.zeros_like(w) for _ in range(world)]
+    dist.all_gather(both, w)
+    assert torch.equal(both[0], both[1]), "replicas diverged"
+    dist.barrier()  # both ranks passed every check before rank 0 reports
     if rank == 0:
         print(json.dumps(figures), flush=True)
+    dist.barrier()  # no rank tears gloo down while the other still talks to it
     dist.destroy_process_group()
 
 

@@ -1,9 +1,6 @@
 """PyTorch LossScaleOptimizer: GradScaler parity, skipping, clipping, accumulation, checkpoints, DDP."""
 
 import contextlib
-import subprocess
-import sys
-import textwrap
 
 import pytest
 
@@ -282,58 +279,6 @@ def test_isinstance_and_type():
     opt = mp.LossScaleOptimizer(torch.optim.SGD(net().parameters(), lr=0.1))
     assert isinstance(opt, mp.LossScaleOptimizer) and isinstance(opt, torch.optim.Optimizer)
     assert not isinstance(torch.optim.SGD(net().parameters(), lr=0.1), mp.LossScaleOptimizer)
-
-
-DDP_SCRIPT = textwrap.dedent("""
-    import os, sys, torch, torch.distributed as dist
-    import mixedpolicy as mp
-    def main(rank):
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
-        dist.init_process_group("gloo", rank=rank, world_size=2)
-        torch.manual_seed(0)
-        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
-        opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-        skipped = []
-        for step in range(4):
-            x = torch.randn(3, 4) + rank
-            loss = model(x).square().mean()
-            if step == 1 and rank == 0:
-                loss = loss * float("inf")  # an overflow on one rank only
-            opt.scale_loss(loss).backward()
-            opt.step()
-            opt.zero_grad()
-            skipped.append(opt.last_step_skipped)
-        w = torch.cat([p.detach().flatten() for p in model.parameters()])
-        out = [torch.zeros_like(w) for _ in range(2)]
-        dist.all_gather(out, w)
-        assert torch.equal(out[0], out[1]), "replicas diverged"
-        with open(os.path.join(sys.argv[2], f"{rank}.txt"), "w") as f:
-            f.write(f"{skipped} {float(opt.loss_scale)}")
-        dist.barrier()  # no rank tears gloo down while the other still talks to it
-        dist.destroy_process_group()
-    if __name__ == "__main__":
-        torch.multiprocessing.spawn(main, nprocs=2)
-""")
-
-
-@pytest.mark.slow
-def test_ddp_overflow_on_one_rank_skips_every_rank(tmp_path):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    script = tmp_path / "ddp.py"
-    script.write_text(DDP_SCRIPT)
-    proc = subprocess.run([sys.executable, str(script), str(port), str(tmp_path)],
-                          capture_output=True, text=True, timeout=300)
-    # Each rank writes its result after its last step. On a loaded 2-core machine gloo can
-    # abort while tearing down after that ("terminate called without an active exception"):
-    # the results decide, the exit status only when one is missing.
-    results = [tmp_path / f"{rank}.txt" for rank in range(2)]
-    assert all(r.exists() for r in results), proc.stdout + proc.stderr[-3000:]
-    for result in results:
-        assert result.read_text() == "[False, True, False, False] 16384.0"
 
 
 def test_loading_a_gradscaler_dict_keeps_the_skip_count():
