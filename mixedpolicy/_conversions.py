@@ -35,3 +35,33 @@ def to_jmp(policy: Any) -> Any:
 
     return jmp.Policy(param_dtype=dt(policy.variable_dtype), compute_dtype=dt(policy.compute_dtype),
                       output_dtype=dt(policy.output_dtype))
+
+
+def to_fsdp(policy: Any) -> Any:
+    """Returns FSDP2's ``torch.distributed.fsdp.MixedPrecisionPolicy`` for the policy.
+
+    ``param_dtype`` is the compute dtype (FSDP2 all-gathers the parameters in it and
+    computes each module in it; the sharded parameters stay in the variable dtype the
+    model was created in), ``reduce_dtype`` the reduce dtype, ``output_dtype`` the output
+    dtype where it differs from the compute dtype.
+
+    Raises:
+      ValueError: the reduce dtype is 8-bit (FSDP2 reduce-scatters in a torch float
+        dtype), or the compute dtype is float64.
+    """
+    if policy.reduce_dtype.startswith("float8"):
+        raise ValueError(
+            f"Received {policy!r}, whose gradients would be reduced in {policy.reduce_dtype}; "
+            f"FSDP2 reduce-scatters in float32, bfloat16 or float16 only. Use one of those as "
+            f"reduce_dtype with FSDP2, or DistributedDataParallel with mp.distributed.register "
+            f"for 8-bit gradients.")
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    def dt(name: str) -> Any:
+        return getattr(torch, name)
+
+    return MixedPrecisionPolicy(
+        param_dtype=None if policy.compute_dtype == policy.variable_dtype else dt(policy.compute_dtype),
+        reduce_dtype=dt(policy.reduce_dtype),
+        output_dtype=None if policy.output_dtype == policy.compute_dtype else dt(policy.output_dtype))

@@ -267,6 +267,15 @@ class Policy:
         """Returns the equivalent ``jmp.Policy`` (imports jmp and JAX)."""
         return _conversions.to_jmp(self)
 
+    def to_fsdp(self) -> Any:
+        """Returns FSDP2's ``MixedPrecisionPolicy``: parameters all-gathered and computed in
+        the compute dtype, gradients reduce-scattered in the reduce dtype (imports torch).
+
+        Raises:
+          ValueError: an 8-bit reduce dtype, which FSDP2 cannot carry.
+        """
+        return _conversions.to_fsdp(self)
+
     # -- casting (jmp's vocabulary) -------------------------------------------
     def cast_to_compute(self, tree: Any) -> Any:
         """Casts the floating leaves of an array or container to the compute dtype."""

@@ -1,4 +1,5 @@
-"""DDP reduces gradients in the policy's reduce dtype (two gloo ranks on CPU, ddp_worker.py)."""
+"""DDP reduces gradients in the policy's reduce dtype, FSDP2 takes Policy.to_fsdp() (two gloo
+ranks on CPU: ddp_worker.py, fsdp_worker.py)."""
 
 import json
 import socket
@@ -39,6 +40,27 @@ def test_every_reduce_dtype_on_two_gloo_ranks():
     assert (figures["bfloat16"], figures["float16"]) == (2 * n, 2 * n)
     assert figures["float8_e5m2"] == figures["float8_e4m3fn"] == n + 4  # one bucket, one scale
     assert n < figures["per_layer"] < figures["float32"]
+
+
+@pytest.mark.slow
+def test_fsdp2_under_to_fsdp_trains_as_by_hand_and_ranks_skip_together():
+    """to_fsdp() equals the MixedPrecisionPolicy one writes by hand and trains bit for bit
+    the same; an overflow in one rank's shard makes both ranks skip (fsdp_worker.py)."""
+    require_module("torch")
+    worker = Path(__file__).with_name("fsdp_worker.py")
+    done = subprocess.run([sys.executable, str(worker), str(_free_port())], capture_output=True,
+                          text=True, timeout=300, cwd=worker.parent)
+    assert done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-4000:]
+
+
+def test_to_fsdp_refuses_8_bit_gradients_and_says_where_they_go():
+    require_module("torch")
+    with pytest.raises(ValueError, match="float8_e5m2; FSDP2 reduce-scatters in float32, bfloat16 or float16.*mp.distributed.register"):
+        mp.Policy("mixed_bfloat16", reduce_dtype="e5m2").to_fsdp()
+    fsdp = mp.Policy("p=f32,c=bf16,o=f32").to_fsdp()
+    import torch
+
+    assert (fsdp.param_dtype, fsdp.reduce_dtype, fsdp.output_dtype) == (torch.bfloat16, torch.float32, torch.float32)
 
 
 def test_register_refuses_what_is_not_ddp():

@@ -1,0 +1,74 @@
+"""Run by test_torch_distributed.py: two gloo ranks on CPU shard a model with FSDP2
+(``fully_shard``) under ``Policy.to_fsdp()``.
+
+    python fsdp_worker.py PORT
+
+Each rank asserts; rank 0 prints "ok" once both passed.
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as tmp
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import mixedpolicy as mp
+
+
+def _sharded(mp_policy):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mp_policy=mp_policy)
+    fully_shard(model, mp_policy=mp_policy)
+    return model
+
+
+def _train(model, rank, poison_step=None, steps=3):
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), policy="mixed_float16")
+    skipped = []
+    for step in range(steps):
+        torch.manual_seed(100 * step + rank)
+        out = model(torch.randn(4, 8))
+        opt.scale_loss(out.float().square().mean()).backward()
+        if step == poison_step and rank == 1:
+            model[0].weight.grad.to_local()[0, 0] = float("inf")  # one rank's shard only
+        opt.step()
+        opt.zero_grad()
+        skipped.append(opt.last_step_skipped)
+    return skipped, out, opt
+
+
+def run(rank, world, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # to_fsdp is the MixedPrecisionPolicy one would write by hand, and trains the same
+    for policy, by_hand in (
+            (mp.Policy("mixed_bfloat16"), MixedPrecisionPolicy(torch.bfloat16, torch.float32)),
+            (mp.Policy("mixed_float16", reduce_dtype="float16"), MixedPrecisionPolicy(torch.float16, torch.float16))):
+        assert policy.to_fsdp() == by_hand, (policy.to_fsdp(), by_hand)
+        ours, theirs = _sharded(policy.to_fsdp()), _sharded(by_hand)
+        _, out, _ = _train(ours, rank)
+        _train(theirs, rank)
+        assert out.dtype == getattr(torch, policy.compute_dtype)
+        for a, b in zip(ours.parameters(), theirs.parameters()):
+            assert a.dtype == torch.float32 and torch.equal(a.to_local(), b.to_local())
+    # an overflow in one rank's shard makes every rank skip (the scale backs off on both)
+    skipped, _, opt = _train(_sharded(mp.Policy("mixed_float16").to_fsdp()), rank, poison_step=1)
+    assert skipped[1] and not skipped[2], (rank, skipped)
+    scale = torch.tensor([float(opt.loss_scale)])
+    both = [torch.zeros(1), torch.zeros(1)]
+    dist.all_gather(both, scale)
+    assert torch.equal(both[0], both[1]), both
+    dist.barrier()
+    if rank == 0:
+        print("ok", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    tmp.spawn(run, args=(2, int(sys.argv[1])), nprocs=2)
