@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 
-from mixedpolicy.bench import data, models, report, runners
+from mixedpolicy.bench import data, models, replicas, report, runners
 from mixedpolicy.bench.spec import (FRAMEWORKS, MODELS, POLICIES, RunSpec, resolve_frameworks,
                                     resolve_model, resolve_policies)
 
@@ -44,6 +44,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu or cuda (torch; default: %(default)s)")
     p.add_argument("--out", default="bench-results", help="output folder (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="weights, split and batch order (default: 0)")
+    p.add_argument("--replicas", type=int, default=0, metavar="N",
+                   help="instead of the framework comparison: the mlp trained data-parallel on N JAX "
+                        "replicas (host devices) under each policy and each --reduce dtype, with bytes "
+                        "per step (default: off)")
+    p.add_argument("--reduce", default=",".join(replicas.REDUCE_DEFAULT),
+                   help="with --replicas: the reduce dtypes to compare (default: %(default)s)")
     return p
 
 
@@ -85,6 +91,46 @@ def _check_out(out: str) -> None:
                          f"folder you can write to.")
 
 
+def _check_replicas(args: argparse.Namespace, frameworks: tuple, model: str) -> tuple:
+    """The --reduce dtypes where --replicas is on, after checking both."""
+    if args.replicas < 0 or args.replicas > 64:
+        raise ValueError(f"Received --replicas {args.replicas}; expected a whole number from 1 to 64 "
+                         f"(or 0, the default: the framework comparison).")
+    if not args.replicas:
+        return ()
+    if model != "mlp" or args.device != "cpu":
+        raise ValueError(f"Received --replicas with --model {model} --device {args.device}; the "
+                         f"replica comparison trains the mlp on JAX host devices: use --model mlp "
+                         f"--device cpu.")
+    if "jax" not in frameworks:
+        raise ValueError("Received --replicas, which runs on JAX, but JAX (with optax) is not "
+                         "installed or not in --frameworks; pip install 'mixedpolicy[jax]'.")
+    return replicas.resolve_reduce(args.reduce)
+
+
+def _main_replicas(args: argparse.Namespace, policies: tuple, reduce_dtypes: tuple, split: tuple) -> int:
+    os.makedirs(args.out, exist_ok=True)
+    weights_path = os.path.abspath(os.path.join(args.out, "initial_weights_mlp.npz"))
+    models.save_weights(weights_path, models.init_weights("mlp", models.config("mlp", "cpu"), args.seed))
+    data_path = os.path.abspath(os.path.join(args.out, "digits_split.npz"))
+    data.save(data_path, split)
+    print(f"mixedpolicy bench: mlp on {args.replicas} JAX replicas, batch {args.batch_size} per replica, "
+          f"{args.warmup} warm-up + {args.steps} steps, {len(policies) * len(reduce_dtypes)} runs", flush=True)
+    try:
+        runs = replicas.run_all(args, policies, reduce_dtypes, data_path, weights_path)
+    except RuntimeError as err:
+        print(f"\nmixedpolicy bench: error: {err}", file=sys.stderr)
+        return 1
+    text = replicas.table(runs)
+    with open(os.path.join(args.out, "replicas.json"), "w") as f:
+        json.dump({"runs": runs}, f, indent=1)
+    with open(os.path.join(args.out, "replicas.md"), "w") as f:
+        f.write(text + "\n")
+    print()
+    print(text)
+    return 0
+
+
 def _load_digits(seed: int) -> tuple:
     try:
         return data.digits(seed)
@@ -115,12 +161,16 @@ def main(argv: list[str] | None = None) -> int:
         _check_positive(args)
         _check_out(args.out)
         split = _load_digits(args.seed)
-        if args.batch_size > len(split[0]):
-            raise ValueError(f"Received --batch-size {args.batch_size}, larger than the "
-                             f"{len(split[0])} training samples; choose at most {len(split[0])}.")
+        if args.batch_size * max(args.replicas, 1) > len(split[0]):
+            raise ValueError(f"Received --batch-size {args.batch_size} on {max(args.replicas, 1)} "
+                             f"replica(s), more than the {len(split[0])} training samples; choose at "
+                             f"most {len(split[0]) // max(args.replicas, 1)}.")
+        reduce_dtypes = _check_replicas(args, frameworks, model)
     except ValueError as err:
         print(f"mixedpolicy bench: error: {err}", file=sys.stderr)
         return 2
+    if args.replicas:
+        return _main_replicas(args, policies, reduce_dtypes, split)
     with_plots = report.can_plot()
     if not with_plots:
         print("mixedpolicy bench: matplotlib is not installed, so no PNG plots will be written "

@@ -28,7 +28,12 @@ FIELDS = {"framework", "policy", "model", "batch_size", "steps", "step_time_s", 
     (["--steps", "0"], r"--steps 0; expected a whole number >= 1"),
     (["--device", "tpu"], r"--device 'tpu'"),
     (["--device", "cuda"], r"--device cuda, but this machine has no NVIDIA GPU"),
-    (["--batch-size", "100000"], r"--batch-size 100000, larger than the 1347 training samples"),
+    (["--batch-size", "100000"], r"--batch-size 100000 on 1 replica\(s\), more than the 1347 training samples"),
+    (["--replicas", "-2"], r"--replicas -2; expected a whole number from 1 to 64"),
+    (["--replicas", "2", "--model", "cnn"], r"--replicas with --model cnn --device cpu.*use --model mlp"),
+    (["--replicas", "2", "--reduce", "fp8"], r"--reduce='fp8', which is ambiguous"),
+    (["--replicas", "2", "--reduce", "int8"], r"--reduce='int8', which is not a dtype gradients can be reduced in"),
+    (["--replicas", "4", "--batch-size", "400"], r"--batch-size 400 on 4 replica\(s\).*at most 336"),
     (["--min-block-time", "inf"], r"--min-block-time inf; expected seconds from 0 to 60"),
     (["--min-block-time", "nan"], r"--min-block-time nan"),
     (["--seed", "-1"], r"--seed -1; expected a whole number from 0"),
@@ -301,3 +306,21 @@ def test_the_runner_table_says_what_each_framework_needs_and_how_its_process_sta
     assert runners.environment("torch", "cuda").get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")
     with pytest.raises(ValueError, match="'mxnet'; expected one of: torch, jax"):
         runners.runner("mxnet")
+
+
+@pytest.mark.slow
+def test_replicas_compare_reduce_dtypes_with_bytes_per_step(tmp_path, capsys):
+    """--replicas 2: the mlp on two JAX host devices, per reduce dtype: the table, the files,
+    bytes in the ratio 4 : 1 (+ scales), accuracy well above chance."""
+    pytest.importorskip("optax")
+    out = tmp_path / "out"
+    assert bench(["--replicas", "2", "--steps", "20", "--warmup", "1", "--policies", "mixed_bfloat16",
+                  "--reduce", "float32,e5m2", "--out", str(out)]) == 0
+    runs = json.loads((out / "replicas.json").read_text())["runs"]
+    assert [(r["reduce_dtype"], r["replicas"]) for r in runs] == [("float32", 2), ("float8_e5m2", 2)]
+    f32, fp8 = (r["bytes_per_step"] for r in runs)
+    n = f32 // 4
+    assert fp8 == n + 4 * 6  # one byte a value, a float32 scale for each of the six tensors
+    assert all(r["accuracy"] > 0.5 and np.isfinite(r["final_loss"]) for r in runs)
+    assert "| mixed_bfloat16 | float8_e5m2 | 2 |" in capsys.readouterr().out
+    assert (out / "replicas.md").read_text().startswith("| policy | reduce dtype")
