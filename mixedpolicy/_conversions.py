@@ -46,15 +46,15 @@ def to_fsdp(policy: Any) -> Any:
     dtype where it differs from the compute dtype.
 
     Raises:
-      ValueError: the reduce dtype is 8-bit (FSDP2 reduce-scatters in a torch float
-        dtype), or the compute dtype is float64.
+      ValueError: the reduce dtype is 8-bit or a table codec (FSDP2 reduce-scatters in a
+        torch float dtype).
     """
-    if policy.reduce_dtype.startswith("float8"):
+    if policy.reduce_dtype not in ("float32", "bfloat16", "float16", "float64"):
         raise ValueError(
             f"Received {policy!r}, whose gradients would be reduced in {policy.reduce_dtype}; "
             f"FSDP2 reduce-scatters in float32, bfloat16 or float16 only. Use one of those as "
             f"reduce_dtype with FSDP2, or DistributedDataParallel with mp.distributed.register "
-            f"for 8-bit gradients.")
+            f"for 8-bit and table-coded gradients.")
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy
 

@@ -14,8 +14,11 @@ FLOATING_DTYPES = ("float16", "bfloat16", "float32", "float64")
 HALF_DTYPES = ("float16", "bfloat16")
 #: the 8-bit floating formats gradients may travel in (never stored or computed in)
 FLOAT8_DTYPES = ("float8_e5m2", "float8_e4m3fn")
-#: every dtype a `Policy` may reduce gradients in across replicas
-REDUCE_DTYPES = FLOATING_DTYPES + FLOAT8_DTYPES
+#: the AdaPrec study's table codecs: N bits a value (a sign and an index into a table of
+#: 2**(N-1) magnitudes sent with the tensor); N divides 8, so values pack whole into bytes
+TABLE_CODECS = ("table-1", "table-2", "table-4", "table-8")
+#: every dtype (or codec) a `Policy` may reduce gradients in across replicas
+REDUCE_DTYPES = FLOATING_DTYPES + FLOAT8_DTYPES + TABLE_CODECS
 
 # Spellings accepted for each dtype: Keras/numpy names, jmp's contractions and the
 # short forms people type. Every spelling an error message suggests is listed here.
@@ -112,8 +115,8 @@ def _dtype_name(value: object, what: str) -> str:
 
 def canonical_reduce_dtype(value: object, *, what: str = "reduce_dtype") -> str:
     """Returns the plain name of a dtype gradients may be reduced in: a floating dtype
-    (any spelling `canonical_dtype` takes) or an 8-bit float, ``"float8_e5m2"`` or
-    ``"float8_e4m3fn"`` (short ``"e5m2"``, ``"e4m3"``).
+    (any spelling `canonical_dtype` takes), an 8-bit float, ``"float8_e5m2"`` or
+    ``"float8_e4m3fn"`` (short ``"e5m2"``, ``"e4m3"``), or a table codec ``"table-N"``.
 
     Raises:
       ValueError: the value names no such dtype (plain ``"fp8"`` is ambiguous).
@@ -125,6 +128,13 @@ def canonical_reduce_dtype(value: object, *, what: str = "reduce_dtype") -> str:
     name = _dtype_name(value, what).strip().lower()
     if name in _FLOAT8_BY_ALIAS:
         return _FLOAT8_BY_ALIAS[name]
+    if name.startswith("table"):
+        bits = name[len("table"):].lstrip("-_ ")
+        if f"table-{bits}" in TABLE_CODECS:
+            return f"table-{bits}"
+        raise ValueError(
+            f"Received {what}={show(value)}; the table codecs take 1, 2, 4 or 8 bits a value "
+            f"({', '.join(TABLE_CODECS)}), so that values pack whole into bytes.")
     if name in ("fp8", "float8", "f8", "8"):
         raise ValueError(
             f"Received {what}={show(value)}, which is ambiguous: 8-bit floats come as "

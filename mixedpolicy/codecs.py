@@ -14,7 +14,14 @@ A `Policy`'s ``reduce_dtype`` names the codec; the engines (DDP communication ho
   8-bit tensor and its float32 scale; every replica gathers all of them and sums
   the decoded values in float32. Eight-bit values are never accumulated in 8 bits.
   Magnitudes above about 2.98e38 (where no power-of-two scale keeps the format's top
-  value within float32) arrive as inf: the step is then skipped, never silently wrong.
+  value within float32) arrive as inf: the step is then skipped, never silently wrong;
+- ``table-N`` (N = 1, 2, 4, 8; the AdaPrec study's Table-N): each value becomes a sign bit
+  and an (N-1)-bit index into a table of ``2**(N-1)`` magnitudes, the ``99*k/2**(N-1)``-th
+  percentiles of the tensor's |values| (k = 1 ... 2**(N-1); Table-1 is the sign and the
+  99th percentile), each value rounded to the nearest magnitude; the codes are packed
+  ``8/N`` to a byte and sent with the float32 table, gathered, decoded and summed in
+  float32. A tensor of zeros stays zero; one that is not all finite sends a NaN table,
+  so every replica sees NaN and skips the step.
 
 `wire_bytes` counts what one replica sends for one tensor; `encode_float8` and
 `decode_float8` are the reference (numpy and ml_dtypes) the backends are tested against.
@@ -30,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from mixedpolicy._dtypes import FLOAT8_DTYPES, REDUCE_DTYPES
+from mixedpolicy._dtypes import FLOAT8_DTYPES, REDUCE_DTYPES, TABLE_CODECS
 
 #: bytes per element on the wire
 ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2,
@@ -45,12 +52,26 @@ def is_float8(reduce_dtype: str) -> bool:
     return reduce_dtype in FLOAT8_DTYPES
 
 
+def table_bits(reduce_dtype: str) -> int | None:
+    """N of a ``table-N`` codec, else None."""
+    return int(reduce_dtype.split("-")[1]) if reduce_dtype in TABLE_CODECS else None
+
+
+def table_quantiles(bits: int) -> np.ndarray:
+    """The percentiles (0-100) whose |values| make a table-N codec's table, ascending."""
+    levels = 2 ** (bits - 1)
+    return 99.0 * np.arange(1, levels + 1) / levels
+
+
 def wire_bytes(numel: int, reduce_dtype: str) -> int:
     """Bytes one replica sends for a tensor of `numel` elements in `reduce_dtype`.
 
     Raises:
       ValueError: `reduce_dtype` is not one a policy can reduce in.
     """
+    bits = table_bits(reduce_dtype)
+    if bits is not None:
+        return -(-numel * bits // 8) + 4 * 2 ** (bits - 1)
     if reduce_dtype not in ITEMSIZE:
         raise ValueError(f"Received reduce_dtype={reduce_dtype!r}; expected one of {list(REDUCE_DTYPES)}.")
     return numel * ITEMSIZE[reduce_dtype] + (SCALE_BYTES if is_float8(reduce_dtype) else 0)
@@ -80,3 +101,42 @@ def decode_float8(q: np.ndarray, scale: Any) -> np.ndarray:
     """The reference decoder: float32 values of an 8-bit tensor sent with `scale`."""
     with np.errstate(over="ignore"):  # see the module docstring: inf, and the step is skipped
         return np.asarray(q).astype(np.float32) / np.float32(scale)
+
+
+def encode_table(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """The reference table-N encoder: (the codes packed 8/N to a uint8, the float32 table)."""
+    x = np.asarray(x, np.float32).reshape(-1)
+    a = np.abs(x)
+    if not np.all(np.isfinite(x)):
+        table = np.full(2 ** (bits - 1), np.nan, np.float32)
+    elif x.size == 0:
+        table = np.zeros(2 ** (bits - 1), np.float32)
+    else:
+        table = np.percentile(a, table_quantiles(bits)).astype(np.float32)
+    mids = (table[1:] + table[:-1]) / 2
+    index = np.searchsorted(mids, a, side="left").astype(np.uint8)
+    codes = (np.signbit(x).astype(np.uint8) << (bits - 1)) | index
+    return pack(codes, bits), table
+
+
+def decode_table(packed: np.ndarray, table: np.ndarray, bits: int, numel: int) -> np.ndarray:
+    """The reference table-N decoder: the float32 values."""
+    codes = unpack(np.asarray(packed, np.uint8), bits, numel)
+    sign = np.where(codes >> (bits - 1) == 1, np.float32(-1), np.float32(1))
+    return sign * np.asarray(table, np.float32)[codes & ((1 << (bits - 1)) - 1)]
+
+
+def pack(codes: np.ndarray, bits: int) -> np.ndarray:
+    """N-bit codes (uint8) packed 8/N to a byte, the first code in the lowest bits."""
+    per = 8 // bits
+    padded = np.zeros(-(-codes.size // per) * per, np.uint8)
+    padded[:codes.size] = codes
+    lanes = padded.reshape(-1, per).astype(np.uint16) << (bits * np.arange(per, dtype=np.uint16))
+    return lanes.sum(axis=1).astype(np.uint8)
+
+
+def unpack(packed: np.ndarray, bits: int, numel: int) -> np.ndarray:
+    """The first `numel` N-bit codes of `pack`'s bytes."""
+    per = 8 // bits
+    shifts = (bits * np.arange(per, dtype=np.uint8))
+    return ((packed[:, None] >> shifts) & ((1 << bits) - 1)).reshape(-1)[:numel].astype(np.uint8)

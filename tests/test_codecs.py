@@ -86,3 +86,34 @@ def test_what_no_8_bit_scale_can_carry_arrives_non_finite_never_silently_wrong()
         back = codecs.decode_float8(q, scale)
         with np.errstate(over="ignore"):
             assert not np.all(np.isfinite(codecs.decode_float8(q, scale))) or np.allclose(back, [3.2e38, 0], rtol=0.07)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.floats(-1e6, 1e6, allow_nan=False, width=32), min_size=1, max_size=300),
+       st.sampled_from([1, 2, 4, 8]))
+def test_table_codec_rounds_to_the_nearest_table_entry_and_keeps_signs(values, bits):
+    x = np.asarray(values, np.float32)
+    packed, table = codecs.encode_table(x, bits)
+    assert packed.dtype == np.uint8 and table.dtype == np.float32 and table.size == 2 ** (bits - 1)
+    assert packed.nbytes + table.nbytes == codecs.wire_bytes(x.size, f"table-{bits}")  # exact bytes
+    back = codecs.decode_table(packed, table, bits, x.size)
+    np.testing.assert_allclose(table, np.percentile(np.abs(x), codecs.table_quantiles(bits)), rtol=1e-6, atol=1e-37)
+    # each |value| became the nearest table entry (ties either way), and kept its sign
+    nearest = np.min(np.abs(np.abs(x)[:, None] - table[None, :]), axis=1)
+    np.testing.assert_allclose(np.abs(np.abs(back) - np.abs(x)), nearest, rtol=1e-5, atol=1e-6)
+    assert np.all(np.signbit(back) == np.signbit(x))
+    # within the table's largest gap of every value up to its top entry
+    gaps = np.diff(np.concatenate([[0.0], table]))
+    inside = np.abs(x) <= table[-1]
+    assert np.all(np.abs(back - x)[inside] <= gaps.max() / 2 * 1.0001 + table[0] + 1e-6)
+
+
+def test_table_codec_zeros_stay_zero_and_a_non_finite_tensor_arrives_nan():
+    for bits in (1, 2, 4, 8):
+        zeros = np.zeros(17, np.float32)
+        assert np.all(codecs.decode_table(*codecs.encode_table(zeros, bits), bits, 17) == 0)
+        bad = np.asarray([1.0, np.inf, -2.0], np.float32)
+        assert np.all(np.isnan(codecs.decode_table(*codecs.encode_table(bad, bits), bits, 3)))
+    assert mp.Policy("float32", reduce_dtype="Table-1").reduce_dtype == "table-1"
+    with pytest.raises(ValueError, match="1, 2, 4 or 8 bits"):
+        mp.Policy("float32", reduce_dtype="table-3")

@@ -4,8 +4,9 @@
 the replicas are the named axis: ``psum`` carries float32/bfloat16/float16, and
 ``all_gather`` carries the 8-bit tensors and their scales, summed in float32 after the
 exchange (`mixedpolicy.codecs` gives the rules). Each leaf keeps its own dtype; a
-`PolicyMap` gives each leaf the policy of its path (``"dense.kernel"`` resolves as the
-layer ``"dense"``), so a layer's gradients travel in its own reduce dtype.
+`PolicyMap` gives each leaf the policy of its path (``"dense.kernel"`` inherits from the
+layer ``"dense"``; a key may also name leaves, ``"*.bias"``), so a layer's gradients
+travel in its own reduce dtype.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from mixedpolicy.codecs import FLOAT8_MAX, is_float8, wire_bytes
+from mixedpolicy.codecs import FLOAT8_MAX, is_float8, table_bits, table_quantiles, wire_bytes
 from mixedpolicy.policy import as_policy
 from mixedpolicy.policy_map import LayerInfo, PolicyMap
 
@@ -50,10 +51,11 @@ def _reduce_dtypes(grads: Any, policy: Any) -> tuple[list, list, Any]:
     flat, treedef = jax.tree_util.tree_flatten_with_path(grads)
     if isinstance(policy, PolicyMap):
         dtypes = []
-        for keys, _ in flat:
+        for keys, leaf in flat:
             path = _path(keys)
             layer = path.rpartition(".")[0]
             chain = [LayerInfo(p, object) for p in _prefixes(layer)]
+            chain.append(LayerInfo(path, type(leaf)))  # the leaf itself: "*.bias" names it
             dtypes.append(policy.resolve(chain).policy.reduce_dtype)
     else:
         dtypes = [as_policy(policy).reduce_dtype] * len(flat)
@@ -70,6 +72,10 @@ def _reduce_leaf(g: Any, reduce_dtype: str, axis_name: Any, count: Any, mean: bo
     if not jnp.issubdtype(g.dtype, jnp.floating):
         return g
     n = count.astype(g.dtype)
+    bits = table_bits(reduce_dtype)
+    if bits is not None:
+        total = _table_sum(g.astype(jnp.float32).reshape(-1), bits, axis_name).reshape(g.shape)
+        return (total / count if mean else total).astype(g.dtype)
     if is_float8(reduce_dtype):
         amax = jnp.max(jnp.abs(g.astype(jnp.float32))) if g.size else jnp.float32(0)
         finite = jnp.isfinite(amax) & (amax > 0)
@@ -86,6 +92,28 @@ def _reduce_leaf(g: Any, reduce_dtype: str, axis_name: Any, count: Any, mean: bo
         return total if mean else total * n
     total = jax.lax.psum(g.astype(jnp.dtype(reduce_dtype)), axis_name).astype(g.dtype)
     return total / n if mean else total
+
+
+def _table_sum(flat: Any, bits: int, axis_name: Any) -> Any:
+    """The float32 sum over replicas of `flat`, each replica's sent as table-N codes."""
+    a = jnp.abs(flat)
+    finite = jnp.all(jnp.isfinite(flat))
+    q = jnp.asarray(table_quantiles(bits), jnp.float32)
+    table = jnp.percentile(jnp.where(jnp.isfinite(a), a, 0.0), q) if flat.size else jnp.zeros_like(q)
+    table = jnp.where(finite, table, jnp.nan).astype(jnp.float32)  # NaN: every replica skips
+    index = jnp.searchsorted((table[1:] + table[:-1]) / 2, a, side="left").astype(jnp.uint8)
+    codes = (jnp.signbit(flat).astype(jnp.uint8) << jnp.uint8(bits - 1)) | index
+    per = 8 // bits
+    padded = jnp.zeros((-(-flat.size // per) * per,), jnp.uint8).at[:flat.size].set(codes)
+    shifts = (bits * jnp.arange(per, dtype=jnp.uint16)).astype(jnp.uint16)
+    packed = jnp.sum(padded.reshape(-1, per).astype(jnp.uint16) << shifts, axis=1).astype(jnp.uint8)
+    gather = _gather_invariant()
+    all_packed, all_tables = gather(packed, axis_name), gather(table, axis_name)
+    unpacked = (all_packed[:, :, None].astype(jnp.uint16) >> shifts) & jnp.uint16((1 << bits) - 1)
+    codes = unpacked.reshape(all_packed.shape[0], -1)[:, :flat.size].astype(jnp.int32)
+    sign = jnp.where((codes >> (bits - 1)) == 1, jnp.float32(-1), jnp.float32(1))
+    magnitude = jnp.take_along_axis(all_tables, codes & ((1 << (bits - 1)) - 1), axis=1)
+    return jnp.sum(sign * magnitude, axis=0)
 
 
 def all_reduce(grads: Any, axis_name: Any, policy: Any = None, *, mean: bool = True) -> Any:

@@ -7,10 +7,10 @@ and its process group do the communication. For each bucket the hook sends:
 - a bucket whose parameters all reduce in float32: DDP's own ``allreduce_hook``
   (the same result as DDP without a hook);
 - all in bfloat16 / float16: torch's own ``bf16_compress_hook`` / ``fp16_compress_hook``;
-- otherwise (8-bit, or parameters with different reduce dtypes in one bucket): each
-  group of the bucket in its own codec (`mixedpolicy.codecs`), 8-bit tensors through
-  ``all_gather`` with their scales, summed in float32 after the exchange; a float16
-  group is divided by the world size before its cast.
+- otherwise (8-bit, table-N, or parameters with different reduce dtypes in one bucket):
+  each group of the bucket in its own codec (`mixedpolicy.codecs`), 8-bit tensors and
+  packed table codes through ``all_gather`` with their scales or tables, summed in float32
+  after the exchange; a float16 group is divided by the world size before its cast.
 
 The result is the mean over ranks, as DDP's. `ReduceState.bytes_sent` counts the bytes
 this rank handed to the process group (tensors as exchanged, scales included).
@@ -26,7 +26,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from mixedpolicy.backends.torch.arrays import PARAMETER_POLICY
-from mixedpolicy.codecs import FLOAT8_MAX, is_float8, wire_bytes
+from mixedpolicy.codecs import FLOAT8_MAX, is_float8, table_bits, table_quantiles, wire_bytes
 from mixedpolicy.policy import as_policy
 from mixedpolicy.policy_map import LayerInfo, PolicyMap
 from mixedpolicy.scope import global_policy
@@ -68,17 +68,20 @@ class ReduceState:
 
 def _per_parameter(model: torch.nn.Module, policy: Any) -> dict[str, str]:
     """parameter name -> reduce dtype: `policy` (a Policy, a name, a PolicyMap by module
-    path), else the policy apply_policy put on each parameter's module, else the global."""
+    path or class, or by parameter path: ``"*.bias"``), else the policy apply_policy put on
+    each parameter's module, else the global."""
     out = {}
     for path, module in model.named_modules():
         chain = None
         for name, p in module.named_parameters(recurse=False):
             full = f"{path}.{name}" if path else name
             if isinstance(policy, PolicyMap):
-                if chain is None:
+                if chain is None:  # the modules from the root down: keys by path, glob or class
                     parts = path.split(".") if path else []
-                    chain = [LayerInfo(".".join(parts[:i]), object) for i in range(len(parts) + 1)]
-                out[full] = policy.resolve(chain).policy.reduce_dtype
+                    prefixes = [".".join(parts[:i]) for i in range(len(parts) + 1)]
+                    chain = [LayerInfo(q, type(model.get_submodule(q))) for q in prefixes]
+                # the parameter itself ends the chain, so "*.bias" can name it
+                out[full] = policy.resolve([*chain, LayerInfo(full, type(p))]).policy.reduce_dtype
             elif policy is not None:
                 out[full] = as_policy(policy).reduce_dtype
             else:
@@ -166,12 +169,11 @@ def _hook(state: ReduceState, bucket):  # noqa: ANN (DDP checks the annotations;
     dtypes = [state.dtype_of(p) for p in bucket.parameters()]
     state.buckets += 1
     uniform = dtypes[0] if dtypes and all(d == dtypes[0] for d in dtypes) else None
-    if uniform is not None and not is_float8(uniform) and buffer.dtype == torch.float32:
+    if uniform in ("float32", *_TORCH_HOOKS) and buffer.dtype == torch.float32:
         state.bytes_sent += wire_bytes(buffer.numel(), uniform)
         if uniform == "float32":
             return default_hooks.allreduce_hook(group, bucket)
-        if uniform in _TORCH_HOOKS:
-            return _TORCH_HOOKS[uniform](group, bucket)
+        return _TORCH_HOOKS[uniform](group, bucket)
     world = group.size()
     slices, offset = [], 0
     for g in bucket.gradients():
@@ -193,6 +195,9 @@ def _hook(state: ReduceState, bucket):  # noqa: ANN (DDP checks the annotations;
 
 def _reduce(flat: torch.Tensor, dtype: str, group: Any, world: int) -> torch.Tensor:
     """The mean over ranks of `flat`, sent in `dtype` (synchronously)."""
+    bits = table_bits(dtype)
+    if bits is not None:
+        return (_table_sum(flat.float(), bits, group, world) / world).to(flat.dtype)
     if is_float8(dtype):
         wide = flat.float()
         amax = wide.abs().max() if wide.numel() else torch.zeros((), device=flat.device)
@@ -213,3 +218,41 @@ def _reduce(flat: torch.Tensor, dtype: str, group: Any, world: int) -> torch.Ten
     sent = flat.to(_TORCH[dtype])
     dist.all_reduce(sent, group=group)
     return sent.to(flat.dtype).div_(world)
+
+
+def _percentiles(a: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """numpy's linear-interpolation percentiles of a 1-D tensor (no 16M-element limit)."""
+    if a.numel() == 0:
+        return torch.zeros_like(q)
+    ordered = a.sort().values
+    pos = q / 100 * (a.numel() - 1)
+    lo = pos.floor().long()
+    hi = pos.ceil().long()
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def _table_sum(flat: torch.Tensor, bits: int, group: Any, world: int) -> torch.Tensor:
+    """The float32 sum over ranks of `flat`, each rank's sent as table-N codes packed 8/N
+    to a byte with its float32 table (`mixedpolicy.codecs` has the rules)."""
+    a = flat.abs()
+    finite = torch.isfinite(flat).all()
+    q = torch.as_tensor(table_quantiles(bits), dtype=torch.float32, device=flat.device)
+    table = _percentiles(torch.where(torch.isfinite(a), a, torch.zeros_like(a)), q)
+    table = torch.where(finite, table, torch.full_like(table, float("nan")))  # NaN: every rank skips
+    index = torch.searchsorted((table[1:] + table[:-1]) / 2, a.contiguous()).to(torch.uint8)
+    codes = (torch.signbit(flat).to(torch.uint8) << (bits - 1)) | index
+    per = 8 // bits
+    padded = torch.zeros(-(-flat.numel() // per) * per, dtype=torch.int32, device=flat.device)
+    padded[:flat.numel()] = codes.to(torch.int32)
+    shifts = bits * torch.arange(per, dtype=torch.int32, device=flat.device)
+    packed = (padded.view(-1, per) << shifts).sum(dim=1).to(torch.uint8)
+    all_packed = [torch.empty_like(packed) for _ in range(world)]
+    all_tables = [torch.empty_like(table) for _ in range(world)]
+    dist.all_gather(all_packed, packed, group=group)
+    dist.all_gather(all_tables, table, group=group)
+    total = torch.zeros_like(flat)
+    for got, tab in zip(all_packed, all_tables):
+        codes = ((got.to(torch.int32)[:, None] >> shifts) & ((1 << bits) - 1)).reshape(-1)[:flat.numel()]
+        sign = torch.where((codes >> (bits - 1)) == 1, -1.0, 1.0)
+        total += sign * tab[codes & ((1 << (bits - 1)) - 1)]
+    return total

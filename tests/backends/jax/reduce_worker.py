@@ -57,6 +57,15 @@ for name, tol in (("float32", 1e-6), ("bfloat16", 2e-2), ("float16", 2e-3), ("fl
         assert np.all(o == o[0]), name  # every replica holds the same result
         np.testing.assert_allclose(o[0], m, rtol=tol, atol=tol * float(np.abs(m).max()), err_msg=name)
     figures[name] = mp.jax.bytes_per_step(jax.tree_util.tree_map(lambda a: a[0], grads), policy)
+# table-N: what the numpy reference decodes, summed over the replicas
+from mixedpolicy import codecs  # noqa: E402
+for bits in (1, 2, 4, 8):
+    summed = run(mp.Policy("float32", reduce_dtype=f"table-{bits}"), mean=False)["dense"]["kernel"][0]
+    parts = np.asarray(grads["dense"]["kernel"])
+    ref = sum(codecs.decode_table(*codecs.encode_table(p, bits), bits, p.size) for p in parts).reshape(16, 8)
+    np.testing.assert_allclose(summed, ref, rtol=1e-6, atol=1e-5, err_msg=f"table-{bits}")
+    figures[f"table-{bits}"] = mp.jax.bytes_per_step(jax.tree_util.tree_map(lambda a: a[0], grads),
+                                                     mp.Policy("float32", reduce_dtype=f"table-{bits}"))
 # under pmap too
 pm = jax.pmap(lambda g: mp.jax.all_reduce(g, "r", mp.Policy("float32", reduce_dtype="e5m2")), axis_name="r")(grads)
 np.testing.assert_allclose(pm["head"]["bias"][3], mean["head"]["bias"], rtol=0.13, atol=0.13 * float(np.abs(mean["head"]["bias"]).max()))

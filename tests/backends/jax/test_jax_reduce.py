@@ -27,6 +27,9 @@ def test_every_reduce_dtype_over_four_host_devices():
     assert (figures["bfloat16"], figures["float16"]) == (2 * n, 2 * n)
     assert figures["float8_e5m2"] == figures["float8_e4m3fn"] == n + 2 * 4  # two tensors, two scales
     assert n < figures["per_layer"] < figures["float32"]
+    # table-N: N bits a value packed into bytes, plus a float32 table per tensor (128 + 8 values)
+    assert figures["table-1"] == (128 + 7) // 8 + 1 + 2 * 4 * 1
+    assert figures["table-8"] == 128 + 8 + 2 * 4 * 128
 
 
 def test_all_reduce_refuses_a_policy_it_cannot_read():

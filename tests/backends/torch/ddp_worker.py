@@ -23,14 +23,17 @@ def _model():
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
 
 
-def _grads(rank, policy=None, hook=None, poison=False, plain=False, tag=None):
-    """Gradients of one DDP backward on this rank's batch, and the hook state."""
+def _grads(rank, policy=None, hook=None, poison=False, plain=False, tag=None, local=False):
+    """Gradients of one DDP backward on this rank's batch (`local`: without DDP), and the
+    hook state."""
     model = _model()
     if tag is not None:
         mp.apply_policy(model, tag)
-    ddp = DDP(model)
+    ddp = model if local else DDP(model)
     state = None
-    if hook is not None:
+    if local:
+        pass
+    elif hook is not None:
         ddp.register_comm_hook(None, lambda state, bucket: hook(state, bucket))  # torch's own, the reference
     elif not plain:
         state = mp.distributed.register(ddp, policy)
@@ -69,6 +72,24 @@ def run(rank, world, port):
             tol = 0.13 if name == "float8_e5m2" else 0.07
             assert torch.allclose(a, b, rtol=tol, atol=tol * float(b.abs().max())), (name, a, b)
         figures[name] = state.bytes_sent
+    # table-N: what the numpy reference decodes, summed over both ranks
+    from mixedpolicy import codecs
+    for bits in (1, 8):
+        ours, state, model = _grads(rank, mp.Policy("float32", reduce_dtype=f"table-{bits}"))
+        local = _grads(rank, plain=True, local=True)[0]
+        flat = torch.cat([g.reshape(-1) for g in local]).numpy()
+        both = [None, None]
+        dist.all_gather_object(both, flat)
+        ref = sum(codecs.decode_table(*codecs.encode_table(f, bits), bits, f.size) for f in both) / 2
+        got = torch.cat([g.reshape(-1) for g in ours]).numpy()
+        assert abs(got - ref).max() < 1e-5, (bits, abs(got - ref).max())
+        figures[f"table-{bits}"] = state.bytes_sent
+    # the study's "Fastest" as a map: by class and by glob
+    fastest = mp.PolicyMap("float32", {torch.nn.Linear: mp.Policy("float32", reduce_dtype="table-1"),
+                                       "*.bias": mp.Policy("float32", reduce_dtype="e5m2")})
+    _, state, _ = _grads(rank, fastest)
+    assert state.reduce_dtypes == {"0.weight": "table-1", "0.bias": "float8_e5m2",
+                                   "2.weight": "table-1", "2.bias": "float8_e5m2"}, state.reduce_dtypes
     # per layer: layer 0 in 8 bits, the last layer in float32 exactly as plain DDP
     per_layer = mp.PolicyMap("float32", {"0": mp.Policy("float32", reduce_dtype="e5m2")})
     ours, state, _ = _grads(rank, per_layer)

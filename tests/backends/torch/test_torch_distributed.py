@@ -40,6 +40,7 @@ def test_every_reduce_dtype_on_two_gloo_ranks():
     assert (figures["bfloat16"], figures["float16"]) == (2 * n, 2 * n)
     assert figures["float8_e5m2"] == figures["float8_e4m3fn"] == n + 4  # one bucket, one scale
     assert n < figures["per_layer"] < figures["float32"]
+    assert figures["table-1"] == -(-n // 8) + 4 and figures["table-8"] == n + 4 * 128  # and decode as numpy's
 
 
 @pytest.mark.slow
