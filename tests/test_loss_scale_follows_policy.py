@@ -177,3 +177,22 @@ def test_optax_pass_through_is_the_inner_update_and_adds_no_operation():
     updates, new = careful.update(bad, careful.init(params), params)
     assert bool(new.last_step_skipped) and not any(bool(jnp.any(u)) for u in jax.tree_util.tree_leaves(updates))
     np.testing.assert_array_equal(np.asarray(new.loss_scale), 1.0)
+
+
+def test_a_checkpoint_of_a_pass_through_loads_into_a_scaling_wrapper_and_back():
+    """Switching the policy string between runs: the saved state moves both ways."""
+    torch = require_module("torch")
+    model = _torch_model(torch)
+    plain = mp.LossScaleOptimizer(torch.optim.Adam(model.parameters()))
+    model(torch.ones(1, 4)).sum().backward()
+    plain.step()
+    scaling = mp.LossScaleOptimizer(torch.optim.Adam(model.parameters()), policy="mixed_float16")
+    scaling.load_state_dict(plain.state_dict())  # no scale was ever used: its own initial one
+    assert float(scaling.loss_scale) == 2.0**15 and scaling.loss_scaling.startswith("dynamic")
+    assert scaling.state_dict()["state"][0]["step"] == 1  # the inner state came along
+    static = mp.LossScaleOptimizer(torch.optim.Adam(model.parameters()), loss_scale=mp.StaticLossScale(256.0))
+    scaling.load_state_dict(static.state_dict())  # a fixed scale: the start of the dynamic one
+    assert float(scaling.loss_scale) == 256.0
+    again = mp.LossScaleOptimizer(torch.optim.Adam(model.parameters()))
+    again.load_state_dict(scaling.state_dict())  # back to a policy that needs no scale
+    assert again.loss_scaling.startswith(PASS) and float(again.loss_scale) == 1.0

@@ -52,7 +52,11 @@ def check_half_master_weights(group: dict, loss_scale: LossScale) -> None:
 
 
 def config_from_scaler_state(cfg: LossScale, state: Any) -> tuple:
-    """(the loss scale `state` describes, skip count or None), `cfg` giving the kind; changes nothing."""
+    """(the loss scale `state` describes, skip count or None), `cfg` giving the kind; changes nothing.
+
+    A pass-through (`NoLossScale(skip_nonfinite=False)`) takes any state and keeps being one:
+    the policy it follows needs no scale, whatever the run that saved the state used.
+    """
     if not isinstance(state, dict):
         raise TypeError(f"Received a scaler state of type {type(state).__name__}; expected the "
                         f"dict from torch.amp.GradScaler.state_dict() or scaler_state_dict().")
@@ -68,7 +72,16 @@ def config_from_scaler_state(cfg: LossScale, state: Any) -> tuple:
         raise ValueError(f"Received a scaler state dict without {missing}; expected the "
                          f"dict from torch.amp.GradScaler.state_dict() or scaler_state_dict().")
     scale = state["scale"]
-    if isinstance(cfg, DynamicLossScale):
+    if isinstance(cfg, DynamicLossScale) and state.get("growth_factor") == 1.0 == state.get("backoff_factor"):
+        # written by a wrapper whose scale never moves (static, none, a pass-through): it
+        # holds a scale but no dynamics; keep this wrapper's, from that scale (a scale of
+        # 1, which never scaled, leaves this wrapper's own initial scale)
+        start = float(cfg.loss_scale) if float(scale) == 1.0 else scale
+        cfg = DynamicLossScale(loss_scale=start, dynamic_growth_steps=cfg.dynamic_growth_steps,
+                               growth_factor=cfg.growth_factor, backoff_factor=cfg.backoff_factor,
+                               min_scale=min(cfg.min_scale, float(start)),
+                               max_scale=max(cfg.max_scale, float(start)))
+    elif isinstance(cfg, DynamicLossScale):
         cfg = DynamicLossScale(
             loss_scale=scale, counter=int(state["_growth_tracker"]),
             dynamic_growth_steps=int(state.get("growth_interval", cfg.dynamic_growth_steps)),
@@ -77,7 +90,7 @@ def config_from_scaler_state(cfg: LossScale, state: Any) -> tuple:
             min_scale=state.get("min_scale") or min(cfg.min_scale, scale),
             max_scale=state.get("max_scale") or max(cfg.max_scale, scale))
     elif isinstance(cfg, NoLossScale):
-        if float(scale) != 1.0:
+        if float(scale) != 1.0 and cfg.skip_nonfinite:
             raise ValueError(
                 f"Received a scaler state with scale={scale} for a LossScaleOptimizer made with "
                 f"NoLossScale(), which never scales. Load it into a wrapper made with a "
