@@ -13,13 +13,15 @@ from typing import Any
 from mixedpolicy.codecs import wire_bytes
 
 
-def register(model: Any, policy: Any = None) -> Any:
+def register(model: Any, policy: Any = None, *, error_feedback: bool = False) -> Any:
     """Makes a ``DistributedDataParallel`` model reduce gradients in the reduce dtype.
 
     Registers one DDP communication hook (DDP allows one per model). Each parameter
     travels in the reduce dtype of its module's policy: `policy` (a `Policy`, a name,
     or a `PolicyMap` resolved by module path inside the wrapped module), else the
-    policy `apply_policy` put on its module, else the global policy.
+    policy `apply_policy` put on its module, else the global policy. With
+    ``error_feedback=True`` what a codec drops from a gradient (the rounding of its 8-bit,
+    table or half-precision values) is added to that parameter's next gradient.
 
     Returns:
       The hook's state: ``bytes_sent`` (bytes this rank sent so far), ``buckets``,
@@ -37,7 +39,9 @@ def register(model: Any, policy: Any = None) -> Any:
             f"mixedpolicy.jax.all_reduce inside shard_map or pmap).")
     from mixedpolicy.backends.torch.ddp import register as register_ddp
 
-    return register_ddp(model, policy)
+    if not isinstance(error_feedback, bool):
+        raise TypeError(f"Received error_feedback={error_feedback!r}; expected True or False.")
+    return register_ddp(model, policy, error_feedback=error_feedback)
 
 
 __all__ = ["register", "wire_bytes"]

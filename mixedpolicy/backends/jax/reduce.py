@@ -68,34 +68,46 @@ def _prefixes(layer: str) -> list[str]:
     return [""] + [".".join(parts[:i + 1]) for i in range(len(parts))]
 
 
-def _reduce_leaf(g: Any, reduce_dtype: str, axis_name: Any, count: Any, mean: bool) -> Any:
+def _reduce_leaf(g: Any, reduce_dtype: str, axis_name: Any, count: Any, mean: bool,
+                 residual: Any = None) -> tuple[Any, Any]:
+    """(the reduced leaf, the new residual: what this replica's codec dropped, or None)."""
     if not jnp.issubdtype(g.dtype, jnp.floating):
-        return g
+        return g, residual
+    if residual is not None:  # error feedback: last step's rounding goes out with this one
+        g = g.astype(jnp.float32) + residual
     n = count.astype(g.dtype)
     bits = table_bits(reduce_dtype)
     if bits is not None:
-        total = _table_sum(g.astype(jnp.float32).reshape(-1), bits, axis_name).reshape(g.shape)
-        return (total / count if mean else total).astype(g.dtype)
-    if is_float8(reduce_dtype):
-        amax = jnp.max(jnp.abs(g.astype(jnp.float32))) if g.size else jnp.float32(0)
+        x = g.astype(jnp.float32).reshape(-1)
+        total, local = _table_sum(x, bits, axis_name)
+        out, local = (total / count if mean else total).reshape(g.shape), local.reshape(g.shape)
+    elif is_float8(reduce_dtype):
+        x = g.astype(jnp.float32)
+        amax = jnp.max(jnp.abs(x)) if g.size else jnp.float32(0)
         finite = jnp.isfinite(amax) & (amax > 0)
         exponent = jnp.floor(jnp.log2(jnp.float32(FLOAT8_MAX[reduce_dtype]) / jnp.where(finite, amax, 1.0)))
         scale = jnp.exp2(jnp.where(finite, jnp.clip(exponent, -126, 126), 0.0)).astype(jnp.float32)
-        q = (g.astype(jnp.float32) * scale).astype(getattr(jnp, reduce_dtype))
+        q = (x * scale).astype(getattr(jnp, reduce_dtype))
         gather = _gather_invariant()
         qs = gather(q, axis_name)
         scales = gather(scale, axis_name)
         total = jnp.sum(qs.astype(jnp.float32) / scales.reshape((-1,) + (1,) * g.ndim), axis=0)
-        return (total / count if mean else total).astype(g.dtype)
-    if reduce_dtype == "float16":  # divided before the cast: the sum cannot overflow
-        total = jax.lax.psum((g / n).astype(jnp.float16), axis_name).astype(g.dtype)
-        return total if mean else total * n
-    total = jax.lax.psum(g.astype(jnp.dtype(reduce_dtype)), axis_name).astype(g.dtype)
-    return total / n if mean else total
+        out, local = total / count if mean else total, q.astype(jnp.float32) / scale
+    elif reduce_dtype == "float16":  # divided before the cast: the sum cannot overflow
+        sent = (g / n).astype(jnp.float16)
+        total = jax.lax.psum(sent, axis_name).astype(g.dtype)
+        out, local = total if mean else total * n, sent.astype(g.dtype) * n
+    else:
+        sent = g.astype(jnp.dtype(reduce_dtype))
+        total = jax.lax.psum(sent, axis_name).astype(g.dtype)
+        out, local = total / n if mean else total, sent.astype(g.dtype)
+    new_residual = None if residual is None else (g.astype(jnp.float32) - local.astype(jnp.float32))
+    return out.astype(g.dtype) if residual is None else out, new_residual
 
 
-def _table_sum(flat: Any, bits: int, axis_name: Any) -> Any:
-    """The float32 sum over replicas of `flat`, each replica's sent as table-N codes."""
+def _table_sum(flat: Any, bits: int, axis_name: Any) -> tuple[Any, Any]:
+    """(the float32 sum over replicas of `flat`, each replica's sent as table-N codes; what
+    this replica's codes decode to)."""
     a = jnp.abs(flat)
     finite = jnp.all(jnp.isfinite(flat))
     q = jnp.asarray(table_quantiles(bits), jnp.float32)
@@ -113,10 +125,12 @@ def _table_sum(flat: Any, bits: int, axis_name: Any) -> Any:
     codes = unpacked.reshape(all_packed.shape[0], -1)[:, :flat.size].astype(jnp.int32)
     sign = jnp.where((codes >> (bits - 1)) == 1, jnp.float32(-1), jnp.float32(1))
     magnitude = jnp.take_along_axis(all_tables, codes & ((1 << (bits - 1)) - 1), axis=1)
-    return jnp.sum(sign * magnitude, axis=0)
+    local = jnp.where(jnp.signbit(flat), jnp.float32(-1), jnp.float32(1)) * table[index.astype(jnp.int32)]
+    return jnp.sum(sign * magnitude, axis=0), local
 
 
-def all_reduce(grads: Any, axis_name: Any, policy: Any = None, *, mean: bool = True) -> Any:
+def all_reduce(grads: Any, axis_name: Any, policy: Any = None, *, mean: bool = True,
+               residual: Any = None) -> Any:
     """Reduces a gradient pytree over the replicas of `axis_name` in the policy's reduce dtype.
 
     Call it inside ``shard_map`` or ``pmap``, where `axis_name` is bound.
@@ -127,19 +141,32 @@ def all_reduce(grads: Any, axis_name: Any, policy: Any = None, *, mean: bool = T
       policy: a `Policy`, its name, or a `PolicyMap` resolved by each leaf's path;
         None uses the global policy.
       mean: the mean over replicas (as DDP averages), else the sum.
+      residual: error feedback (off by default): a float32 pytree like `grads`, what the
+        codecs dropped at the last step (zeros at the first, ``jax.tree.map(jnp.zeros_like,
+        grads)``); it is added to this step's gradients before they are encoded.
 
     Returns:
-      The reduced gradients, each leaf in its own dtype.
+      The reduced gradients, each leaf in its own dtype; with `residual`, the pair
+      (reduced gradients in float32, the new residual to pass at the next step).
 
     Raises:
-      TypeError: `policy` is none of those.
+      TypeError: `policy` is none of those, or `residual` is not shaped like `grads`.
     """
     from mixedpolicy.scope import global_policy
 
     leaves, dtypes, treedef = _reduce_dtypes(grads, global_policy() if policy is None else policy)
+    residuals = [None] * len(leaves)
+    if residual is not None:
+        residuals, rtree = jax.tree_util.tree_flatten(residual)
+        if rtree != treedef:
+            raise TypeError(f"Received a residual of structure {rtree}; expected one like the "
+                            f"gradients, {treedef} (start with jax.tree.map(jnp.zeros_like, grads)).")
     count = jax.lax.psum(jnp.float32(1.0), axis_name)  # the number of replicas
-    out = [_reduce_leaf(g, d, axis_name, count, mean) for g, d in zip(leaves, dtypes)]
-    return jax.tree_util.tree_unflatten(treedef, out)
+    pairs = [_reduce_leaf(g, d, axis_name, count, mean, r) for g, d, r in zip(leaves, dtypes, residuals)]
+    out = jax.tree_util.tree_unflatten(treedef, [p[0] for p in pairs])
+    if residual is None:
+        return out
+    return out, jax.tree_util.tree_unflatten(treedef, [p[1] for p in pairs])
 
 
 def bytes_per_step(grads: Any, policy: Any = None) -> int:

@@ -44,14 +44,21 @@ class ReduceState:
       reduce_dtypes: parameter name -> reduce dtype.
       bytes_sent: bytes this rank handed to the process group since registration.
       buckets: buckets reduced since registration.
+      error_feedback: whether what a codec drops is added to the next step's gradient.
     """
 
-    def __init__(self, process_group: Any, by_param: dict, names: dict):
+    def __init__(self, process_group: Any, by_param: dict, names: dict, error_feedback: bool = False):
         self.process_group = process_group
         self._by_param = by_param  # id(parameter) -> reduce dtype
         self.reduce_dtypes = dict(names)
         self.bytes_sent = 0
         self.buckets = 0
+        self.error_feedback = error_feedback
+        self.residuals: dict = {}  # id(parameter) -> what its codec dropped at the last step
+
+    def residual(self, p: torch.Tensor) -> torch.Tensor:
+        found = self.residuals.get(id(p))
+        return found if found is not None else torch.zeros(p.shape, dtype=torch.float32, device=p.device)
 
     def __getstate__(self) -> dict:  # DDP may pickle its hook state; the group stays behind
         return {k: v for k, v in self.__dict__.items() if k != "process_group"} | {"process_group": None}
@@ -89,13 +96,16 @@ def _per_parameter(model: torch.nn.Module, policy: Any) -> dict[str, str]:
     return out
 
 
-def register(ddp_model: Any, policy: Any = None) -> ReduceState:
+def register(ddp_model: Any, policy: Any = None, *, error_feedback: bool = False) -> ReduceState:
     """Registers the reduce-dtype hook on a ``DistributedDataParallel`` model.
 
     Args:
       ddp_model: the DDP-wrapped model (before its first backward).
       policy: a `Policy`, a name, or a `PolicyMap` resolved by module path inside the
         wrapped module; None reads the policies `apply_policy` put on its modules.
+      error_feedback: add what each parameter's codec dropped (the rounding of its
+        8-bit, table or half-precision values) to its next gradient (off by default;
+        every bucket then goes through mixedpolicy's own path).
 
     Returns:
       The hook's `ReduceState` (``bytes_sent``, ``reduce_dtypes``).
@@ -114,8 +124,9 @@ def register(ddp_model: Any, policy: Any = None) -> ReduceState:
     state = ddp_model.__dict__.get(_STATE)
     if state is not None:  # registered before (DDP takes one hook): new dtypes for it
         state.update(ddp_model.module, names)
+        state.error_feedback = error_feedback
         return state
-    state = ReduceState(ddp_model.process_group, {}, names)
+    state = ReduceState(ddp_model.process_group, {}, names, error_feedback)
     state.update(ddp_model.module, names)
     ddp_model.register_comm_hook(state, _hook)
     ddp_model.__dict__[_STATE] = state
@@ -169,7 +180,8 @@ def _hook(state: ReduceState, bucket):  # noqa: ANN (DDP checks the annotations;
     dtypes = [state.dtype_of(p) for p in bucket.parameters()]
     state.buckets += 1
     uniform = dtypes[0] if dtypes and all(d == dtypes[0] for d in dtypes) else None
-    if uniform in ("float32", *_TORCH_HOOKS) and buffer.dtype == torch.float32:
+    delegate = ("float32",) if state.error_feedback else ("float32", *_TORCH_HOOKS)
+    if uniform in delegate and buffer.dtype == torch.float32:
         state.bytes_sent += wire_bytes(buffer.numel(), uniform)
         if uniform == "float32":
             return default_hooks.allreduce_hook(group, bucket)
@@ -182,7 +194,15 @@ def _hook(state: ReduceState, bucket):  # noqa: ANN (DDP checks the annotations;
     for dtype in sorted(set(dtypes)):
         members = [s for s, d in zip(slices, dtypes) if d == dtype]
         flat = torch.cat([s.reshape(-1) for s in members])
-        reduced = _reduce(flat, dtype, group, world)
+        owners = [p for p, d in zip(bucket.parameters(), dtypes) if d == dtype]
+        if state.error_feedback:  # what the codec dropped last step goes out with this one
+            flat = flat.float() + torch.cat([state.residual(p).reshape(-1) for p in owners])
+        reduced, local = _reduce(flat, dtype, group, world)
+        if state.error_feedback:
+            dropped, start = flat - local, 0
+            for p in owners:
+                state.residuals[id(p)] = dropped[start:start + p.numel()].view_as(p).clone()
+                start += p.numel()
         state.bytes_sent += wire_bytes(flat.numel(), dtype)
         start = 0
         for s in members:
@@ -193,31 +213,35 @@ def _hook(state: ReduceState, bucket):  # noqa: ANN (DDP checks the annotations;
     return fut
 
 
-def _reduce(flat: torch.Tensor, dtype: str, group: Any, world: int) -> torch.Tensor:
-    """The mean over ranks of `flat`, sent in `dtype` (synchronously)."""
+def _reduce(flat: torch.Tensor, dtype: str, group: Any, world: int) -> tuple:
+    """(the mean over ranks of `flat`, sent in `dtype` (synchronously); what this rank's
+    own sent values decode to, in float32, for error feedback)."""
     bits = table_bits(dtype)
     if bits is not None:
-        return (_table_sum(flat.float(), bits, group, world) / world).to(flat.dtype)
+        total, local = _table_sum(flat.float(), bits, group, world)
+        return (total / world).to(flat.dtype), local
     if is_float8(dtype):
         wide = flat.float()
         amax = wide.abs().max() if wide.numel() else torch.zeros((), device=flat.device)
         ok = torch.isfinite(amax) & (amax > 0)
         exponent = torch.floor(torch.log2(FLOAT8_MAX[dtype] / torch.where(ok, amax, torch.ones_like(amax))))
         scale = torch.exp2(torch.where(ok, exponent.clamp(-126, 126), torch.zeros_like(exponent)))
-        q = (wide * scale).to(_TORCH[dtype]).view(torch.uint8)
-        qs = [torch.empty_like(q) for _ in range(world)]
+        q = (wide * scale).to(_TORCH[dtype])
+        qs = [torch.empty_like(q.view(torch.uint8)) for _ in range(world)]
         scales = [torch.empty_like(scale) for _ in range(world)]
-        dist.all_gather(qs, q, group=group)
+        dist.all_gather(qs, q.view(torch.uint8), group=group)
         dist.all_gather(scales, scale.reshape(()), group=group)
         total = sum(x.view(_TORCH[dtype]).float() / s for x, s in zip(qs, scales))
-        return (total / world).to(flat.dtype)
+        return (total / world).to(flat.dtype), q.float() / scale
     if dtype == "float16":  # divided before the cast: the sum cannot overflow
         sent = flat.float().div(world).to(torch.float16)
+        local = sent.float() * world
         dist.all_reduce(sent, group=group)
-        return sent.to(flat.dtype)
+        return sent.to(flat.dtype), local
     sent = flat.to(_TORCH[dtype])
+    local = sent.float()
     dist.all_reduce(sent, group=group)
-    return sent.to(flat.dtype).div_(world)
+    return sent.to(flat.dtype).div_(world), local
 
 
 def _percentiles(a: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -231,9 +255,10 @@ def _percentiles(a: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-def _table_sum(flat: torch.Tensor, bits: int, group: Any, world: int) -> torch.Tensor:
-    """The float32 sum over ranks of `flat`, each rank's sent as table-N codes packed 8/N
-    to a byte with its float32 table (`mixedpolicy.codecs` has the rules)."""
+def _table_sum(flat: torch.Tensor, bits: int, group: Any, world: int) -> tuple:
+    """(the float32 sum over ranks of `flat`, each rank's sent as table-N codes packed 8/N
+    to a byte with its float32 table (`mixedpolicy.codecs` has the rules); what this rank's
+    codes decode to)."""
     a = flat.abs()
     finite = torch.isfinite(flat).all()
     q = torch.as_tensor(table_quantiles(bits), dtype=torch.float32, device=flat.device)
@@ -255,4 +280,5 @@ def _table_sum(flat: torch.Tensor, bits: int, group: Any, world: int) -> torch.T
         codes = ((got.to(torch.int32)[:, None] >> shifts) & ((1 << bits) - 1)).reshape(-1)[:flat.numel()]
         sign = torch.where((codes >> (bits - 1)) == 1, -1.0, 1.0)
         total += sign * tab[codes & ((1 << (bits - 1)) - 1)]
-    return total
+    local = torch.where(torch.signbit(flat), -1.0, 1.0) * table[index.long()]
+    return total, local
