@@ -8,6 +8,7 @@ by the type of the object it is given.
 True
 """
 
+from mixedpolicy.adaprec import AdaPrec
 from mixedpolicy.api import LossScaleOptimizer, apply_policy, describe, remove_policy
 from mixedpolicy.table import LayerPolicy, PolicyTable
 from mixedpolicy.function import PolicyFunction
@@ -28,6 +29,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'mixedpolicy' has no attribute {name!r}")
 
 __all__ = [
+    "AdaPrec",
     "DynamicLossScale",
     "LayerInfo",
     "LayerPolicy",
