@@ -16,6 +16,13 @@ import mixedpolicy as mp
 PASS = "pass-through"
 
 
+@pytest.fixture(autouse=True)
+def _no_float16_models_of_other_tests(monkeypatch):
+    """The float16 models other tests left alive (in this worker) are not these tests'."""
+    monkeypatch.setattr("mixedpolicy.api._FLOAT16_MODELS", {})
+    monkeypatch.setattr("mixedpolicy.api._float16_unweakable", False)
+
+
 def _torch_model(torch, seed=0):
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))

@@ -179,14 +179,14 @@ def test_reads_keras_layout_and_its_own_earlier_layout():
     assert opt.loss_scale == 512.0 and values  # nothing was overwritten
 
 
-def test_the_factory_follows_the_policy():
+def test_the_factory_follows_the_policy(monkeypatch):
     """Under float32 or bfloat16, mp.LossScaleOptimizer(opt) adds nothing to the inner step."""
-    import gc
     from keras import ops
     from mixedpolicy.backends.keras.optimizer import LossScaleOptimizer
 
     mp.set_global_policy(None)
-    gc.collect()  # the float16 models of earlier tests: while one lives, the factory scales
+    # the float16 models earlier tests left alive: while one lives, the factory scales
+    monkeypatch.setattr("mixedpolicy.api._FLOAT16_MODELS", {})
     opt = mp.LossScaleOptimizer(keras.optimizers.SGD(0.5))
     assert isinstance(opt, LossScaleOptimizer) and opt.loss_scaling.startswith("pass-through")
     loss = ops.convert_to_tensor(np.float32(3.0))
