@@ -16,12 +16,13 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[all,test]"
 	touch $(STAMP)
 
-# Two pytest workers (pytest-xdist): most tests wait on a process of their own (a Keras
+# Two pytest workers (pytest-xdist, work stealing: a few tests take a minute, most a second):
+# most tests wait on a process of their own (a Keras
 # backend, two DDP ranks, a doc block), so both cores of a CI machine stay busy.
 JOBS ?= 2
 
 test: setup
-	MIXEDPOLICY_EXPECT_BACKENDS=$(EXPECT_BACKENDS) $(PY) -m pytest -q -n $(JOBS) $(PYTEST_ARGS)
+	MIXEDPOLICY_EXPECT_BACKENDS=$(EXPECT_BACKENDS) $(PY) -m pytest -q -n $(JOBS) --dist worksteal $(PYTEST_ARGS)
 
 # The suite without the tests that start processes of their own (marked slow).
 test-fast: setup

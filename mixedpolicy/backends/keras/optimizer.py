@@ -60,7 +60,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         max_scale: as for `mixedpolicy.DynamicLossScale`.
       dynamic: True, as Keras accepts it; False is refused as Keras refuses it (pass
         ``loss_scale=mp.StaticLossScale(scale)`` for a fixed scale).
-      loss_scale: a `DynamicLossScale` or `StaticLossScale` instead of the settings.
+      loss_scale: a `DynamicLossScale` or `StaticLossScale` instead of the settings; a
+        `NoLossScale(skip_nonfinite=False)` makes a pass-through (what
+        `mixedpolicy.LossScaleOptimizer` gives under a policy that needs no scaling), and
+        `NoLossScale()` a static scale of 1 that still skips non-finite steps.
       name, **kwargs: as Keras's: a base-optimizer argument (``clipnorm``...) is a
         ValueError saying it belongs on the inner optimizer.
     """
