@@ -16,9 +16,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[all,test]"
 	touch $(STAMP)
 
-# Two pytest workers (pytest-xdist, work stealing: a few tests take a minute, most a second):
-# most tests wait on a process of their own (a Keras
-# backend, two DDP ranks, a doc block), so both cores of a CI machine stay busy.
+# Two pytest workers (pytest-xdist): many tests wait on a process of their own (a Keras
+# backend, two DDP ranks, a doc block), so both cores of a CI machine stay busy; work
+# stealing, since a few tests take a minute and most a second.
 JOBS ?= 2
 
 test: setup
