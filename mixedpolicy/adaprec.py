@@ -4,7 +4,8 @@ The AdaPrec study's method, on any training loop whose step takes the reduce cho
 argument: every `interval` steps, from the current state, it trains `speculative_steps`
 steps under each candidate (the same batches for each), restores the state, fits each
 candidate's short learning curve, predicts the loss it would reach `interval` steps on,
-and picks the candidate with the best predicted loss decrease per second, where a step's
+and picks the candidate with the best predicted loss decrease per second (among those
+whose predicted decrease is at least `min_relative_gain` of the best one), where a step's
 seconds are its compute time plus the bytes it sends over the given bandwidth. Training
 then goes on from the restored state with that choice. Every decision is logged.
 
@@ -63,7 +64,18 @@ def predict_loss(losses: Sequence[float], at: int) -> float:
         return float(y[0])
     k = np.log(np.arange(1, y.size + 1, dtype=np.float64))
     (a, b), *_ = np.linalg.lstsq(np.stack([np.ones_like(k), k], axis=1), y, rcond=None)
-    return float(a + min(b, 0.0) * math.log(at))  # a rising fit predicts no gain, not a loss
+    predicted = float(a + min(b, 0.0) * math.log(at))  # a rising fit predicts no gain, not a loss
+    # a loss that was never negative is not predicted below 0 (a steep start extrapolates far)
+    return max(predicted, 0.0) if np.all(y >= 0) else predicted
+
+
+def _diverged(recent: Sequence[float], decision: "Decision", factor: float) -> bool:
+    """Did the loss over the last interval end above `factor` times where it started?"""
+    if not recent:
+        return False
+    tail = float(np.mean(recent[-max(1, len(recent) // 4):]))
+    start = next(iter(decision.losses.values()))[0]
+    return not math.isfinite(tail) or tail > factor * start
 
 
 class Decision(NamedTuple):
@@ -91,6 +103,13 @@ class AdaPrec:
         (wall time less what the bandwidth would add is not subtracted: on one machine
         the exchange is part of the measured time). A number makes decisions
         deterministic given the seeds.
+      min_relative_gain: a candidate competes only if its predicted loss decrease is at
+        least this fraction of the best candidate's (0 lets the cheapest candidate win on
+        any gain; a short curve can look fine for a codec that will stall or diverge).
+      divergence: in `run`, where the loss over an interval ends above this factor of the
+        loss the choice started from (or is not finite), the state goes back to that
+        decision and the choice is made again without that candidate (logged in
+        `rollbacks`); None never rolls back.
       snapshot, restore: how to keep and bring back the training state around
         speculation; the defaults suit immutable state (JAX pytrees): the same object.
 
@@ -100,7 +119,8 @@ class AdaPrec:
 
     def __init__(self, candidates: Iterable[Any], *, speculative_steps: int = 5, interval: int = 50,
                  bytes_per_step: Callable[[Any], int], bandwidth: Any = "14GiB/s",
-                 compute_seconds: float | None = None,
+                 compute_seconds: float | None = None, min_relative_gain: float = 0.5,
+                 divergence: float | None = 1.5,
                  snapshot: Callable[[Any], Any] = lambda state: state,
                  restore: Callable[[Any], Any] = lambda saved: saved):
         self.candidates = list(candidates)
@@ -117,7 +137,13 @@ class AdaPrec:
             raise ValueError(f"Received compute_seconds={compute_seconds!r}; expected seconds >= 0 or None.")
         self.speculative_steps, self.interval = speculative_steps, interval
         self.bytes_per_step, self.bandwidth = bytes_per_step, parse_bandwidth(bandwidth)
-        self.compute_seconds = compute_seconds
+        if divergence is not None and not divergence > 1:
+            raise ValueError(f"Received divergence={divergence!r}; expected a factor > 1, or None.")
+        self.divergence = divergence
+        self.rollbacks: list[tuple[int, Any]] = []  # (step, the candidate rolled back)
+        if not 0 <= min_relative_gain <= 1:
+            raise ValueError(f"Received min_relative_gain={min_relative_gain!r}; expected a fraction from 0 to 1.")
+        self.compute_seconds, self.min_relative_gain = compute_seconds, min_relative_gain
         self._snapshot, self._restore = snapshot, restore
         self.decisions: list[Decision] = []
         self.choice = self.candidates[0]
@@ -127,13 +153,15 @@ class AdaPrec:
         return compute + self.bytes_per_step(candidate) / self.bandwidth
 
     def decide(self, step: int, state: Any, batches: Sequence[Any],
-               train_step: Callable[[Any, Any, Any], tuple]) -> Any:
-        """Speculates from `state` on `batches` under each candidate, records and returns the
-        choice; the state to go on from is ``restore(snapshot(state))`` (the same)."""
+               train_step: Callable[[Any, Any, Any], tuple], banned: Sequence[Any] = ()) -> Any:
+        """Speculates from `state` on `batches` under each candidate (but `banned`), records
+        and returns the choice; the state to go on from is ``restore(snapshot(state))``."""
         saved = self._snapshot(state)
         losses, predicted, seconds, scores = {}, {}, {}, {}
         start_loss = None
         for index, candidate in enumerate(self.candidates):
+            if candidate in banned and len(banned) < len(self.candidates):
+                continue
             current, curve = self._restore(saved), []
             t0 = time.perf_counter()
             for batch in batches:
@@ -147,8 +175,12 @@ class AdaPrec:
             seconds[key] = self._seconds(candidate, measured)
             scores[key] = (start_loss - predicted[key]) / (self.interval * seconds[key])
         keys = list(scores)
-        best = max(range(len(keys)), key=lambda i: (scores[keys[i]], -i))  # ties: the earlier
-        self.choice = self.candidates[best]
+        by_key = {(str(c) if not isinstance(c, str) else c): c for c in self.candidates}
+        gains = {k: start_loss - predicted[k] for k in keys}
+        top = max(gains.values())
+        eligible = [i for i, k in enumerate(keys) if top <= 0 or gains[k] >= self.min_relative_gain * top]
+        best = max(eligible, key=lambda i: (scores[keys[i]], -i))  # ties: the earlier
+        self.choice = by_key[keys[best]]
         self.decisions.append(Decision(step, losses, predicted, seconds, scores, self.choice))
         return self.choice
 
@@ -158,12 +190,21 @@ class AdaPrec:
         choice) after each real step. Speculation uses the next `speculative_steps`
         batches, which the chosen candidate then trains on for real."""
         batches = list(batches)
-        step = 0
+        step, saved, recent, banned = 0, None, [], ()
         while step < len(batches):
             if step % self.interval == 0:
+                if saved is not None and self.divergence is not None and _diverged(
+                        recent, self.decisions[-1], self.divergence):
+                    # the last choice made the loss climb: back to where it was chosen, without it
+                    state, banned = self._restore(saved), (self.choice,)
+                    self.rollbacks.append((step, self.choice))
+                else:
+                    banned = ()
+                saved = self._snapshot(state)
                 ahead = batches[step:step + self.speculative_steps]
-                state = self._restore(self._snapshot(state))
-                self.decide(step, state, ahead, train_step)
+                self.decide(step, self._restore(saved), ahead, train_step, banned)
+                recent = []
             state, loss = train_step(state, batches[step], self.choice)
+            recent.append(float(loss))
             yield step, state, float(loss), self.choice
             step += 1

@@ -105,3 +105,24 @@ def test_speculation_restores_the_state_bit_for_bit_and_decisions_repeat():
     first = fast.decisions[0]
     assert first.choice == min(first.predicted, key=first.predicted.get)
     assert set(first.scores) == {"float32", "float8_e5m2", "table-1"}
+
+
+def test_a_choice_that_makes_the_loss_climb_is_rolled_back_and_not_taken_again_at_once():
+    # a toy: "wild" falls fastest for a few steps, then climbs; "steady" falls slowly
+    def train_step(state, batch, choice):
+        loss, age = state
+        if choice == "wild":
+            age += 1
+            loss = loss * 0.7 if age <= 6 else loss * 3.0
+        else:
+            age, loss = 0, loss * 0.95
+        return (loss, age), loss
+
+    ada = AdaPrec(["steady", "wild"], speculative_steps=3, interval=10, bytes_per_step=lambda c: 0,
+                  compute_seconds=1.0, min_relative_gain=0.0)
+    out = list(ada.run((1.0, 0), range(40), train_step))
+    assert ada.decisions[0].choice == "wild" and ada.rollbacks and ada.rollbacks[0] == (10, "wild")
+    assert ada.decisions[1].choice == "steady" and "wild" not in ada.decisions[1].scores
+    assert out[-1][2] < 1.0  # the run still learns
+    with pytest.raises(ValueError, match="divergence=1"):
+        AdaPrec(["a"], divergence=1, bytes_per_step=len)

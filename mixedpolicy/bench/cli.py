@@ -49,7 +49,12 @@ def parser() -> argparse.ArgumentParser:
                         "replicas (host devices) under each policy and each --reduce dtype, with bytes "
                         "per step (default: off)")
     p.add_argument("--reduce", default=",".join(replicas.REDUCE_DEFAULT),
-                   help="with --replicas: the reduce dtypes to compare (default: %(default)s)")
+                   help="with --replicas: the reduce dtypes to compare (float32, bfloat16, float16, "
+                        "float8_e5m2, float8_e4m3fn, table-1/2/4/8), and the study's per-layer "
+                        "'fastest' and adaptive 'adaprec' (default: %(default)s)")
+    p.add_argument("--bandwidth", default="1GB/s",
+                   help="with --replicas: the link the communication time is modelled at, and "
+                        "adaprec's cost of a byte (default: %(default)s)")
     return p
 
 
@@ -105,6 +110,9 @@ def _check_replicas(args: argparse.Namespace, frameworks: tuple, model: str) -> 
     if "jax" not in frameworks:
         raise ValueError("Received --replicas, which runs on JAX, but JAX (with optax) is not "
                          "installed or not in --frameworks; pip install 'mixedpolicy[jax]'.")
+    from mixedpolicy.adaprec import parse_bandwidth
+
+    parse_bandwidth(args.bandwidth)
     return replicas.resolve_reduce(args.reduce)
 
 

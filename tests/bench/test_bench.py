@@ -33,6 +33,7 @@ FIELDS = {"framework", "policy", "model", "batch_size", "steps", "step_time_s", 
     (["--replicas", "2", "--model", "cnn"], r"--replicas with --model cnn --device cpu.*use --model mlp"),
     (["--replicas", "2", "--reduce", "fp8"], r"--reduce='fp8', which is ambiguous"),
     (["--replicas", "2", "--reduce", "int8"], r"--reduce='int8', which is not a dtype gradients can be reduced in"),
+    (["--replicas", "2", "--bandwidth", "fast"], r"bandwidth='fast'; expected bytes per second"),
     (["--replicas", "4", "--batch-size", "400"], r"--batch-size 400 on 4 replica\(s\).*at most 336"),
     (["--min-block-time", "inf"], r"--min-block-time inf; expected seconds from 0 to 60"),
     (["--min-block-time", "nan"], r"--min-block-time nan"),
@@ -314,13 +315,18 @@ def test_replicas_compare_reduce_dtypes_with_bytes_per_step(tmp_path, capsys):
     bytes in the ratio 4 : 1 (+ scales), accuracy well above chance."""
     pytest.importorskip("optax")
     out = tmp_path / "out"
-    assert bench(["--replicas", "2", "--steps", "20", "--warmup", "1", "--policies", "mixed_bfloat16",
-                  "--reduce", "float32,e5m2", "--out", str(out)]) == 0
+    assert bench(["--replicas", "2", "--steps", "16", "--warmup", "1", "--policies", "mixed_bfloat16",
+                  "--reduce", "float32,e5m2,fastest,adaprec", "--bandwidth", "10MB/s", "--out", str(out)]) == 0
     runs = json.loads((out / "replicas.json").read_text())["runs"]
-    assert [(r["reduce_dtype"], r["replicas"]) for r in runs] == [("float32", 2), ("float8_e5m2", 2)]
-    f32, fp8 = (r["bytes_per_step"] for r in runs)
+    assert [(r["reduce_dtype"], r["replicas"]) for r in runs] == [
+        ("float32", 2), ("float8_e5m2", 2), ("fastest", 2), ("adaprec", 2)]
+    f32, fp8 = (r["bytes_per_step"] for r in runs[:2])
+    assert runs[0]["comm_seconds"] == pytest.approx(runs[0]["bytes_total"] / 10e6)
+    assert runs[2]["bytes_per_step"] < fp8  # weights in table-1, biases in float32
+    assert [step for step, _ in runs[3]["decisions"]] == list(range(0, 17, 2))  # every interval
+    assert {choice for _, choice in runs[3]["decisions"]} <= {"float32", "float8_e5m2", "table-1"}
     n = f32 // 4
     assert fp8 == n + 4 * 6  # one byte a value, a float32 scale for each of the six tensors
     assert all(r["accuracy"] > 0.5 and np.isfinite(r["final_loss"]) for r in runs)
     assert "| mixed_bfloat16 | float8_e5m2 | 2 |" in capsys.readouterr().out
-    assert (out / "replicas.md").read_text().startswith("| policy | reduce dtype")
+    assert (out / "replicas.md").read_text().startswith("| policy | reduce |")
