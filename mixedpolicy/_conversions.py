@@ -1,10 +1,21 @@
-"""Conversions between `Policy` and the policy objects of Keras and jmp."""
+"""Conversions between `Policy` and the policy objects of Keras, jmp and FSDP2.
+
+The checks that need no framework are here; the conversions themselves live in each
+framework's backend folder, reached by module name (as the registry reaches adapters), so
+this ground-floor module imports no framework.
+"""
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 _KERAS_NAMES = ("float16", "bfloat16", "float32", "float64", "mixed_float16", "mixed_bfloat16")
+_FSDP_REDUCE = ("float32", "bfloat16", "float16", "float64")
+
+
+def _backend(module: str) -> Any:
+    return importlib.import_module(f"mixedpolicy.backends.{module}")
 
 
 def to_keras(policy: Any) -> Any:
@@ -19,22 +30,12 @@ def to_keras(policy: Any) -> Any:
             f"Received {policy!r}, which Keras cannot express: a Keras DTypePolicy is one "
             f"of {list(_KERAS_NAMES)} and its layers output their compute dtype. Apply the "
             f"policy with mixedpolicy.apply_policy instead, or use one of those names.")
-    import keras
-
-    return keras.DTypePolicy(policy.name)
+    return _backend("keras.layers").to_keras(policy.name)
 
 
 def to_jmp(policy: Any) -> Any:
     """Returns the ``jmp.Policy`` with the same param, compute and output dtypes."""
-    import jax.numpy as jnp
-    import jmp
-
-    def dt(name: str) -> Any:
-        # jmp keys its names (str(policy), get_policy) by the scalar types, jnp.float32...
-        return getattr(jnp, name)
-
-    return jmp.Policy(param_dtype=dt(policy.variable_dtype), compute_dtype=dt(policy.compute_dtype),
-                      output_dtype=dt(policy.output_dtype))
+    return _backend("jax.arrays").to_jmp(policy)
 
 
 def to_fsdp(policy: Any) -> Any:
@@ -49,19 +50,10 @@ def to_fsdp(policy: Any) -> Any:
       ValueError: the reduce dtype is 8-bit or a table codec (FSDP2 reduce-scatters in a
         torch float dtype).
     """
-    if policy.reduce_dtype not in ("float32", "bfloat16", "float16", "float64"):
+    if policy.reduce_dtype not in _FSDP_REDUCE:
         raise ValueError(
             f"Received {policy!r}, whose gradients would be reduced in {policy.reduce_dtype}; "
             f"FSDP2 reduce-scatters in float32, bfloat16 or float16 only. Use one of those as "
             f"reduce_dtype with FSDP2, or DistributedDataParallel with mp.distributed.register "
             f"for 8-bit and table-coded gradients.")
-    import torch
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    def dt(name: str) -> Any:
-        return getattr(torch, name)
-
-    return MixedPrecisionPolicy(
-        param_dtype=None if policy.compute_dtype == policy.variable_dtype else dt(policy.compute_dtype),
-        reduce_dtype=dt(policy.reduce_dtype),
-        output_dtype=None if policy.output_dtype == policy.compute_dtype else dt(policy.output_dtype))
+    return _backend("torch.ddp").to_fsdp(policy)

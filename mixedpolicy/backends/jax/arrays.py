@@ -137,3 +137,13 @@ class JaxArrays(ArrayOps):
 
     def full_like(self, x: Any, value: float) -> Any:
         return jnp.full_like(x, value)
+
+
+def to_jmp(policy: Any) -> Any:
+    """The ``jmp.Policy`` with the policy's param, compute and output dtypes (`Policy.to_jmp`)."""
+    import jmp
+
+    # jmp keys its names (str(policy), get_policy) by the scalar types, jnp.float32...
+    return jmp.Policy(param_dtype=getattr(jnp, policy.variable_dtype),
+                      compute_dtype=getattr(jnp, policy.compute_dtype),
+                      output_dtype=getattr(jnp, policy.output_dtype))

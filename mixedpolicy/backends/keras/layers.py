@@ -279,3 +279,8 @@ class _WrapInCompileMeta(type):
 
 class _WrapInCompile(metaclass=_WrapInCompileMeta):
     """What ``model.compile`` calls ``LossScaleOptimizer`` once mixedpolicy has a float16 policy."""
+
+
+def to_keras(name: str) -> Any:
+    """The ``keras.DTypePolicy`` of a Keras policy name (`Policy.to_keras` checks the name)."""
+    return keras.DTypePolicy(name)

@@ -282,3 +282,15 @@ def _table_sum(flat: torch.Tensor, bits: int, group: Any, world: int) -> tuple:
         total += sign * tab[codes & ((1 << (bits - 1)) - 1)]
     local = torch.where(torch.signbit(flat), -1.0, 1.0) * table[index.long()]
     return total, local
+
+
+def to_fsdp(policy: Any) -> Any:
+    """FSDP2's ``MixedPrecisionPolicy`` for a policy whose reduce dtype FSDP2 can carry
+    (`Policy.to_fsdp` checks it): parameters all-gathered and computed in the compute dtype,
+    gradients reduce-scattered in the reduce dtype, outputs cast where they differ."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(
+        param_dtype=None if policy.compute_dtype == policy.variable_dtype else _TORCH[policy.compute_dtype],
+        reduce_dtype=_TORCH[policy.reduce_dtype],
+        output_dtype=None if policy.output_dtype == policy.compute_dtype else _TORCH[policy.output_dtype])
