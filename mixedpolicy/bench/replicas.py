@@ -166,14 +166,11 @@ def _run(spec: dict) -> dict:
     global_batch = spec["batch_size"] * n
     order = data.batch_order(len(x_train), global_batch, spec["warmup"] + spec["steps"], spec["seed"])
     bandwidth = parse_bandwidth(spec["bandwidth"])
+    times, sent, loss, ada = [], 0, None, None
     if spec["reduce_dtype"] == "adaprec":
         interval = max(spec["steps"] // 8, 2)
         ada = AdaPrec(ADAPREC_CANDIDATES, speculative_steps=max(1, min(5, interval // 2)), interval=interval,
                       bytes_per_step=bytes_of, bandwidth=bandwidth)
-    else:
-        ada = None
-    times, sent, loss = [], 0, None
-    if ada is not None:
         t0 = time.perf_counter()
         for i, state, loss, choice in ada.run(state, order, train_step):
             if i >= spec["warmup"]:  # a step's time includes the speculation before it
