@@ -25,14 +25,13 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from mixedpolicy.backends.torch.arrays import PARAMETER_POLICY
+from mixedpolicy.backends.torch.arrays import PARAMETER_POLICY, TORCH_DTYPES
 from mixedpolicy.codecs import FLOAT8_MAX, is_float8, table_bits, table_quantiles, wire_bytes
 from mixedpolicy.policy import as_policy
 from mixedpolicy.policy_map import LayerInfo, PolicyMap
 from mixedpolicy.scope import global_policy
 
-_TORCH = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
-          "float16": torch.float16, "float8_e5m2": torch.float8_e5m2, "float8_e4m3fn": torch.float8_e4m3fn}
+_TORCH = {**TORCH_DTYPES, "float8_e5m2": torch.float8_e5m2, "float8_e4m3fn": torch.float8_e4m3fn}
 _STATE = "_mixedpolicy_reduce"  # the ReduceState of a DDP model's hook, on the DDP module
 _TORCH_HOOKS = {"bfloat16": default_hooks.bf16_compress_hook, "float16": default_hooks.fp16_compress_hook}
 
@@ -47,10 +46,9 @@ class ReduceState:
       error_feedback: whether what a codec drops is added to the next step's gradient.
     """
 
-    def __init__(self, process_group: Any, by_param: dict, names: dict, error_feedback: bool = False):
+    def __init__(self, process_group: Any, module: torch.nn.Module, names: dict, error_feedback: bool = False):
         self.process_group = process_group
-        self._by_param = by_param  # id(parameter) -> reduce dtype
-        self.reduce_dtypes = dict(names)
+        self.update(module, names)  # reduce_dtypes, and by parameter identity for the hook
         self.bytes_sent = 0
         self.buckets = 0
         self.error_feedback = error_feedback
@@ -126,8 +124,7 @@ def register(ddp_model: Any, policy: Any = None, *, error_feedback: bool = False
         state.update(ddp_model.module, names)
         state.error_feedback = error_feedback
         return state
-    state = ReduceState(ddp_model.process_group, {}, names, error_feedback)
-    state.update(ddp_model.module, names)
+    state = ReduceState(ddp_model.process_group, ddp_model.module, names, error_feedback)
     ddp_model.register_comm_hook(state, _hook)
     ddp_model.__dict__[_STATE] = state
     return state

@@ -40,11 +40,13 @@ def run(policy, mean=True):
 
 
 leaves = lambda t: jax.tree_util.tree_leaves(t)  # noqa: E731
-# float32: the sum is plain psum bit for bit; the mean is plain pmean's
+# float32: the sum is plain psum's, the mean plain pmean's (within 2 ulp: two compiled
+# programs, which XLA may fuse differently on another CPU)
 ours = run("mixed_float16", mean=False)
 plain = per_replica(lambda g: jax.tree_util.tree_map(
     lambda a: jax.lax.psum(a, "r") if a.dtype == jnp.float32 else a, g))(grads)
-assert all(np.array_equal(a, b) for a, b in zip(leaves(ours), leaves(plain)))
+for a, b in zip(leaves(ours), leaves(plain)):
+    np.testing.assert_array_max_ulp(np.asarray(a), np.asarray(b), maxulp=2)
 assert np.array_equal(ours["step"], grads["step"])  # integers pass unchanged
 mean = jax.tree_util.tree_map(lambda a: a.mean(0), grads)
 figures = {}
@@ -103,7 +105,7 @@ np.testing.assert_allclose(pm["head"]["bias"][3], mean["head"]["bias"], rtol=0.1
 per_layer = mp.PolicyMap("float32", {"dense": mp.Policy("float32", reduce_dtype="e5m2")})
 out = run(per_layer)
 pmean = per_replica(lambda g: jax.tree_util.tree_map(lambda a: jax.lax.pmean(a, "r") if a.dtype == jnp.float32 else a, g))(grads)
-assert np.array_equal(out["head"]["bias"], pmean["head"]["bias"])
+np.testing.assert_array_max_ulp(np.asarray(out["head"]["bias"]), np.asarray(pmean["head"]["bias"]), maxulp=2)
 assert not np.array_equal(out["dense"]["kernel"], pmean["dense"]["kernel"])
 figures["per_layer"] = mp.jax.bytes_per_step(jax.tree_util.tree_map(lambda a: a[0], grads), per_layer)
 # an overflow on one replica reaches all, in every reduce dtype: every replica skips

@@ -12,7 +12,7 @@ from conftest import require_module
 
 @pytest.mark.slow
 def test_every_reduce_dtype_over_four_host_devices():
-    """float32 is plain psum / pmean bit for bit, the half and 8-bit codecs close to the mean,
+    """float32 is plain psum / pmean (within 2 ulp: different compiled programs), the half and 8-bit codecs close to the mean,
     per-layer dtypes by path, integers untouched, bytes 4 : 2 : 1 (+ scales), and an overflow
     on one replica makes every replica skip, and the digits MLP trained on four replicas with
     8-bit gradients ends within 1 point of float32's accuracy (asserts in reduce_worker.py)."""
