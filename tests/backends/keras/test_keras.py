@@ -70,7 +70,9 @@ def test_the_global_policy_whatever_the_import_order_under_every_backend():
 def test_keras_suite_under_each_backend(backend):
     """tests/backends/keras/suite, in one pytest process per Keras backend (as Keras's own CI runs)."""
     env = dict(os.environ, KERAS_BACKEND=backend, MIXEDPOLICY_KERAS_SUITE="1", TF_CPP_MIN_LOG_LEVEL="3")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+    # --disable-warnings: Keras's thousands of deprecation warnings would push a failure's
+    # traceback out of the tail this test shows
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--disable-warnings",
                            str(ROOT / "tests" / "backends" / "keras" / "suite")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"KERAS_BACKEND={backend}\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
