@@ -113,8 +113,7 @@ def encode_table(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
         table = np.zeros(2 ** (bits - 1), np.float32)
     else:
         table = np.percentile(a, table_quantiles(bits)).astype(np.float32)
-    mids = (table[1:] + table[:-1]) / 2
-    index = np.searchsorted(mids, a, side="left").astype(np.uint8)
+    index = nearest_index(np, table, a).astype(np.uint8)
     codes = (np.signbit(x).astype(np.uint8) << (bits - 1)) | index
     return pack(codes, bits), table
 
@@ -140,3 +139,14 @@ def unpack(packed: np.ndarray, bits: int, numel: int) -> np.ndarray:
     per = 8 // bits
     shifts = (bits * np.arange(per, dtype=np.uint8))
     return ((packed[:, None] >> shifts) & ((1 << bits) - 1)).reshape(-1)[:numel].astype(np.uint8)
+
+
+def nearest_index(xp: Any, table: Any, a: Any) -> Any:
+    """The index of the table entry nearest each |value| (ties: the lower), for numpy, jax.numpy
+    or torch as `xp`. Neighbours are compared by their differences, which float32 computes
+    exactly for close values, where a float32 midpoint can round onto a value and misplace it."""
+    last = table.shape[0] - 1
+    hi = xp.searchsorted(table, a)
+    hi = xp.clip(hi, 0, last)
+    lo = xp.clip(hi - 1, 0, last)
+    return xp.where(xp.abs(a - table[lo]) <= xp.abs(table[hi] - a), lo, hi)

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from mixedpolicy.codecs import FLOAT8_MAX, is_float8, table_bits, table_quantiles, wire_bytes
+from mixedpolicy.codecs import FLOAT8_MAX, is_float8, nearest_index, table_bits, table_quantiles, wire_bytes
 from mixedpolicy.policy import as_policy
 from mixedpolicy.policy_map import LayerInfo, PolicyMap
 
@@ -113,7 +113,7 @@ def _table_sum(flat: Any, bits: int, axis_name: Any) -> tuple[Any, Any]:
     q = jnp.asarray(table_quantiles(bits), jnp.float32)
     table = jnp.percentile(jnp.where(jnp.isfinite(a), a, 0.0), q) if flat.size else jnp.zeros_like(q)
     table = jnp.where(finite, table, jnp.nan).astype(jnp.float32)  # NaN: every replica skips
-    index = jnp.searchsorted((table[1:] + table[:-1]) / 2, a, side="left").astype(jnp.uint8)
+    index = nearest_index(jnp, table, a).astype(jnp.uint8)
     codes = (jnp.signbit(flat).astype(jnp.uint8) << jnp.uint8(bits - 1)) | index
     per = 8 // bits
     padded = jnp.zeros((-(-flat.size // per) * per,), jnp.uint8).at[:flat.size].set(codes)

@@ -26,7 +26,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from mixedpolicy.backends.torch.arrays import PARAMETER_POLICY, TORCH_DTYPES
-from mixedpolicy.codecs import FLOAT8_MAX, is_float8, table_bits, table_quantiles, wire_bytes
+from mixedpolicy.codecs import FLOAT8_MAX, is_float8, nearest_index, table_bits, table_quantiles, wire_bytes
 from mixedpolicy.policy import as_policy
 from mixedpolicy.policy_map import LayerInfo, PolicyMap
 from mixedpolicy.scope import global_policy
@@ -261,7 +261,7 @@ def _table_sum(flat: torch.Tensor, bits: int, group: Any, world: int) -> tuple:
     q = torch.as_tensor(table_quantiles(bits), dtype=torch.float32, device=flat.device)
     table = _percentiles(torch.where(torch.isfinite(a), a, torch.zeros_like(a)), q)
     table = torch.where(finite, table, torch.full_like(table, float("nan")))  # NaN: every rank skips
-    index = torch.searchsorted((table[1:] + table[:-1]) / 2, a.contiguous()).to(torch.uint8)
+    index = nearest_index(torch, table.contiguous(), a.contiguous()).to(torch.uint8)
     codes = (torch.signbit(flat).to(torch.uint8) << (bits - 1)) | index
     per = 8 // bits
     padded = torch.zeros(-(-flat.numel() // per) * per, dtype=torch.int32, device=flat.device)
