@@ -16,8 +16,8 @@ import sys
 import time
 
 from mixedpolicy.bench import data, models, replicas, report, runners
-from mixedpolicy.bench.spec import (FRAMEWORKS, MODELS, POLICIES, RunSpec, resolve_frameworks,
-                                    resolve_model, resolve_policies)
+from mixedpolicy.bench.spec import (BASELINES, FRAMEWORKS, MODELS, POLICIES, RunSpec, resolve_compile,
+                                    resolve_frameworks, resolve_model, resolve_policies)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -28,8 +28,17 @@ def parser() -> argparse.ArgumentParser:
                     "policy written by hand with the framework's own tools.")
     p.add_argument("--frameworks", default=None,
                    help=f"comma-separated, any of: {', '.join(FRAMEWORKS)} (default: all installed)")
-    p.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated (default: %(default)s)")
+    p.add_argument("--policies", default=",".join(POLICIES),
+                   help=f"comma-separated, any of: {', '.join(POLICIES + BASELINES)} (tf32: float32 with "
+                        f"TF32 math allowed, a GPU baseline; default: %(default)s)")
     p.add_argument("--model", default="mlp", help=f"one of: {', '.join(MODELS)} (default: %(default)s)")
+    p.add_argument("--data", default="digits", choices=("digits", "synthetic"),
+                   help="digits (scikit-learn's, the quality task) or synthetic (seeded random inputs and "
+                        "labels at the model's real size, for speed and memory only; default: %(default)s)")
+    p.add_argument("--compile", default="off", metavar="off|on|off,on",
+                   help="compile both sides: torch.compile, Keras jit_compile=True, tf.function "
+                        "jit_compile=True (JAX steps are always jitted); 'off,on' runs both "
+                        "(default: %(default)s)")
     p.add_argument("--steps", type=int, default=80,
                    help="training steps each side takes, after the warm-up, for the loss, accuracy, "
                         "skipped steps and scale (the same schedule on every framework; default: %(default)s)")
@@ -103,10 +112,10 @@ def _check_replicas(args: argparse.Namespace, frameworks: tuple, model: str) -> 
                          f"(or 0, the default: the framework comparison).")
     if not args.replicas:
         return ()
-    if model != "mlp" or args.device != "cpu":
-        raise ValueError(f"Received --replicas with --model {model} --device {args.device}; the "
-                         f"replica comparison trains the mlp on JAX host devices: use --model mlp "
-                         f"--device cpu.")
+    if model != "mlp" or args.device != "cpu" or args.data != "digits":
+        raise ValueError(f"Received --replicas with --model {model} --device {args.device} --data "
+                         f"{args.data}; the replica comparison trains the mlp on digits on JAX host "
+                         f"devices: use --model mlp --device cpu --data digits.")
     if "jax" not in frameworks:
         raise ValueError("Received --replicas, which runs on JAX, but JAX (with optax) is not "
                          "installed or not in --frameworks; pip install 'mixedpolicy[jax]'.")
@@ -166,10 +175,11 @@ def main(argv: list[str] | None = None) -> int:
         frameworks = resolve_frameworks(args.frameworks)
         policies = resolve_policies(args.policies)
         model = resolve_model(args.model)
+        compiles = resolve_compile(args.compile)
         _check_positive(args)
         _check_out(args.out)
-        split = _load_digits(args.seed)
-        if args.batch_size * max(args.replicas, 1) > len(split[0]):
+        split = _load_digits(args.seed) if args.data == "digits" else None
+        if split is not None and args.batch_size * max(args.replicas, 1) > len(split[0]):
             raise ValueError(f"Received --batch-size {args.batch_size} on {max(args.replicas, 1)} "
                              f"replica(s), more than the {len(split[0])} training samples; choose at "
                              f"most {len(split[0]) // max(args.replicas, 1)}.")
@@ -186,19 +196,22 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
     os.makedirs(args.out, exist_ok=True)
     weights_path = os.path.join(args.out, f"initial_weights_{model}.npz")
-    cfg = models.config(model, args.device)
+    cfg = models.config(model, args.device, args.data)
     models.save_weights(weights_path, models.init_weights(model, cfg, args.seed))
-    data_path = os.path.abspath(os.path.join(args.out, "digits_split.npz"))
-    data.save(data_path, split)
+    data_path = ""
+    if split is not None:
+        data_path = os.path.abspath(os.path.join(args.out, "digits_split.npz"))
+        data.save(data_path, split)
     specs = [RunSpec(f, p, model, args.batch_size, args.steps, args.repeats, args.warmup, args.device,
-                     os.path.abspath(weights_path), args.seed, args.min_block_time, data_path)
-             for f in frameworks for p in policies]
-    print(f"mixedpolicy bench: {model} ({_sizes(cfg)}), batch {args.batch_size}, {args.warmup} warm-up + "
+                     os.path.abspath(weights_path), args.seed, args.min_block_time, data_path, args.data, c)
+             for f in frameworks for c in compiles for p in policies]
+    print(f"mixedpolicy bench: {model} ({_sizes(cfg)}) on {args.data}, batch {args.batch_size}, {args.warmup} warm-up + "
           f"{args.steps} training steps, {args.repeats} timed pairs of blocks of at least {args.min_block_time} s, "
           f"{len(specs)} runs (one process each)", flush=True)
     runs, start = [], time.perf_counter()
     for i, spec in enumerate(specs, 1):
-        print(f"  [{i}/{len(specs)}] {spec.framework} {spec.policy} ...", end="", flush=True)
+        print(f"  [{i}/{len(specs)}] {spec.framework}{' compiled' if spec.compile else ''} {spec.policy} ...",
+              end="", flush=True)
         t0 = time.perf_counter()
         try:
             record = run_one(spec)
@@ -206,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nmixedpolicy bench: error: {err}", file=sys.stderr)
             return 1
         runs.append(record)
-        print(f" {record['step_time_s']['median'] * 1e3:.2f} ms/step, accuracy {record['accuracy']:.3f}, "
+        accuracy = "-" if record["accuracy"] is None else f"{record['accuracy']:.3f}"
+        print(f" {record['step_time_s']['median'] * 1e3:.2f} ms/step, accuracy {accuracy}, "
               f"overhead {record['overhead_vs_native']:.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
     results = {"environment": {**report.environment(args, frameworks), "model_config": cfg}, "runs": runs}
     paths = report.write(results, args.out, with_plots)

@@ -4,6 +4,10 @@ The data is scikit-learn's digits (shipped inside scikit-learn, no download): 8x
 images as 64 features in [0, 1], 10 classes, a fixed 75/25 train/test split. The
 batch order comes from one seeded numpy generator, so every run sees the same
 batches in the same order (the shared initial weights are in `models`).
+
+`synthetic` is the other data set (``--data synthetic``): seeded random inputs and
+labels already in the model's shape, at the sizes real models take (224x224 images,
+1024 tokens): for speed and memory at scale, not for accuracy (its labels are noise).
 """
 
 from __future__ import annotations
@@ -19,6 +23,24 @@ def digits(seed: int = 0) -> tuple:
     x_train, x_test, y_train, y_test = train_test_split(x / 16.0, y, test_size=0.25, random_state=seed)
     return (x_train.astype(np.float32), y_train.astype(np.int32),
             x_test.astype(np.float32), y_test.astype(np.int32))
+
+
+def synthetic(model: str, cfg: dict, n_train: int, n_test: int, seed: int = 0) -> tuple:
+    """x_train, y_train, x_test, y_test of random data in `model`'s input shape (`cfg`'s
+    sizes): standard-normal float32 inputs and uniform int32 labels over its classes; for
+    gpt2 uniform int32 tokens, the labels being each next token."""
+    from mixedpolicy.bench.models import input_shape
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for n in (n_train, n_test):
+        if model == "gpt2":
+            tokens = rng.integers(0, cfg["vocab"], (n, cfg["seq"] + 1), dtype=np.int32)
+            out += [tokens[:, :-1].copy(), tokens[:, 1:].copy()]
+        else:
+            out += [rng.standard_normal((n, *input_shape(model, cfg)), dtype=np.float32),
+                    rng.integers(0, cfg["classes"], n, dtype=np.int32)]
+    return tuple(out)
 
 
 _SPLIT = ("x_train", "y_train", "x_test", "y_test")

@@ -35,33 +35,75 @@ def environment(args: Any, frameworks: list[str]) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(), "platform": platform.platform(), "cpu": _cpu(),
         "cpu_count": os.cpu_count(), "device": args.device, "versions": versions,
-        "tf32": "off (pinned in every run, Keras's included: torch allow_tf32=False for matmuls and "
-                "cuDNN, JAX matmul precision 'highest' off the CPU, TF "
-                "enable_tensor_float_32_execution(False))",
+        "tf32": "off (pinned in every run but the tf32 baseline's, Keras's included: torch "
+                "allow_tf32=False for matmuls and cuDNN, JAX matmul precision 'highest' off the CPU, "
+                "TF enable_tensor_float_32_execution(False))",
         "frameworks": frameworks, "model": args.model, "batch_size": args.batch_size,
         "steps": args.steps, "repeats": args.repeats, "warmup": args.warmup, "seed": args.seed,
         "min_block_time_s": args.min_block_time,
-        "data": "scikit-learn digits, 75/25 split (random_state=seed)",
+        "data": ("scikit-learn digits, 75/25 split (random_state=seed)" if args.data == "digits" else
+                 "synthetic: seeded random inputs and labels in the model's shape (speed and memory "
+                 "only; no accuracy)"),
+        "compile": args.compile,
         "peak_memory": "device memory allocated (CUDA), else the worker process's peak RSS",
     }
 
 
-_COLUMNS = ("framework", "policy", "step ms", "samples/s", "peak MB", "final loss", "accuracy",
-            "skipped", "final scale", "timed block", "overhead vs native")
+def speedups(runs: list[dict]) -> None:
+    """Adds to each run its speed-up over the float32 and the tf32 runs of the same framework
+    and compile setting, where the bench ran them (step-time medians, ours against ours)."""
+    for run in runs:
+        for base in ("float32", "tf32"):
+            ref = [r for r in runs if r["policy"] == base and r["framework"] == run["framework"]
+                   and r.get("compile") == run.get("compile")]
+            run[f"speedup_vs_{base}"] = (ref[0]["step_time_s"]["median"] / run["step_time_s"]["median"]
+                                         if ref else None)
 
 
-def _cells(run: dict) -> tuple:
-    scale = run["final_loss_scale"]
-    return (run["framework"], run["policy"], f"{run['step_time_s']['median'] * 1e3:.2f}",
-            f"{run['throughput_samples_per_s']:.0f}", f"{run['peak_memory_bytes'] / 2**20:.0f}",
-            f"{run['final_loss']:.4f}", f"{run['accuracy']:.3f}", str(run["skipped_steps"]),
-            "-" if scale is None else f"{scale:g}", str(run["timed_steps_per_block"]),
-            f"{run['overhead_vs_native']:.3f}")
+def _throughput(run: dict) -> str:
+    if "throughput_tokens_per_s" in run:
+        return f"{run['throughput_tokens_per_s']:.0f} tok/s"
+    return f"{run['throughput_samples_per_s']:.0f}/s"
+
+
+def _ratio(value) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+#: (header, cell) of every column; a column that says nothing in these runs (no compiled
+#: run, no tf32 baseline) is left out of the table.
+def label(run: dict) -> str:
+    return run["framework"] + (" (compiled)" if run.get("compile") else "")
+
+
+_COLUMNS = (
+    ("framework", label),
+    ("policy", lambda r: r["policy"]),
+    ("step ms", lambda r: f"{r['step_time_s']['median'] * 1e3:.2f}"),
+    ("throughput", _throughput),
+    ("peak MB", lambda r: f"{r['peak_memory_bytes'] / 2**20:.0f}"),
+    ("vs float32", lambda r: _ratio(r.get("speedup_vs_float32"))),
+    ("vs tf32", lambda r: _ratio(r.get("speedup_vs_tf32"))),
+    ("final loss", lambda r: f"{r['final_loss']:.4f}"),
+    ("accuracy", lambda r: "-" if r["accuracy"] is None else f"{r['accuracy']:.3f}"),
+    ("skipped", lambda r: str(r["skipped_steps"])),
+    ("final scale", lambda r: "-" if r["final_loss_scale"] is None else f"{r['final_loss_scale']:g}"),
+    ("timed block", lambda r: str(r["timed_steps_per_block"])),
+    ("overhead vs native", lambda r: f"{r['overhead_vs_native']:.3f}"),
+)
+
+
+def _columns(runs: list[dict]) -> list:
+    speedups(runs)
+    return [(h, cell) for h, cell in _COLUMNS
+            if not (h == "vs float32" and all(r.get("speedup_vs_float32") is None for r in runs))
+            and not (h == "vs tf32" and all(r.get("speedup_vs_tf32") is None for r in runs))]
 
 
 def table(runs: list[dict]) -> str:
-    rows = [_COLUMNS] + [_cells(r) for r in runs]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
+    columns = _columns(runs)
+    rows = [[h for h, _ in columns]] + [[cell(r) for _, cell in columns] for r in runs]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
     return "\n".join("  ".join(c.rjust(w) if i > 1 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
                      .rstrip() for row in rows)
 
@@ -74,13 +116,16 @@ def markdown(results: dict) -> str:
              f"at least {env['min_block_time_s']} s; device {env['device']} "
              f"({env['cpu']}, {env['cpu_count']} cores); Python {env['python']}; "
              + ", ".join(f"{k} {v}" for k, v in env["versions"].items()) + f"; TF32 {env['tf32']}.", "",
-             "| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
-    lines += ["| " + " | ".join(_cells(r)) + " |" for r in results["runs"]]
+             f"Data: {env['data']}.", ""]
+    columns = _columns(results["runs"])
+    lines += ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r) for _, cell in columns) + " |" for r in results["runs"]]
     lines += ["", "Loss, accuracy, skipped steps and scale come from the training steps, the same "
               "schedule on every framework. Then ours and the same model and policy written with "
               "the framework's own tools are timed in pairs of blocks of `timed block` steps, "
               "interleaved in the same process: step times are medians over the blocks (ours), "
-              "`overhead vs native` the median of the pairs' ratios. On CPUs without bf16/fp16 hardware, half "
+              "`overhead vs native` the median of the pairs' ratios; `vs float32` (`vs tf32`) is the "
+              "float32 (tf32) run's step time over this one's, same framework. On CPUs without bf16/fp16 hardware, half "
               "precision is slower than float32: that is the hardware; the overhead ratio is the "
               "figure that measures mixedpolicy there.", "",
               "![step time](step_time.png)", "", "![loss curves](loss_curves.png)", ""]
@@ -94,7 +139,7 @@ def plots(results: dict, out: str) -> list[str]:
     import matplotlib.pyplot as plt
 
     runs = results["runs"]
-    frameworks = list(dict.fromkeys(r["framework"] for r in runs))
+    frameworks = list(dict.fromkeys(label(r) for r in runs))
     policies = list(dict.fromkeys(r["policy"] for r in runs))
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(frameworks)), 4))
     width = 0.8 / len(policies)
@@ -102,7 +147,7 @@ def plots(results: dict, out: str) -> list[str]:
         xs, ys = [], []
         for i, framework in enumerate(frameworks):
             for r in runs:
-                if r["framework"] == framework and r["policy"] == policy:
+                if label(r) == framework and r["policy"] == policy:
                     xs.append(i + j * width)
                     ys.append(r["step_time_s"]["median"] * 1e3)
         ax.bar(xs, ys, width, label=policy)
@@ -119,7 +164,7 @@ def plots(results: dict, out: str) -> list[str]:
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in runs:
         steps, losses = zip(*r["loss_curve"])
-        ax.plot(steps, losses, marker="o", label=f"{r['framework']} {r['policy']}")
+        ax.plot(steps, losses, marker="o", label=f"{label(r)} {r['policy']}")
     ax.set_xlabel("training step")
     ax.set_ylabel("loss (last step of each timed block)")
     ax.set_title("loss curves (ours)")
@@ -139,6 +184,7 @@ def can_plot() -> bool:
 
 
 def write(results: dict, out: str, with_plots: bool = True) -> list[str]:
+    speedups(results["runs"])
     json_path = os.path.join(out, "results.json")
     with open(json_path, "w") as f:
         json.dump(results, f, indent=2)

@@ -11,6 +11,9 @@ from mixedpolicy.bench.runners import FRAMEWORKS, runner
 __all__ = ["FRAMEWORKS", "MODELS", "POLICIES", "RunSpec"]
 
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
+#: Baselines beside the policies: "tf32" is float32 with TF32 math allowed (GPUs from
+#: Ampere on; the same as float32 on a CPU), the speed-up a GPU gives for free.
+BASELINES = ("tf32",)
 
 
 
@@ -29,6 +32,8 @@ class RunSpec(NamedTuple):
     seed: int
     min_block_s: float = 0.0  # a timed block has enough steps to last this long (see worker.run)
     data: str = ""      # path of the shared digits split (.npz, see data.save); "" makes it here
+    dataset: str = "digits"  # or "synthetic" (made in the worker from the seed, see data.synthetic)
+    compile: bool = False    # torch.compile / Keras jit_compile=True / tf.function(jit_compile=True)
 
 
 def missing_packages(framework: str) -> list[str]:
@@ -73,7 +78,12 @@ def resolve_frameworks(value: str | None) -> list[str]:
 
 
 def resolve_policies(value: str) -> list[str]:
-    return _split(value, "policies", POLICIES)
+    return _split(value, "policies", POLICIES + BASELINES)
+
+
+def resolve_compile(value: str) -> list[bool]:
+    """--compile's values in run order: "off", "on" or both."""
+    return [v == "on" for v in _split(value, "compile", ("off", "on"))]
 
 
 def resolve_model(value: str) -> str:

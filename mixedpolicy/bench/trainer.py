@@ -35,10 +35,6 @@ class Trainer(abc.ABC):
     def predict(self, x: np.ndarray) -> np.ndarray:
         """float32 logits of the current weights on inputs `x` (inference mode)."""
 
-    def accuracy(self, x: np.ndarray, y: np.ndarray) -> float:
-        """Accuracy of the current weights on (x, y)."""
-        return float(np.mean(np.argmax(self.predict(x), -1) == y))
-
     def skipped_steps(self) -> int:
         return 0
 
@@ -49,23 +45,25 @@ class Trainer(abc.ABC):
         return None
 
 
-def pin_tf32(backend: str, device: str) -> None:
-    """TF32 off, so float32 matmuls and convolutions are float32 on GPUs (CPUs have no TF32).
+def pin_tf32(backend: str, device: str, allow: bool = False) -> None:
+    """TF32 off, so float32 matmuls and convolutions are float32 on GPUs (CPUs have no TF32);
+    on where `allow` (the bench's "tf32" baseline: float32 weights, TF32 math on Ampere and
+    later).
 
-    JAX's pin is a matmul precision of "highest", which XLA's CPU backend refuses for
-    float16 dots, so it is set only off the CPU.
+    JAX's pin is a matmul precision of "highest" (TF32: "tensorfloat32"), which XLA's CPU
+    backend refuses for float16 dots, so it is set only off the CPU.
     """
     if backend == "torch":
         import torch
 
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = allow
+        torch.backends.cudnn.allow_tf32 = allow
     elif backend == "jax":
         if device != "cpu":
             import jax
 
-            jax.config.update("jax_default_matmul_precision", "highest")
+            jax.config.update("jax_default_matmul_precision", "tensorfloat32" if allow else "highest")
     elif backend == "tensorflow":
         import tensorflow as tf
 
-        tf.config.experimental.enable_tensor_float_32_execution(False)
+        tf.config.experimental.enable_tensor_float_32_execution(allow)

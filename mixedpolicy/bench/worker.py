@@ -22,23 +22,50 @@ import time
 import numpy as np
 
 from mixedpolicy.bench import models, runners
-from mixedpolicy.bench.data import batch_order, digits, load
+from mixedpolicy.bench.data import batch_order, digits, load, synthetic
 from mixedpolicy.bench.spec import RunSpec
 from mixedpolicy.bench.trainer import Trainer
 
 
+#: A synthetic training set holds this many batches (the batch order cycles through them).
+SYNTHETIC_BATCHES = 4
+
+
 def data(spec: RunSpec, runner) -> tuple:
-    """x_train, y_train, x_test, y_test in the model's input shape, laid out for the framework."""
-    x_train, y_train, x_test, y_test = load(spec.data) if spec.data else digits(spec.seed)
+    """x_train, y_train, x_test, y_test in the model's input shape, laid out for the framework:
+    the training labels are what the loss takes (gpt2: the next tokens), the test labels
+    what the accuracy compares with (digits' classes)."""
+    cfg = models.config(spec.model, spec.device, spec.dataset)
     prepare = getattr(runner, "prepare", lambda model, x: x)
-    return (prepare(spec.model, models.inputs(spec.model, x_train)), y_train,
-            prepare(spec.model, models.inputs(spec.model, x_test)), y_test)
+    if spec.dataset == "synthetic":
+        x_train, y_train, x_test, y_test = synthetic(spec.model, cfg, SYNTHETIC_BATCHES * spec.batch_size,
+                                                     spec.batch_size, spec.seed)
+        return prepare(spec.model, x_train), y_train, prepare(spec.model, x_test), y_test
+    x_train, y_train, x_test, y_test = load(spec.data) if spec.data else digits(spec.seed)
+    x_train, x_test = models.inputs(spec.model, x_train, cfg), models.inputs(spec.model, x_test, cfg)
+    return (prepare(spec.model, x_train), models.targets(spec.model, x_train, y_train),
+            prepare(spec.model, x_test), y_test)
 
 
 def build(spec: RunSpec, runner) -> tuple:
-    """(ours, native): the two trainers of the run, from the shared initial weights."""
-    cfg = models.config(spec.model, spec.device)
-    return runner.trainers(spec.model, cfg, spec.policy, models.load_weights(spec.weights), spec.device)
+    """(ours, native): the two trainers of the run, from the shared initial weights. The
+    "tf32" baseline is the float32 policy with TF32 math allowed."""
+    cfg = models.config(spec.model, spec.device, spec.dataset)
+    policy = "float32" if spec.policy == "tf32" else spec.policy
+    return runner.trainers(spec.model, cfg, policy, models.load_weights(spec.weights), spec.device,
+                           compile=spec.compile, tf32=spec.policy == "tf32")
+
+
+def accuracy(spec: RunSpec, trainer: Trainer, x: np.ndarray, y: np.ndarray) -> float | None:
+    """Test accuracy of `trainer`'s current weights (in batches, so a large model's logits
+    fit the device); None on synthetic data, whose labels are noise."""
+    if spec.dataset == "synthetic":
+        return None
+    hits = 0
+    for i in range(0, len(x), spec.batch_size):
+        logits = models.class_logits(spec.model, trainer.predict(x[i:i + spec.batch_size]))
+        hits += int(np.sum(np.argmax(logits, -1) == y[i:i + spec.batch_size]))
+    return hits / len(x)
 
 
 class _Feed:
@@ -110,8 +137,8 @@ def run(spec: RunSpec) -> dict:
     quality = {
         "final_loss": losses[-1][1],
         "loss_curve": losses,
-        "accuracy": ours.accuracy(x_test, y_test),
-        "native_accuracy": native.accuracy(x_test, y_test),
+        "accuracy": accuracy(spec, ours, x_test, y_test),
+        "native_accuracy": accuracy(spec, native, x_test, y_test),
         "skipped_steps": ours.skipped_steps(),
         "final_loss_scale": ours.loss_scale(),
     }
@@ -130,14 +157,17 @@ def run(spec: RunSpec) -> dict:
     peak = ours.peak_memory_bytes()
     if peak is None:  # on the CPU: the process's peak resident memory (both trainers)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    tokens = models.input_shape(spec.model, models.config(spec.model, spec.device, spec.dataset))[0]
     return {
         "framework": spec.framework, "policy": spec.policy, "model": spec.model,
+        "data": spec.dataset, "compile": spec.compile,
         "batch_size": spec.batch_size, "steps": spec.steps, "repeats": spec.repeats,
         "timed_steps_per_block": n,
         "step_time_s": {"median": median, "min": min(t_ours), "max": max(t_ours)},
         "native_step_time_s": {"median": statistics.median(t_native), "min": min(t_native),
                                "max": max(t_native)},
         "throughput_samples_per_s": spec.batch_size / median,
+        **({"throughput_tokens_per_s": spec.batch_size * tokens / median} if spec.model == "gpt2" else {}),
         "peak_memory_bytes": int(peak),
         **quality,
         "overhead_vs_native": statistics.median(ratios),

@@ -18,11 +18,15 @@ BATCH = 8
 #: Each mixed policy is checked on two of the four models (float32 on all): every build
 #: costs compilation time, and ours-against-hand-written is the same code path per policy.
 MIXED = {"mlp": "mixed_float16", "cnn": "mixed_bfloat16", "transformer": "mixed_float16",
-         "resnet": "mixed_bfloat16"}
-#: Small sizes of the same architectures: the check is about equal math, and fast.
-TINY = {"mlp": {"sizes": (64, 32, 10)}, "cnn": {"channels": (4, 8)},
-        "transformer": {"d_model": 16, "heads": 2, "blocks": 1, "mlp": 32},
-        "resnet": {"widths": (4, 8, 8), "blocks_per_stage": 1}}
+         "resnet": "mixed_bfloat16", "resnet50": "mixed_float16", "gpt2": "mixed_bfloat16"}
+#: Small sizes of the same architectures (on the CPU's data sizes): the check is about
+#: equal math, and fast.
+_SMALLER = {"mlp": {"sizes": (64, 32, 10)}, "cnn": {"channels": (4, 8)},
+            "transformer": {"d_model": 16, "heads": 2, "blocks": 1, "mlp": 32},
+            "resnet": {"widths": (4, 8, 8), "blocks_per_stage": 1},
+            "resnet50": {"widths": (4, 4, 8, 8)},
+            "gpt2": {"d_model": 16, "heads": 2, "blocks": 1, "mlp": 32}}
+TINY = {model: {**models.config(model, "cpu"), **_SMALLER[model]} for model in models.MODELS}
 
 
 def main(framework: str, weights_dir: str, out: str) -> None:

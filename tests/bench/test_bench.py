@@ -14,6 +14,7 @@ from mixedpolicy.__main__ import main as cli
 from mixedpolicy.bench import models, spec
 from mixedpolicy.bench.runners import environment as _worker_env
 from mixedpolicy.bench.cli import main as bench
+from mixedpolicy.bench import data
 from mixedpolicy.bench.data import batch_order
 
 FIELDS = {"framework", "policy", "model", "batch_size", "steps", "step_time_s", "throughput_samples_per_s",
@@ -24,13 +25,13 @@ FIELDS = {"framework", "policy", "model", "batch_size", "steps", "step_time_s", 
 @pytest.mark.parametrize("args, message", [
     (["--frameworks", "mxnet"], r"--frameworks 'mxnet', which is not valid; expected any of: torch, jax"),
     (["--policies", "mixed_float8"], r"'mixed_float8'.*expected any of: float32, mixed_bfloat16"),
-    (["--model", "gpt"], r"--model 'gpt'; expected one of: mlp, cnn, transformer, resnet"),
+    (["--model", "gpt"], r"--model 'gpt'; expected one of: mlp, cnn, transformer, resnet, resnet50, gpt2"),
     (["--steps", "0"], r"--steps 0; expected a whole number >= 1"),
     (["--device", "tpu"], r"--device 'tpu'"),
     (["--device", "cuda"], r"--device cuda, but this machine has no NVIDIA GPU"),
     (["--batch-size", "100000"], r"--batch-size 100000 on 1 replica\(s\), more than the 1347 training samples"),
     (["--replicas", "-2"], r"--replicas -2; expected a whole number from 1 to 64"),
-    (["--replicas", "2", "--model", "cnn"], r"--replicas with --model cnn --device cpu.*use --model mlp"),
+    (["--replicas", "2", "--model", "cnn"], r"--replicas with --model cnn --device cpu --data digits.*use --model mlp"),
     (["--replicas", "2", "--reduce", "fp8"], r"--reduce='fp8', which is ambiguous"),
     (["--replicas", "2", "--reduce", "int8"], r"--reduce='int8', which is not a dtype gradients can be reduced in"),
     (["--replicas", "2", "--bandwidth", "fast"], r"bandwidth='fast'; expected bytes per second"),
@@ -38,6 +39,8 @@ FIELDS = {"framework", "policy", "model", "batch_size", "steps", "step_time_s", 
     (["--min-block-time", "inf"], r"--min-block-time inf; expected seconds from 0 to 60"),
     (["--min-block-time", "nan"], r"--min-block-time nan"),
     (["--seed", "-1"], r"--seed -1; expected a whole number from 0"),
+    (["--compile", "yes"], r"--compile 'yes', which is not valid; expected any of: off, on"),
+    (["--replicas", "2", "--data", "synthetic"], r"--data synthetic; the replica comparison trains the mlp on digits"),
 ])
 def test_bad_options_stop_before_any_run(args, message, capsys, tmp_path, monkeypatch):
     monkeypatch.setattr("mixedpolicy.bench.cli.has_nvidia_gpu", lambda: False)  # also on a GPU machine
@@ -141,7 +144,7 @@ def test_a_run_trains_both_sides_alike_then_times_them_in_interleaved_long_enoug
     from mixedpolicy.bench import worker
 
     log, clock = [], [0.0]
-    fake = type("runner", (), {"trainers": staticmethod(lambda *a: (
+    fake = type("runner", (), {"trainers": staticmethod(lambda *a, **options: (
         type("Ours", (_Recording, worker.Trainer), {})("ours", log, clock, 0.002),
         type("Native", (_Recording, worker.Trainer), {})("native", log, clock, 0.001)))})
     monkeypatch.setattr(worker.runners, "load", lambda framework: fake)
@@ -192,17 +195,91 @@ def test_a_small_run_writes_every_output_with_every_field(tmp_path):
     assert results["runs"][1]["final_loss_scale"] is not None
     assert "| torch | mixed_float16 |" in (out / "report.md").read_text()
     for png in ("step_time.png", "loss_curves.png"):
-        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+            assert (out / png).read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_synthetic_data_at_the_models_shape_with_a_tf32_baseline_and_speed_ups(tmp_path):
+    """gpt2 on synthetic tokens: throughput in tokens, no accuracy (the labels are noise),
+    each run's speed-up over the float32 and tf32 runs (tf32 is float32 on a CPU)."""
+    from conftest import require_module
+
+    require_module("torch")
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "mixedpolicy", "bench", "--frameworks", "torch", "--model", "gpt2",
+                           "--data", "synthetic", "--policies", "float32,tf32,mixed_bfloat16", "--steps", "2",
+                           "--repeats", "2", "--warmup", "1", "--batch-size", "4", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "on synthetic" in proc.stdout and "tok/s" in proc.stdout and "vs tf32" in proc.stdout
+    results = json.loads((out / "results.json").read_text())
+    assert "synthetic" in results["environment"]["data"] and not (out / "digits_split.npz").exists()
+    runs = {r["policy"]: r for r in results["runs"]}
+    cfg = models.config("gpt2", "cpu", "synthetic")
+    for run in runs.values():
+        assert run["data"] == "synthetic" and run["accuracy"] is None and run["compile"] is False
+        assert run["throughput_tokens_per_s"] == pytest.approx(run["throughput_samples_per_s"] * cfg["seq"])
+        assert run["speedup_vs_float32"] == pytest.approx(
+            runs["float32"]["step_time_s"]["median"] / run["step_time_s"]["median"])
+        assert run["speedup_vs_tf32"] > 0 and np.isfinite(run["final_loss"])
+    assert runs["float32"]["speedup_vs_float32"] == 1.0
+    # the same weights and batches: tf32 is float32 on a CPU
+    assert runs["tf32"]["final_loss"] == runs["float32"]["final_loss"]
 
 
 def test_model_input_shapes_and_sizes():
     x = np.zeros((5, 64), np.float32)
-    assert [models.inputs(m, x).shape for m in models.MODELS] == [(5, 64), (5, 8, 8, 1), (5, 8, 8), (5, 32, 32, 3)]
+    assert [models.inputs(m, x, models.config(m, "cpu")).shape for m in models.MODELS] == [
+        (5, 64), (5, 8, 8, 1), (5, 8, 8), (5, 32, 32, 3), (5, 64, 64, 3), (5, 64)]
     assert models.config("transformer", "cpu")["blocks"] == 2 and models.config("transformer", "cuda")["blocks"] == 12
     blocks = models.resnet_blocks(models.config("resnet", "cuda"))
     assert len(blocks) == 9 and [b[3] for b in blocks] == [1, 1, 1, 2, 1, 1, 2, 1, 1]  # ResNet-20
     weights = models.init_weights("resnet", models.config("resnet", "cpu"))
     assert "stage1.block0.proj.kernel" in weights and "stage0.block0.proj.kernel" not in weights
+
+
+def _parameters(weights: dict) -> int:
+    return sum(v.size for k, v in weights.items() if not k.endswith((".mean", ".var")))
+
+
+def test_the_gpu_scale_models_are_resnet50_and_gpt2_small():
+    """The real sizes (counted from the shared weights, no framework needed): ResNet-50 has
+    25.56M parameters (torchvision's count), GPT-2 small's blocks 85M (7.08M per block)."""
+    cfg = models.config("resnet50", "cuda", "synthetic")
+    assert cfg["image"] == 224 and cfg["classes"] == 1000
+    assert _parameters(models.init_weights("resnet50", cfg)) == 25_557_032
+    gpt = models.config("gpt2", "cuda", "synthetic")
+    assert (gpt["vocab"], gpt["seq"], gpt["d_model"], gpt["blocks"], gpt["heads"]) == (50257, 1024, 768, 12, 12)
+    small = {**gpt, "blocks": 1}
+    weights = models.init_weights("gpt2", small)
+    per_block = sum(v.size for k, v in weights.items() if k.startswith("block0."))
+    assert per_block == 7_087_872  # GPT-2's 12 * d^2 + 13 * d weights per block
+    assert weights["tok.embedding"].shape == (50257, 768) and weights["pos"].shape == (1024, 768)
+    # digits keeps the quality task on every device: 64 pixel tokens, 17 intensities + 10 classes
+    assert models.config("gpt2", "cuda")["vocab"] == 27 and models.config("gpt2", "cuda")["seq"] == 64
+
+
+def test_digits_as_sentences_for_gpt2_and_synthetic_data_in_every_models_shape():
+    x = np.array([[0.0, 0.5, 1.0] + [0.25] * 61], np.float32)
+    tokens = models.inputs("gpt2", x)
+    assert tokens.dtype == np.int32 and tokens[0, :4].tolist() == [0, 8, 16, 4]
+    labels = models.targets("gpt2", tokens, np.array([3], np.int32))
+    assert labels[0, :3].tolist() == [8, 16, 4] and labels[0, -1] == models.CLASS_TOKEN + 3
+    logits = np.zeros((1, 64, 27), np.float32)
+    logits[0, -1, models.CLASS_TOKEN + 3] = 1.0
+    assert models.class_logits("gpt2", logits).argmax(-1).tolist() == [3]
+    for model in models.MODELS:
+        cfg = models.config(model, "cpu", "synthetic")
+        x_train, y_train, x_test, y_test = data.synthetic(model, cfg, 8, 4, seed=1)
+        assert x_train.shape == (8, *models.input_shape(model, cfg)) and len(x_test) == 4
+        again = data.synthetic(model, cfg, 8, 4, seed=1)
+        assert all((a == b).all() for a, b in zip((x_train, y_train), again[:2]))
+        if model == "gpt2":  # the labels are the next tokens
+            assert (y_train[:, :-1] == x_train[:, 1:]).all() and x_train.max() < cfg["vocab"]
+        else:
+            assert y_train.max() < cfg["classes"] and x_train.dtype == np.float32
+    with pytest.raises(ValueError, match="expected one of: digits, synthetic"):
+        models.config("mlp", "cpu", "imagenet")
 
 
 @pytest.mark.slow

@@ -9,7 +9,8 @@ import optax
 from flax import nnx
 
 import mixedpolicy as mp
-from mixedpolicy.bench.models import BN_EPSILON, BN_MOMENTUM, LN_EPSILON, LR, MOMENTUM, resnet_blocks
+from mixedpolicy.bench.models import (BN_EPSILON, BN_MOMENTUM, LN_EPSILON, MOMENTUM, learning_rate,
+                                      resnet_blocks, stem_stride)
 from mixedpolicy.bench.trainer import Trainer, pin_tf32
 
 _COMPUTE = {"float32": jnp.float32, "mixed_bfloat16": jnp.bfloat16, "mixed_float16": jnp.float16}
@@ -84,22 +85,24 @@ class Attention(nnx.Module):
     softmax in float32 (Flax's and jax.nn's attention ask XLA for float16 x float16 -> float32
     dots, which its CPU backend does not have)."""
 
-    def __init__(self, w: dict, name: str, heads: int, dtype=None):
-        self.heads = heads
+    def __init__(self, w: dict, name: str, heads: int, dtype=None, causal: bool = False):
+        self.heads, self.causal = heads, causal
         self.q, self.k, self.v, self.o = (_linear(w, f"{name}.{p}", dtype) for p in "qkvo")
 
     def __call__(self, x):
         b, t, d = x.shape
         q, k, v = (dense(x).reshape(b, t, self.heads, d // self.heads) for dense in (self.q, self.k, self.v))
-        logits = jnp.einsum("bqnh,bknh->bnqk", q, k) / jnp.sqrt(d // self.heads).astype(q.dtype)
-        weights = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(v.dtype)
+        logits = (jnp.einsum("bqnh,bknh->bnqk", q, k) / jnp.sqrt(d // self.heads).astype(q.dtype)).astype(jnp.float32)
+        if self.causal:  # a token sees itself and those before it
+            logits = jnp.where(jnp.tril(jnp.ones((t, t), bool)), logits, -jnp.inf)
+        weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
         return self.o(jnp.einsum("bnqk,bknh->bqnh", weights, v).reshape(b, t, d))
 
 
 class EncoderBlock(nnx.Module):
-    def __init__(self, w: dict, name: str, cfg: dict, dtype=None, norm_dtype=None):
+    def __init__(self, w: dict, name: str, cfg: dict, dtype=None, norm_dtype=None, causal: bool = False):
         self.ln1, self.ln2 = _norm(w, f"{name}.ln1", norm_dtype, False), _norm(w, f"{name}.ln2", norm_dtype, False)
-        self.attn = Attention(w, name, cfg["heads"], dtype)
+        self.attn = Attention(w, name, cfg["heads"], dtype, causal)
         self.mlp1, self.mlp2 = _linear(w, f"{name}.mlp1", dtype), _linear(w, f"{name}.mlp2", dtype)
 
     def __call__(self, x):
@@ -124,35 +127,67 @@ class Transformer(nnx.Module):
         return self.head(self.ln(h).mean(1))
 
 
-class BasicBlock(nnx.Module):
+class Decoder(nnx.Module):
+    """gpt2: token embedding plus positions, causal blocks, logits for every token."""
+
+    def __init__(self, w: dict, cfg: dict, dtype=None, norm_dtype=None):
+        table = w["tok.embedding"]
+        self.tok = nnx.Embed(*table.shape, dtype=dtype, embedding_init=_given(table), rngs=_RNGS)
+        self.pos = nnx.Param(jnp.asarray(w["pos"]))
+        self.blocks = nnx.List([EncoderBlock(w, f"block{i}", cfg, dtype, norm_dtype, causal=True)
+                                for i in range(cfg["blocks"])])
+        self.ln = _norm(w, "ln", norm_dtype, False)
+        self.head = _linear(w, "head", dtype)
+
+    def __call__(self, x):
+        h = self.tok(x).astype(self.pos.dtype) + self.pos[:x.shape[1]]  # a float32 stream
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.ln(h))
+
+
+class Block(nnx.Module):
+    """A basic block (two 3x3 convolutions), or a bottleneck one (1x1, 3x3 with the stride,
+    1x1) where the weights have a third convolution."""
+
     def __init__(self, w: dict, name: str, stride: int, dtype=None, norm_dtype=None):
-        self.conv1, self.bn1 = _conv(w, f"{name}.conv1", dtype, stride), _norm(w, f"{name}.bn1", norm_dtype, True)
-        self.conv2, self.bn2 = _conv(w, f"{name}.conv2", dtype), _norm(w, f"{name}.bn2", norm_dtype, True)
+        bottleneck = f"{name}.conv3.kernel" in w
+        strides = (1, stride, 1) if bottleneck else (stride, 1)
+        self.convs = nnx.List([_conv(w, f"{name}.conv{i + 1}", dtype, s) for i, s in enumerate(strides)])
+        self.bns = nnx.List([_norm(w, f"{name}.bn{i + 1}", norm_dtype, True) for i in range(len(strides))])
         has_proj = f"{name}.proj.kernel" in w
         self.proj = _conv(w, f"{name}.proj", dtype, stride) if has_proj else None
         self.proj_bn = _norm(w, f"{name}.proj_bn", norm_dtype, True) if has_proj else None
 
     def __call__(self, x):
-        out = self.bn2(self.conv2(jax.nn.relu(self.bn1(self.conv1(x)))))
+        out = x
+        for i, (conv, bn) in enumerate(zip(self.convs, self.bns)):
+            out = bn(conv(out))
+            out = jax.nn.relu(out) if i < len(self.convs) - 1 else out
         short = x if self.proj is None else self.proj_bn(self.proj(x))
         return jax.nn.relu(out + short.astype(out.dtype))
 
 
 class ResNet(nnx.Module):
     def __init__(self, w: dict, cfg: dict, dtype=None, norm_dtype=None):
-        self.stem, self.stem_bn = _conv(w, "stem", dtype), _norm(w, "stem_bn", norm_dtype, True)
-        self.blocks = nnx.List([BasicBlock(w, name, stride, dtype, norm_dtype)
+        self.stem = _conv(w, "stem", dtype, stem_stride(cfg))
+        self.stem_bn = _norm(w, "stem_bn", norm_dtype, True)
+        self.pool = cfg.get("stem") == "imagenet"
+        self.blocks = nnx.List([Block(w, name, stride, dtype, norm_dtype)
                                 for name, _, _, stride in resnet_blocks(cfg)])
         self.head = _linear(w, "head", dtype)
 
     def __call__(self, x):
         x = jax.nn.relu(self.stem_bn(self.stem(x)))
+        if self.pool:  # 3x3, stride 2, padding 1 (padded with -inf, as PyTorch pads)
+            x = nnx.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
         for block in self.blocks:
             x = block(x)
         return self.head(x.mean((1, 2)))
 
 
-_MODELS = {"mlp": MLP, "cnn": CNN, "transformer": Transformer, "resnet": ResNet}
+_MODELS = {"mlp": MLP, "cnn": CNN, "transformer": Transformer, "resnet": ResNet, "resnet50": ResNet,
+           "gpt2": Decoder}
 
 
 def _loss(model, x, y):
@@ -196,7 +231,7 @@ def _ours_step(model, optimizer, x, y):
 class Ours(_Nnx):
     def __init__(self, model: str, cfg: dict, policy: str, weights: dict):
         super().__init__(mp.apply_policy(_MODELS[model](weights, cfg), policy))
-        sgd = optax.sgd(LR, momentum=MOMENTUM)
+        sgd = optax.sgd(learning_rate(model), momentum=MOMENTUM)
         # one training loop for every policy: a pass-through where the policy needs no scaling
         self.optimizer = nnx.Optimizer(self.model, mp.LossScaleOptimizer(sgd, policy=policy), wrt=nnx.Param)
         self._scaled = mp.Policy(policy).needs_loss_scaling
@@ -248,7 +283,7 @@ def _plain_step(model, optimizer, x, y):
 class Native(_Nnx):
     def __init__(self, model: str, cfg: dict, policy: str, weights: dict):
         super().__init__(_MODELS[model](weights, cfg, dtype=_COMPUTE[policy], norm_dtype=jnp.float32))
-        self.optimizer = nnx.Optimizer(self.model, optax.sgd(LR, momentum=MOMENTUM), wrt=nnx.Param)
+        self.optimizer = nnx.Optimizer(self.model, optax.sgd(learning_rate(model), momentum=MOMENTUM), wrt=nnx.Param)
         self.scaled = policy == "mixed_float16"
         self.scale, self.counter = jnp.asarray(2.0**15, jnp.float32), jnp.zeros((), jnp.int32)
         self._step = nnx.cached_partial(_native_step if self.scaled else _plain_step, self.model, self.optimizer)
@@ -260,6 +295,8 @@ class Native(_Nnx):
             self._loss = self._step(x, y)
 
 
-def trainers(model: str, cfg: dict, policy: str, weights: dict, device: str):
-    pin_tf32("jax", device)
+def trainers(model: str, cfg: dict, policy: str, weights: dict, device: str, compile: bool = False,
+             tf32: bool = False):
+    """(ours, native); both steps are always compiled (nnx.jit), whatever `compile` says."""
+    pin_tf32("jax", device, tf32)
     return Ours(model, cfg, policy, weights), Native(model, cfg, policy, weights)

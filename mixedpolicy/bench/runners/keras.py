@@ -9,8 +9,8 @@ import keras
 import numpy as np
 
 import mixedpolicy as mp
-from mixedpolicy.bench.models import (BN_EPSILON, BN_MOMENTUM, CLASSES, LN_EPSILON, LR, MOMENTUM,
-                                      resnet_blocks)
+from mixedpolicy.bench.models import (BN_EPSILON, BN_MOMENTUM, LN_EPSILON, MOMENTUM, learning_rate,
+                                      resnet_blocks, stem_stride)
 from mixedpolicy.bench.trainer import Trainer, pin_tf32
 
 
@@ -63,35 +63,61 @@ class Attention(keras.layers.Layer):
     on JAX's CPU backend in float32 and bfloat16 but not float16: its gradient asks XLA for a
     float16 x float16 -> float32 dot, which the CPU backend does not have.)"""
 
-    def __init__(self, name: str, heads: int, d: int, **kwargs):
+    def __init__(self, name: str, heads: int, d: int, causal: bool = False, **kwargs):
         super().__init__(name=_name(name), **kwargs)
-        self.heads = heads
+        self.heads, self.causal = heads, causal
         self.q, self.k, self.v, self.o = (_dense(d, f"{name}.{p}") for p in "qkvo")
 
     def call(self, x):
         tokens, d = x.shape[1], x.shape[2]
         q, k, v = (keras.ops.reshape(dense(x), (-1, tokens, self.heads, d // self.heads))
                    for dense in (self.q, self.k, self.v))
-        logits = keras.ops.einsum("bqnh,bknh->bnqk", q, k) / math.sqrt(d // self.heads)
-        weights = keras.ops.cast(keras.ops.softmax(keras.ops.cast(logits, "float32"), axis=-1), v.dtype)
+        logits = keras.ops.cast(keras.ops.einsum("bqnh,bknh->bnqk", q, k) / math.sqrt(d // self.heads), "float32")
+        if self.causal:  # a token sees itself and those before it
+            seen = keras.ops.tril(keras.ops.ones((tokens, tokens), "bool"))
+            logits = keras.ops.where(seen, logits, float("-inf"))
+        weights = keras.ops.cast(keras.ops.softmax(logits, axis=-1), v.dtype)
         return self.o(keras.ops.reshape(keras.ops.einsum("bnqk,bknh->bqnh", weights, v), (-1, tokens, d)))
 
 
 class EncoderBlock(keras.layers.Layer):
     """Pre-norm: x + attention(norm(x)), then x + mlp(norm(x)) with an exact GELU."""
 
-    def __init__(self, name: str, cfg: dict, **kwargs):
+    def __init__(self, name: str, cfg: dict, causal: bool = False, **kwargs):
         super().__init__(name=_name(name), **kwargs)
         self.key = name  # its prefix in the shared weights
         d, heads = cfg["d_model"], cfg["heads"]
         self.ln1, self.ln2 = _ln(f"{name}.ln1"), _ln(f"{name}.ln2")
-        self.attn = Attention(name, heads, d)
+        self.attn = Attention(name, heads, d, causal)
         self.mlp1 = _dense(cfg["mlp"], f"{name}.mlp1", activation="gelu")
         self.mlp2 = _dense(d, f"{name}.mlp2")
 
     def call(self, x):
         x = x + self.attn(self.ln1(x))
         return x + self.mlp2(self.mlp1(self.ln2(x)))
+
+
+def _resnet(cfg: dict) -> keras.Model:
+    side = cfg.get("image", 32)
+    inputs = keras.Input((side, side, 3))
+    stem = _conv(cfg["widths"][0], 7 if cfg.get("stem") == "imagenet" else 3, "stem", stem_stride(cfg))
+    x = keras.layers.ReLU()(_bn("stem_bn")(_apply(stem, inputs)))
+    if cfg.get("stem") == "imagenet":  # 3x3, stride 2, padding 1: zeros pad as -inf does after a ReLU
+        x = keras.layers.MaxPooling2D(3, 2)(keras.layers.ZeroPadding2D(1)(x))
+    for name, n_in, n_out, stride in resnet_blocks(cfg):
+        if cfg.get("block") == "bottleneck":  # 1x1, 3x3 with the stride, 1x1
+            convs = ((n_out // 4, 1, 1), (n_out // 4, 3, stride), (n_out, 1, 1))
+        else:
+            convs = ((n_out, 3, stride), (n_out, 3, 1))
+        out = x
+        for i, (filters, size, s) in enumerate(convs, 1):
+            out = _bn(f"{name}.bn{i}")(_apply(_conv(filters, size, f"{name}.conv{i}", s), out))
+            out = keras.layers.ReLU()(out) if i < len(convs) else out
+        if stride != 1 or n_in != n_out:
+            x = _bn(f"{name}.proj_bn")(_apply(_conv(n_out, 1, f"{name}.proj", stride), x))
+        x = keras.layers.ReLU()(keras.layers.Add()([out, x]))
+    x = _dense(cfg["classes"], "head")(keras.layers.GlobalAveragePooling2D()(x))
+    return keras.Model(inputs, x)
 
 
 def _model(model: str, cfg: dict) -> keras.Model:
@@ -106,24 +132,24 @@ def _model(model: str, cfg: dict) -> keras.Model:
         x = _conv(cfg["channels"][0], 3, "conv1", bias=True, activation="relu")[0](inputs)
         x = _conv(cfg["channels"][1], 3, "conv2", bias=True, activation="relu")[0](x)
         x = keras.layers.Flatten()(keras.layers.MaxPooling2D(2)(x))  # (height, width, channel) order
-        x = _dense(CLASSES, "head")(x)
-    elif model == "transformer":
-        inputs = keras.Input((8, 8))
-        x = AddPosition(name="pos")(_dense(cfg["d_model"], "embed")(inputs))
+        x = _dense(cfg["classes"], "head")(x)
+    elif model in ("transformer", "gpt2"):
+        if model == "gpt2":  # token embedding, causal blocks, logits for every token
+            inputs = keras.Input((cfg["seq"],), dtype="int32")
+            x = keras.layers.Embedding(cfg["vocab"], cfg["d_model"], embeddings_initializer="zeros",
+                                       name="tok")(inputs)
+        else:
+            inputs = keras.Input((8, 8))
+            x = _dense(cfg["d_model"], "embed")(inputs)
+        x = AddPosition(name="pos")(x)
         for i in range(cfg["blocks"]):
-            x = EncoderBlock(f"block{i}", cfg)(x)
-        x = keras.layers.GlobalAveragePooling1D()(_ln("ln")(x))
-        x = _dense(CLASSES, "head")(x)
+            x = EncoderBlock(f"block{i}", cfg, causal=model == "gpt2")(x)
+        x = _ln("ln")(x)
+        if model == "transformer":
+            x = keras.layers.GlobalAveragePooling1D()(x)
+        x = _dense(cfg["vocab"] if model == "gpt2" else cfg["classes"], "head")(x)
     else:
-        inputs = keras.Input((32, 32, 3))
-        x = keras.layers.ReLU()(_bn("stem_bn")(_apply(_conv(cfg["widths"][0], 3, "stem"), inputs)))
-        for name, n_in, n_out, stride in resnet_blocks(cfg):
-            out = _bn(f"{name}.bn1")(_apply(_conv(n_out, 3, f"{name}.conv1", stride), x))
-            out = _bn(f"{name}.bn2")(_apply(_conv(n_out, 3, f"{name}.conv2"), keras.layers.ReLU()(out)))
-            if stride != 1 or n_in != n_out:
-                x = _bn(f"{name}.proj_bn")(_apply(_conv(n_out, 1, f"{name}.proj", stride), x))
-            x = keras.layers.ReLU()(keras.layers.Add()([out, x]))
-        x = _dense(CLASSES, "head")(keras.layers.GlobalAveragePooling2D()(x))
+        return _resnet(cfg)
     return keras.Model(inputs, x)
 
 
@@ -145,6 +171,8 @@ def load(net: keras.Model, w: dict) -> keras.Model:
                 take(getattr(layer, sub), f"{layer.key}.{sub}", ("kernel", "bias"))
         elif isinstance(layer, AddPosition):
             layer.set_weights([left.pop("pos")])
+        elif isinstance(layer, keras.layers.Embedding):
+            take(layer, names[layer.name], ("embedding",))
         elif isinstance(layer, (keras.layers.BatchNormalization, keras.layers.LayerNormalization)):
             take(layer, names[layer.name], ("scale", "bias", "mean", "var"))
         elif layer.weights:
@@ -179,15 +207,20 @@ class _Keras(Trainer):
         return getattr(self.model.optimizer, "loss_scale", None)
 
 
-def trainers(model: str, cfg: dict, policy: str, weights: dict, device: str):
-    pin_tf32(keras.backend.backend(), device)
+def trainers(model: str, cfg: dict, policy: str, weights: dict, device: str, compile: bool = False,
+             tf32: bool = False):
+    """(ours, native); `compile` asks Keras for jit_compile=True, else Keras's own default
+    ("auto": XLA on JAX and TensorFlow where the model allows, eager on torch)."""
+    pin_tf32(keras.backend.backend(), device, tf32)
+    jit = True if compile else "auto"
     mp.set_global_policy(policy)  # ours: the one line a Keras script adds
     ours = mp.apply_policy(load(_model(model, cfg), weights), policy)
-    ours.compile(keras.optimizers.SGD(LR, momentum=MOMENTUM), _loss())  # wraps under float16
+    ours.compile(keras.optimizers.SGD(learning_rate(model), momentum=MOMENTUM), _loss(), jit_compile=jit)  # wraps under float16
     mp.set_global_policy(None)
     keras.config.set_dtype_policy(policy)  # Keras's own
     native = load(_model(model, cfg), weights)
-    sgd = keras.optimizers.SGD(LR, momentum=MOMENTUM)
-    native.compile(keras.optimizers.LossScaleOptimizer(sgd) if policy == "mixed_float16" else sgd, _loss())
+    sgd = keras.optimizers.SGD(learning_rate(model), momentum=MOMENTUM)
+    native.compile(keras.optimizers.LossScaleOptimizer(sgd) if policy == "mixed_float16" else sgd, _loss(),
+                   jit_compile=jit)
     keras.config.set_dtype_policy("float32")
     return _Keras(ours), _Keras(native)

@@ -8,7 +8,8 @@ import numpy as np
 import tensorflow as tf
 
 import mixedpolicy as mp
-from mixedpolicy.bench.models import BN_EPSILON, BN_MOMENTUM, LN_EPSILON, LR, MOMENTUM, resnet_blocks
+from mixedpolicy.bench.models import (BN_EPSILON, BN_MOMENTUM, LN_EPSILON, MOMENTUM, learning_rate,
+                                      resnet_blocks, stem_stride)
 from mixedpolicy.bench.trainer import Trainer, pin_tf32
 
 if keras.backend.backend() != "tensorflow":  # its optimizers are Keras's, on TensorFlow tensors
@@ -107,9 +108,9 @@ class CNN(tf.Module):
 
 
 class Attention(tf.Module):
-    def __init__(self, w: dict, name: str, heads: int, compute=None):
+    def __init__(self, w: dict, name: str, heads: int, compute=None, causal: bool = False):
         super().__init__()
-        self.heads = heads
+        self.heads, self.causal = heads, causal
         self.q, self.k, self.v, self.o = (Dense(w, f"{name}.{p}", compute) for p in "qkvo")
 
     def __call__(self, x):
@@ -120,16 +121,20 @@ class Attention(tf.Module):
 
         q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
         scores = tf.matmul(q, k, transpose_b=True) / tf.cast(tf.sqrt(float(d // self.heads)), q.dtype)
-        weights = tf.cast(tf.nn.softmax(tf.cast(scores, tf.float32)), v.dtype)  # softmax in float32
+        scores = tf.cast(scores, tf.float32)  # the softmax in float32
+        if self.causal:  # a token sees itself and those before it
+            seen = tf.linalg.band_part(tf.ones((tokens, tokens), tf.bool), -1, 0)
+            scores = tf.where(seen, scores, tf.constant(-np.inf, tf.float32))
+        weights = tf.cast(tf.nn.softmax(scores), v.dtype)
         out = tf.transpose(tf.matmul(weights, v), [0, 2, 1, 3])
         return self.o(tf.reshape(out, [batch, tokens, d]))
 
 
 class EncoderBlock(tf.Module):
-    def __init__(self, w: dict, name: str, cfg: dict, compute=None):
+    def __init__(self, w: dict, name: str, cfg: dict, compute=None, causal: bool = False):
         super().__init__()
         self.ln1, self.ln2 = LayerNorm(w, f"{name}.ln1", compute), LayerNorm(w, f"{name}.ln2", compute)
-        self.attn = Attention(w, f"{name}", cfg["heads"], compute)
+        self.attn = Attention(w, f"{name}", cfg["heads"], compute, causal)
         self.mlp1, self.mlp2 = Dense(w, f"{name}.mlp1", compute), Dense(w, f"{name}.mlp2", compute)
 
     def __call__(self, x):
@@ -154,17 +159,42 @@ class Transformer(tf.Module):
         return self.head(tf.reduce_mean(self.ln(h), axis=1))
 
 
-class BasicBlock(tf.Module):
+class Decoder(tf.Module):
+    """gpt2: token embedding plus positions, causal blocks, logits for every token."""
+
+    def __init__(self, w: dict, cfg: dict, compute=None):
+        super().__init__()
+        self.tok, self.pos = tf.Variable(w["tok.embedding"]), tf.Variable(w["pos"])
+        self.blocks = [EncoderBlock(w, f"block{i}", cfg, compute, causal=True) for i in range(cfg["blocks"])]
+        self.ln = LayerNorm(w, "ln", compute)
+        self.head = Dense(w, "head", compute)
+
+    def __call__(self, x, training: bool = False):
+        h = tf.gather(tf.cast(self.tok, tf.float32), x)  # a float32 stream, as in PyTorch
+        h = h + tf.cast(self.pos, h.dtype)[:x.shape[1]]
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.ln(h))
+
+
+class Block(tf.Module):
+    """A basic block (two 3x3 convolutions), or a bottleneck one (1x1, 3x3 with the stride,
+    1x1) where the weights have a third convolution."""
+
     def __init__(self, w: dict, name: str, stride: int, compute=None):
         super().__init__()
-        self.conv1, self.bn1 = Conv(w, f"{name}.conv1", stride, compute), BatchNorm(w, f"{name}.bn1", compute)
-        self.conv2, self.bn2 = Conv(w, f"{name}.conv2", 1, compute), BatchNorm(w, f"{name}.bn2", compute)
+        strides = (1, stride, 1) if f"{name}.conv3.kernel" in w else (stride, 1)
+        self.convs = [Conv(w, f"{name}.conv{i + 1}", s, compute) for i, s in enumerate(strides)]
+        self.bns = [BatchNorm(w, f"{name}.bn{i + 1}", compute) for i in range(len(strides))]
         has_proj = f"{name}.proj.kernel" in w
         self.proj = Conv(w, f"{name}.proj", stride, compute) if has_proj else None
         self.proj_bn = BatchNorm(w, f"{name}.proj_bn", compute) if has_proj else None
 
     def __call__(self, x, training: bool):
-        out = self.bn2(self.conv2(tf.nn.relu(self.bn1(self.conv1(x), training))), training)
+        out = x
+        for i, (conv, bn) in enumerate(zip(self.convs, self.bns)):
+            out = bn(conv(out), training)
+            out = tf.nn.relu(out) if i < len(self.convs) - 1 else out
         short = x if self.proj is None else self.proj_bn(self.proj(x), training)
         return tf.nn.relu(out + tf.cast(short, out.dtype))
 
@@ -172,27 +202,32 @@ class BasicBlock(tf.Module):
 class ResNet(tf.Module):
     def __init__(self, w: dict, cfg: dict, compute=None):
         super().__init__()
-        self.stem, self.stem_bn = Conv(w, "stem", compute=compute), BatchNorm(w, "stem_bn", compute)
-        self.blocks = [BasicBlock(w, name, stride, compute) for name, _, _, stride in resnet_blocks(cfg)]
+        self.stem = Conv(w, "stem", stem_stride(cfg), compute=compute)
+        self.stem_bn = BatchNorm(w, "stem_bn", compute)
+        self.pool = cfg.get("stem") == "imagenet"
+        self.blocks = [Block(w, name, stride, compute) for name, _, _, stride in resnet_blocks(cfg)]
         self.head = Dense(w, "head", compute)
 
     def __call__(self, x, training: bool = False):
         x = tf.nn.relu(self.stem_bn(self.stem(x), training))
+        if self.pool:  # 3x3, stride 2, padding 1: zeros pad as PyTorch's -inf does after a ReLU
+            x = tf.nn.max_pool2d(tf.pad(x, [[0, 0], [1, 1], [1, 1], [0, 0]]), 3, 2, "VALID")
         for block in self.blocks:
             x = block(x, training)
         return self.head(tf.reduce_mean(x, axis=[1, 2]))
 
 
-_MODELS = {"mlp": MLP, "cnn": CNN, "transformer": Transformer, "resnet": ResNet}
+_MODELS = {"mlp": MLP, "cnn": CNN, "transformer": Transformer, "resnet": ResNet, "resnet50": ResNet,
+           "gpt2": Decoder}
 
 
 class _Tf(Trainer):
-    def __init__(self, model: tf.Module, optimizer):
+    def __init__(self, model: tf.Module, optimizer, compile: bool = False):
         self.model, self.opt = model, optimizer
         self._loss = None
         scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
 
-        @tf.function
+        @tf.function(jit_compile=compile or None)
         def step(x, y):
             with tf.GradientTape() as tape:
                 logits = tf.cast(self.model(x, training=True), tf.float32)
@@ -222,15 +257,18 @@ class _Tf(Trainer):
         return getattr(self.opt, "loss_scale", None)
 
 
-def trainers(model: str, cfg: dict, policy: str, weights: dict, device: str):
-    pin_tf32("tensorflow", device)
+def trainers(model: str, cfg: dict, policy: str, weights: dict, device: str, compile: bool = False,
+             tf32: bool = False):
+    """(ours, native), each step a tf.function; `compile` asks XLA to compile it
+    (jit_compile=True)."""
+    pin_tf32("tensorflow", device, tf32)
     scaled = mp.Policy(policy).needs_loss_scaling
-    ours_opt = keras.optimizers.SGD(LR, momentum=MOMENTUM)
+    ours_opt = keras.optimizers.SGD(learning_rate(model), momentum=MOMENTUM)
     # one training loop for every policy: a pass-through where the policy needs no scaling
     ours = _Tf(mp.apply_policy(_MODELS[model](weights, cfg), policy),
-               mp.LossScaleOptimizer(ours_opt, policy=policy))
-    native_opt = keras.optimizers.SGD(LR, momentum=MOMENTUM)
+               mp.LossScaleOptimizer(ours_opt, policy=policy), compile)
+    native_opt = keras.optimizers.SGD(learning_rate(model), momentum=MOMENTUM)
     # A float32 hand-written model casts nothing; a mixed one casts inputs and variables.
     native = _Tf(_MODELS[model](weights, cfg, None if policy == "float32" else _COMPUTE[policy]),
-                 keras.optimizers.LossScaleOptimizer(native_opt) if scaled else native_opt)
+                 keras.optimizers.LossScaleOptimizer(native_opt) if scaled else native_opt, compile)
     return ours, native

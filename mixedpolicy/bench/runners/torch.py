@@ -6,7 +6,8 @@ import numpy as np
 import torch
 
 import mixedpolicy as mp
-from mixedpolicy.bench.models import BN_EPSILON, BN_MOMENTUM, LN_EPSILON, LR, MOMENTUM, resnet_blocks
+from mixedpolicy.bench.models import (BN_EPSILON, BN_MOMENTUM, LN_EPSILON, MOMENTUM, learning_rate,
+                                      resnet_blocks, stem_stride)
 from mixedpolicy.bench.trainer import Trainer, pin_tf32
 
 _HALF = {"mixed_bfloat16": torch.bfloat16, "mixed_float16": torch.float16}
@@ -65,26 +66,30 @@ class CNN(torch.nn.Module):
         return self.head(torch.nn.functional.max_pool2d(x, 2).flatten(1))
 
 
-class Transformer(torch.nn.Module):
-    """PyTorch's own pre-norm encoder layers (batch first, exact GELU, no dropout)."""
+def _encoder(w: dict, cfg: dict) -> torch.nn.TransformerEncoder:
+    """PyTorch's own pre-norm encoder layers (batch first, exact GELU, no dropout), set from
+    the shared weights (q, k and v packed in MultiheadAttention's in-projection)."""
+    layer = torch.nn.TransformerEncoderLayer(cfg["d_model"], cfg["heads"], cfg["mlp"], dropout=0.0,
+                                             activation="gelu", layer_norm_eps=LN_EPSILON, batch_first=True,
+                                             norm_first=True)
+    encoder = torch.nn.TransformerEncoder(layer, cfg["blocks"], enable_nested_tensor=False)
+    for i, block in enumerate(encoder.layers):
+        p = f"block{i}"
+        _param(block.self_attn.in_proj_weight, np.concatenate([w[f"{p}.{q}.kernel"].T for q in "qkv"]))
+        _param(block.self_attn.in_proj_bias, np.concatenate([w[f"{p}.{q}.bias"] for q in "qkv"]))
+        _param(block.self_attn.out_proj.weight, w[f"{p}.o.kernel"].T)
+        _param(block.self_attn.out_proj.bias, w[f"{p}.o.bias"])
+        block.norm1, block.norm2 = _layer_norm(w, f"{p}.ln1"), _layer_norm(w, f"{p}.ln2")
+        block.linear1, block.linear2 = _linear(w, f"{p}.mlp1"), _linear(w, f"{p}.mlp2")
+    return encoder
 
+
+class Transformer(torch.nn.Module):
     def __init__(self, w: dict, cfg: dict):
         super().__init__()
-        d = cfg["d_model"]
         self.embed = _linear(w, "embed")
         self.pos = torch.nn.Parameter(torch.from_numpy(w["pos"].copy()))
-        layer = torch.nn.TransformerEncoderLayer(d, cfg["heads"], cfg["mlp"], dropout=0.0, activation="gelu",
-                                                 layer_norm_eps=LN_EPSILON, batch_first=True, norm_first=True)
-        self.encoder = torch.nn.TransformerEncoder(layer, cfg["blocks"], enable_nested_tensor=False)
-        for i, block in enumerate(self.encoder.layers):
-            p = f"block{i}"
-            _param(block.self_attn.in_proj_weight,
-                   np.concatenate([w[f"{p}.{q}.kernel"].T for q in "qkv"]))
-            _param(block.self_attn.in_proj_bias, np.concatenate([w[f"{p}.{q}.bias"] for q in "qkv"]))
-            _param(block.self_attn.out_proj.weight, w[f"{p}.o.kernel"].T)
-            _param(block.self_attn.out_proj.bias, w[f"{p}.o.bias"])
-            block.norm1, block.norm2 = _layer_norm(w, f"{p}.ln1"), _layer_norm(w, f"{p}.ln2")
-            block.linear1, block.linear2 = _linear(w, f"{p}.mlp1"), _linear(w, f"{p}.mlp2")
+        self.encoder = _encoder(w, cfg)
         self.ln = _layer_norm(w, "ln")
         self.head = _linear(w, "head")
 
@@ -93,29 +98,60 @@ class Transformer(torch.nn.Module):
         return self.head(self.ln(h).mean(1))
 
 
+class Decoder(torch.nn.Module):
+    """gpt2: token embedding plus positions, the encoder layers under a causal mask, logits
+    for every token."""
+
+    def __init__(self, w: dict, cfg: dict):
+        super().__init__()
+        self.tok = torch.nn.Embedding.from_pretrained(torch.from_numpy(w["tok.embedding"].copy()), freeze=False)
+        self.pos = torch.nn.Parameter(torch.from_numpy(w["pos"].copy()))
+        self.encoder = _encoder(w, cfg)
+        self.ln = _layer_norm(w, "ln")
+        self.head = _linear(w, "head")
+
+    def forward(self, x):
+        t = x.shape[1]
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(t, device=x.device)
+        h = self.encoder(self.tok(x) + self.pos[:t], mask=mask, is_causal=True)
+        return self.head(self.ln(h))
+
+
 class Block(torch.nn.Module):
+    """A basic block (two 3x3 convolutions), or a bottleneck one (1x1, 3x3 with the stride,
+    1x1) where the weights have a third convolution."""
+
     def __init__(self, w: dict, name: str, stride: int):
         super().__init__()
-        self.conv1, self.bn1 = _conv(w, f"{name}.conv1", stride), _batch_norm(w, f"{name}.bn1")
-        self.conv2, self.bn2 = _conv(w, f"{name}.conv2"), _batch_norm(w, f"{name}.bn2")
+        bottleneck = f"{name}.conv3.kernel" in w
+        self.convs = torch.nn.ModuleList([_conv(w, f"{name}.conv1", 1 if bottleneck else stride),
+                                          _conv(w, f"{name}.conv2", stride if bottleneck else 1)]
+                                         + ([_conv(w, f"{name}.conv3")] if bottleneck else []))
+        self.bns = torch.nn.ModuleList([_batch_norm(w, f"{name}.bn{i + 1}") for i in range(len(self.convs))])
         self.proj = (torch.nn.Sequential(_conv(w, f"{name}.proj", stride), _batch_norm(w, f"{name}.proj_bn"))
                      if f"{name}.proj.kernel" in w else torch.nn.Identity())
 
     def forward(self, x):
-        out = self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x)))))
+        out = x
+        for i, (conv, bn) in enumerate(zip(self.convs, self.bns)):
+            out = bn(conv(out))
+            out = torch.relu(out) if i < len(self.convs) - 1 else out
         return torch.relu(out + self.proj(x))
 
 
 class ResNet(torch.nn.Module):
     def __init__(self, w: dict, cfg: dict):
         super().__init__()
-        self.stem, self.stem_bn = _conv(w, "stem"), _batch_norm(w, "stem_bn")
+        self.stem, self.stem_bn = _conv(w, "stem", stem_stride(cfg)), _batch_norm(w, "stem_bn")
+        self.pool = cfg.get("stem") == "imagenet"
         self.blocks = torch.nn.Sequential(*(Block(w, name, stride) for name, _, _, stride in resnet_blocks(cfg)))
         self.head = _linear(w, "head")
 
     def forward(self, x):
-        x = self.blocks(torch.relu(self.stem_bn(self.stem(x))))
-        return self.head(x.mean((2, 3)))
+        x = torch.relu(self.stem_bn(self.stem(x)))
+        if self.pool:
+            x = torch.nn.functional.max_pool2d(x, 3, 2, 1)
+        return self.head(self.blocks(x).mean((2, 3)))
 
 
 def _model(model: str, cfg: dict, w: dict, device: str) -> torch.nn.Module:
@@ -128,6 +164,8 @@ def _model(model: str, cfg: dict, w: dict, device: str) -> torch.nn.Module:
         net = CNN(w)
     elif model == "transformer":
         net = Transformer(w, cfg)
+    elif model == "gpt2":
+        net = Decoder(w, cfg)
     else:
         net = ResNet(w, cfg)
     return net.to(device)
@@ -136,6 +174,11 @@ def _model(model: str, cfg: dict, w: dict, device: str) -> torch.nn.Module:
 def prepare(model: str, x: np.ndarray) -> np.ndarray:
     """Images channels first, as PyTorch's convolutions take them."""
     return np.ascontiguousarray(x.transpose(0, 3, 1, 2)) if x.ndim == 4 else x
+
+
+def _cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean cross entropy in float32 over every (sample or token) position."""
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, -2), y.flatten())
 
 
 class _Torch(Trainer):
@@ -166,16 +209,16 @@ class _Torch(Trainer):
 
 
 class Ours(_Torch):
-    def __init__(self, net: torch.nn.Module, policy: str, device: str):
+    def __init__(self, net: torch.nn.Module, policy: str, device: str, lr: float):
         super().__init__(mp.apply_policy(net, policy), device)
-        sgd = torch.optim.SGD(self.model.parameters(), lr=LR, momentum=MOMENTUM)
+        sgd = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=MOMENTUM)
         # one training loop for every policy: a pass-through where the policy needs no scaling
         self.opt = mp.LossScaleOptimizer(sgd, policy=policy)
         self._scaled = mp.Policy(policy).needs_loss_scaling
 
     def step(self, x, y) -> None:
         x, y = self._batch(x, y)
-        loss = torch.nn.functional.cross_entropy(self.model(x).float(), y)
+        loss = _cross_entropy(self.model(x), y)
         self.opt.scale_loss(loss).backward()
         self.opt.step()
         self.opt.zero_grad()
@@ -189,10 +232,10 @@ class Ours(_Torch):
 
 
 class Native(_Torch):
-    def __init__(self, net: torch.nn.Module, policy: str, device: str):
+    def __init__(self, net: torch.nn.Module, policy: str, device: str, lr: float):
         super().__init__(net, device)
         self.dtype = _HALF.get(policy)
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=LR, momentum=MOMENTUM)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=MOMENTUM)
         self.scaler = torch.amp.GradScaler(device.split(":")[0], enabled=policy == "mixed_float16")
 
     def step(self, x, y) -> None:
@@ -200,7 +243,7 @@ class Native(_Torch):
         with torch.autocast(self.device.split(":")[0], dtype=self.dtype or torch.float32,
                             enabled=self.dtype is not None):
             out = self.model(x)
-        loss = torch.nn.functional.cross_entropy(out.float(), y)
+        loss = _cross_entropy(out, y)
         self.scaler.scale(loss).backward()
         self.scaler.step(self.opt)
         self.scaler.update()
@@ -208,7 +251,14 @@ class Native(_Torch):
         self._loss = loss.detach()
 
 
-def trainers(model: str, cfg: dict, policy: str, weights: dict, device: str):
-    pin_tf32("torch", device)
-    return (Ours(_model(model, cfg, weights, device), policy, device),
-            Native(_model(model, cfg, weights, device), policy, device))
+def trainers(model: str, cfg: dict, policy: str, weights: dict, device: str, compile: bool = False,
+             tf32: bool = False):
+    """(ours, native); `compile` runs both models through torch.compile (the optimizer steps
+    stay eager on both sides)."""
+    pin_tf32("torch", device, tf32)
+    ours = Ours(_model(model, cfg, weights, device), policy, device, learning_rate(model))
+    native = Native(_model(model, cfg, weights, device), policy, device, learning_rate(model))
+    if compile:
+        for side in (ours, native):
+            side.model = torch.compile(side.model)
+    return ours, native
