@@ -407,3 +407,26 @@ def test_replicas_compare_reduce_dtypes_with_bytes_per_step(tmp_path, capsys):
     assert all(r["accuracy"] > 0.5 and np.isfinite(r["final_loss"]) for r in runs)
     assert "| mixed_bfloat16 | float8_e5m2 | 2 |" in capsys.readouterr().out
     assert (out / "replicas.md").read_text().startswith("| policy | reduce |")
+
+
+@pytest.mark.slow
+def test_compile_puts_both_sides_through_torch_compile_with_the_eager_numbers(tmp_path):
+    from conftest import require_module
+
+    require_module("torch")
+    from mixedpolicy.bench.runners import torch as torch_runner
+
+    cfg = models.config("mlp", "cpu")
+    weights = models.init_weights("mlp", cfg)
+    x = np.random.default_rng(0).random((16, 64), np.float32)
+    y = np.arange(16, dtype=np.int32) % 10
+    losses = {}
+    for compiled in (False, True):
+        ours, native = torch_runner.trainers("mlp", cfg, "float32", weights, "cpu", compile=compiled)
+        assert (type(ours.model).__name__ == "OptimizedModule") == compiled
+        assert (type(native.model).__name__ == "OptimizedModule") == compiled
+        for _ in range(3):
+            ours.step(x, y)
+            native.step(x, y)
+        losses[compiled] = (ours.last_loss(), native.last_loss())
+    np.testing.assert_allclose(losses[True], losses[False], rtol=1e-5)
