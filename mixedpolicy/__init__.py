@@ -21,8 +21,9 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # mp.distributed and mp.jax load on first use (mp.jax imports JAX)
-    if name in ("distributed", "jax", "codecs"):
+    # mp.distributed, mp.jax and mp.tensorflow load on first use (mp.jax imports JAX,
+    # mp.tensorflow TensorFlow)
+    if name in ("distributed", "jax", "tensorflow", "codecs"):
         import importlib
 
         return importlib.import_module(f"mixedpolicy.{name}")

@@ -253,6 +253,12 @@ class LossScaleOptimizer(abc.ABC):
                 loss_scale = DynamicLossScale()
             else:
                 loss_scale = NoLossScale(skip_nonfinite=skip_nonfinite)
+        if getattr(adapter, "takes_reduce_policy", False):  # Keras: it carries reduce dtypes itself
+            reduce_policy = policy if policy is not None else global_policy()
+            if not isinstance(reduce_policy, PolicyMap) and as_policy(reduce_policy).reduce_dtype == "float32":
+                reduce_policy = None
+            if reduce_policy is not None:
+                kwargs["reduce_policy"] = reduce_policy
         if kwargs:  # a framework's own options (Keras: name, dynamic, its base arguments)
             return adapter.wrap_optimizer(inner, loss_scale, axis_name, **kwargs)
         return adapter.wrap_optimizer(inner, loss_scale, axis_name)

@@ -67,9 +67,22 @@ def dotted_chains(layers: Iterable[tuple[str, Any, LayerInfo]]) -> list[tuple[An
     return out
 
 
+def _check_reduce(step: PlannedLayer, engine: str, carried: tuple[str, ...]) -> None:
+    reduce_dtype = step.policy.reduce_dtype
+    if reduce_dtype == step.policy.variable_dtype or reduce_dtype in carried:
+        return
+    can = (f"it carries {', '.join(carried)}" if carried else
+           "its replicas reduce in the variable dtype only")
+    raise ValueError(
+        f"Received the policy {step.policy.name} for {engine} layer {step.path or '(root)'!r}: its "
+        f"gradients would be reduced across replicas in {reduce_dtype}, which mixedpolicy cannot "
+        f"carry through {engine} ({can}; PyTorch DDP and JAX carry every reduce dtype). Choose "
+        f"another reduce_dtype, or none, here; nothing was applied.")
+
+
 def plan(policy_map: PolicyMap, layers: Iterable[tuple[Any, Sequence[LayerInfo]]], *,
          variables: Variables | None = None, fix: str = "", adjust: Adjust | None = None,
-         no_reduce: str | None = None) -> list[PlannedLayer]:
+         reduce_engine: tuple[str, tuple[str, ...]] | None = None) -> list[PlannedLayer]:
     """Resolves every layer of a model, checks it, and warns about unmatched keys.
 
     Args:
@@ -79,9 +92,9 @@ def plan(policy_map: PolicyMap, layers: Iterable[tuple[Any, Sequence[LayerInfo]]
       fix: how to create variables in float32 in this framework (for that check's message).
       adjust: a framework's last word on a resolution (a layer that cannot take a
         policy of its own follows its parent).
-      no_reduce: for a framework whose engines mixedpolicy cannot yet make reduce in
-        another dtype, its name: a policy whose reduce dtype is not its variable dtype
-        is then refused before anything changes.
+      reduce_engine: (name, carried) for a framework whose replicas reduce in only some
+        dtypes: a policy whose reduce dtype is neither its variable dtype nor in
+        `carried` is then refused before anything changes.
 
     Raises:
       ValueError: a mixed policy would train half-precision master weights, two keys
@@ -96,13 +109,8 @@ def plan(policy_map: PolicyMap, layers: Iterable[tuple[Any, Sequence[LayerInfo]]
         if adjust is not None:
             resolution = adjust(layer, chain, resolution, parent)
         step = PlannedLayer(layer, chain, resolution, parent.policy if parent is not None else None)
-        if no_reduce is not None and step.policy.reduce_dtype != step.policy.variable_dtype:
-            raise ValueError(
-                f"Received the policy {step.policy.name} for {no_reduce} layer {step.path or '(root)'!r}: "
-                f"its gradients would be reduced across replicas in {step.policy.reduce_dtype}, but "
-                f"mixedpolicy carries a reduce dtype only through PyTorch DDP "
-                f"(mp.distributed.register) and JAX (mp.jax.all_reduce), not through {no_reduce}'s "
-                f"distribution. Use a policy without reduce_dtype here; nothing was applied.")
+        if reduce_engine is not None:
+            _check_reduce(step, *reduce_engine)
         for where, dtype in (variables(layer, step.path) if variables is not None else ()):
             check_master_weights(where, dtype, step.policy, fix)
         planned[step.path] = step

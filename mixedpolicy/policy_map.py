@@ -305,3 +305,25 @@ def as_policy_map(policy: Any = None, overrides: Mapping[Any, Any] | None = None
                             "into the PolicyMap, or pass a plain policy with overrides=.")
         return policy
     return PolicyMap(policy, overrides)
+
+
+def reduce_dtypes_at(policy: Any, paths: Sequence[str], leaf_types: Sequence[type] | None = None, *,
+                     sep: str = ".", root: bool = True) -> list[str]:
+    """The reduce dtype of each gradient leaf, by its path (``"dense.kernel"``).
+
+    `policy` is a `Policy`, a name, or a `PolicyMap`; a map resolves each leaf as the last
+    link of the chain of its layer paths (from the root ``""`` where `root`), so a leaf
+    inherits its layer's policy (``"dense"``) and a glob may name leaves (``"*.bias"``).
+    Engines share this: JAX pytrees (dotted), Keras and TensorFlow variables (``sep="/"``,
+    the paths `describe` shows for Keras, which has no root of its own).
+    """
+    if not isinstance(policy, PolicyMap):
+        return [as_policy(policy).reduce_dtype] * len(paths)
+    dtypes = []
+    for i, path in enumerate(paths):
+        layer = path.rpartition(sep)[0]
+        parts = layer.split(sep) if layer else []
+        chain = [LayerInfo(sep.join(parts[:j]), object) for j in range(0 if root else 1, len(parts) + 1)]
+        chain.append(LayerInfo(path, leaf_types[i] if leaf_types is not None else object))
+        dtypes.append(policy.resolve(chain).policy.reduce_dtype)
+    return dtypes

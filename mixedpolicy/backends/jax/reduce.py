@@ -17,8 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from mixedpolicy.codecs import FLOAT8_MAX, is_float8, nearest_index, table_bits, table_quantiles, wire_bytes
-from mixedpolicy.policy import as_policy
-from mixedpolicy.policy_map import LayerInfo, PolicyMap
+from mixedpolicy.policy_map import reduce_dtypes_at
 
 
 def _gather_invariant() -> Any:
@@ -49,23 +48,9 @@ def _path(keys: tuple) -> str:
 def _reduce_dtypes(grads: Any, policy: Any) -> tuple[list, list, Any]:
     """(leaves, their reduce dtypes, treedef)."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(grads)
-    if isinstance(policy, PolicyMap):
-        dtypes = []
-        for keys, leaf in flat:
-            path = _path(keys)
-            layer = path.rpartition(".")[0]
-            chain = [LayerInfo(p, object) for p in _prefixes(layer)]
-            chain.append(LayerInfo(path, type(leaf)))  # the leaf itself: "*.bias" names it
-            dtypes.append(policy.resolve(chain).policy.reduce_dtype)
-    else:
-        dtypes = [as_policy(policy).reduce_dtype] * len(flat)
-    return [leaf for _, leaf in flat], dtypes, treedef
-
-
-def _prefixes(layer: str) -> list[str]:
-    """The chain of layer paths from the root down to `layer` ("" is the root)."""
-    parts = layer.split(".") if layer else []
-    return [""] + [".".join(parts[:i + 1]) for i in range(len(parts))]
+    leaves = [leaf for _, leaf in flat]
+    dtypes = reduce_dtypes_at(policy, [_path(keys) for keys, _ in flat], [type(leaf) for leaf in leaves])
+    return leaves, dtypes, treedef
 
 
 def _reduce_leaf(g: Any, reduce_dtype: str, axis_name: Any, count: Any, mean: bool,

@@ -38,6 +38,7 @@ from keras.src.dtype_policies import dtype_policy as _keras_dtype_policy
 from mixedpolicy._adapter import ModelAdapter
 from mixedpolicy.table import LayerPolicy
 from mixedpolicy.policy import Policy
+from mixedpolicy.backends.keras.reduce import reduce_engine
 from mixedpolicy.layer_plan import plan
 from mixedpolicy.policy_map import NORMALIZATION, LayerInfo
 
@@ -149,7 +150,7 @@ class KerasModels(ModelAdapter):
 
     def apply_policy(self, model: Any, policy_map: Any) -> Any:
         _note_global()
-        steps = plan(policy_map, _layers(model), no_reduce="Keras")
+        steps = plan(policy_map, _layers(model), reduce_engine=reduce_engine())
         by_path = {step.path: step.layer for step in steps}
         planned = []
         for step in steps:
@@ -180,12 +181,16 @@ class KerasModels(ModelAdapter):
         for layer, name, source in planned:
             object.__setattr__(layer, _STATE, (layer.dtype_policy, source))
             layer.dtype_policy = keras.DTypePolicy(name)
-        if any(name in ("float16", "mixed_float16") for _, name, _ in planned):
+        scaled = any(name in ("float16", "mixed_float16") for _, name, _ in planned)
+        # a reduce dtype other than the variables' is carried by our optimizer (tf.distribute)
+        reduced = any(step.policy.reduce_dtype != step.policy.variable_dtype for step in steps)
+        if scaled:
             use_bounded_loss_scale_in_compile()
-            if isinstance(model, keras.Model) and model.dtype_policy.name != "mixed_float16":
-                # Keras wraps only when the model itself is mixed_float16; a map with
-                # float16 layers anywhere needs the loss scale too.
-                object.__setattr__(model, "compile", _compile_with_loss_scale(model))
+        if isinstance(model, keras.Model) and (reduced or (scaled and model.dtype_policy.name != "mixed_float16")):
+            # Keras wraps only when the model itself is mixed_float16; a map with float16
+            # layers anywhere needs the loss scale too, and a reduce dtype our optimizer.
+            object.__setattr__(model, "compile", _compile_with_loss_scale(
+                model, scaled, policy_map if reduced else None))
         return model
 
     def remove_policy(self, model: Any) -> Any:
@@ -201,17 +206,22 @@ class KerasModels(ModelAdapter):
         return rows
 
 
-def _compile_with_loss_scale(model: Any) -> Callable:
+def _compile_with_loss_scale(model: Any, scaled: bool = True, reduce_policy: Any = None) -> Callable:
+    """``model.compile`` wrapping a plain optimizer in this package's LossScaleOptimizer: with
+    a dynamic scale where `scaled`, else a pass-through; reducing in `reduce_policy`'s dtypes."""
     compile_ = type(model).compile
 
     def compile(*args: Any, optimizer: Any = "rmsprop", **kwargs: Any) -> Any:
         from mixedpolicy.backends.keras.optimizer import LossScaleOptimizer
+        from mixedpolicy.loss_scale import NoLossScale
 
         if args:
             optimizer, args = args[0], args[1:]
         optimizer = keras.optimizers.get(optimizer)
         if kwargs.get("auto_scale_loss", True) and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-            optimizer = LossScaleOptimizer(optimizer, name="loss_scale_optimizer")
+            scale = {} if scaled else {"loss_scale": NoLossScale(skip_nonfinite=False)}
+            optimizer = LossScaleOptimizer(optimizer, name="loss_scale_optimizer", reduce_policy=reduce_policy,
+                                           **scale)
         return compile_(model, optimizer, *args, **kwargs)
 
     compile.__doc__ = compile_.__doc__

@@ -15,6 +15,9 @@ changes what made Keras's unsafe:
   ``UnexpectedTracerError``);
 - under ``tf.distribute`` the finiteness flag is all-reduced over the replicas, so
   one replica's overflow makes every replica skip;
+- under ``tf.distribute`` gradients are summed over the replicas in the reduce dtype of
+  ``reduce_policy`` (each variable's, for a `PolicyMap`), before the finiteness check,
+  instead of Keras's float32 sum;
 - the scaled loss is computed in float32.
 """
 
@@ -28,7 +31,10 @@ from keras import ops
 from keras.src.saving import object_registration as _registry  # the name a class saves under
 
 from mixedpolicy._adapter import OptimizerAdapter
-from mixedpolicy.backends.keras.saving import SkipCounts, load_keras_layout, save_keras_layout
+from mixedpolicy.backends.keras.reduce import (already_summed, check_reduce_policy, reduce_from_config,
+                                               reduce_to_config, sum_across_replicas)
+from mixedpolicy.backends.keras.saving import (SkipCounts, constructor_arguments, load_keras_layout,
+                                               save_keras_layout)
 from mixedpolicy.policy import Policy
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale, is_pass_through, summary
 
@@ -64,6 +70,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         `NoLossScale(skip_nonfinite=False)` makes a pass-through (what
         `mixedpolicy.LossScaleOptimizer` gives under a policy that needs no scaling), and
         `NoLossScale()` a static scale of 1 that still skips non-finite steps.
+      reduce_policy: a `Policy`, its name or a `PolicyMap` whose reduce dtypes the gradients
+        are summed in across ``tf.distribute`` replicas (float32, bfloat16, float16; see
+        `mixedpolicy.tensorflow.all_reduce`); None, or reduce dtypes all float32: Keras's own
+        float32 sum. Other backends refuse a reduce dtype other than float32.
       name, **kwargs: as Keras's: a base-optimizer argument (``clipnorm``...) is a
         ValueError saying it belongs on the inner optimizer.
     """
@@ -72,7 +82,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                  dynamic_growth_steps: int = 2000, *, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, min_scale: float = 1.0, max_scale: float = 2.0**24,
                  dynamic: bool = True, loss_scale: LossScale | None = None, name: str | None = None,
-                 **kwargs: Any):
+                 reduce_policy: Any = None, **kwargs: Any):
         if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
             raise TypeError(f"Received inner_optimizer of type {type(inner_optimizer).__name__}; "
                             f"expected a Keras 3 optimizer such as keras.optimizers.Adam().")
@@ -107,6 +117,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                              f"wrap it.") from None
         self._scale_settings = loss_scale
         self._pass_through = pass_through
+        self._reduce_policy = check_reduce_policy(reduce_policy)
         self._skip_store = SkipCounts(self)
         extra = set(self.get_config()) - {"name", "inner_optimizer", "initial_scale",
                                           "dynamic_growth_steps"}
@@ -180,12 +191,15 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._skips.assign(ops.stack([ops.add(self._skips[0], skipped), skipped]))
 
     def apply(self, grads: Any, trainable_variables: Any = None) -> None:
-        if not self._pass_through:
-            return super().apply(grads, trainable_variables)
-        if not self.built:
-            with keras.name_scope(self.name, caller=self):
-                self.build(trainable_variables)
-        self.inner_optimizer.apply(grads, trainable_variables=trainable_variables)
+        variables = trainable_variables if trainable_variables is not None else self._trainable_variables
+        grads, summed = sum_across_replicas(grads, variables, self._reduce_policy)
+        with already_summed(self.inner_optimizer, summed):
+            if not self._pass_through:
+                return super().apply(grads, trainable_variables)
+            if not self.built:
+                with keras.name_scope(self.name, caller=self):
+                    self.build(trainable_variables)
+            self.inner_optimizer.apply(grads, trainable_variables=trainable_variables)
 
     def stateless_apply(self, optimizer_variables: Any, grads: Any, trainable_variables: Any) -> Any:
         if not self.built:
@@ -261,6 +275,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         ``initial_scale``, ``dynamic_growth_steps``).
         """
         config = super().get_config()
+        reduce_config = reduce_to_config(self._reduce_policy)
+        if reduce_config is not None:
+            config["reduce_policy"] = reduce_config
         cfg = self._scale_settings
         if self._pass_through:
             config["pass_through"] = True
@@ -275,20 +292,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     @classmethod
     def from_config(cls, config: dict, custom_objects: Any = None) -> "LossScaleOptimizer":
         """Reads this class's configs and Keras's own (its current and its older layout)."""
-        config = dict(config)
-        inner = keras.saving.deserialize_keras_object(config.pop("inner_optimizer"),
-                                                      custom_objects=custom_objects)
-        if config.pop("pass_through", False):
-            for key in ("initial_scale", "dynamic_growth_steps"):
-                config.pop(key, None)
-            return cls(inner, loss_scale=NoLossScale(skip_nonfinite=False), **config)
-        static = config.pop("static", False)
-        dynamic = config.pop("dynamic", True)  # this class's configs from before said dynamic=False
-        if static or dynamic is False:
-            scale = StaticLossScale(config.pop("initial_scale", 2.0**15))
-            config.pop("dynamic_growth_steps", None)
-            return cls(inner, loss_scale=scale, **config)
-        return cls(inner, **config)
+        inner, config, loss_scale = constructor_arguments(config, custom_objects)
+        if "reduce_policy" in config:
+            config["reduce_policy"] = reduce_from_config(config["reduce_policy"])
+        return cls(inner, **config) if loss_scale is None else cls(inner, loss_scale=loss_scale, **config)
 
 
 class _SavedAsKeras(LossScaleOptimizer):
@@ -319,6 +326,8 @@ class KerasOptimizers(OptimizerAdapter):
 
     def is_optimizer(self, obj: Any) -> bool:
         return isinstance(obj, keras.optimizers.Optimizer)
+
+    takes_reduce_policy = True
 
     def wrap_optimizer(self, optimizer: Any, loss_scale: Any, axis_name: Any = None, **options: Any) -> Any:
         if axis_name is not None:

@@ -72,3 +72,25 @@ def load_keras_layout(optimizer: Any, store: Any) -> bool:
             f"file was written by an optimizer whose scale had collapsed; load the model with "
             f"compile=False and compile it with a fresh LossScaleOptimizer.")
     return True
+
+
+def constructor_arguments(config: dict, custom_objects: Any = None) -> tuple[Any, dict, Any]:
+    """(inner optimizer, keyword arguments, loss scale or None) for a LossScaleOptimizer from
+    its config: this package's configs and Keras's own (its current and its older layout)."""
+    import keras
+
+    from mixedpolicy.loss_scale import NoLossScale, StaticLossScale
+
+    config = dict(config)
+    inner = keras.saving.deserialize_keras_object(config.pop("inner_optimizer"), custom_objects=custom_objects)
+    if config.pop("pass_through", False):
+        for key in ("initial_scale", "dynamic_growth_steps"):
+            config.pop(key, None)
+        return inner, config, NoLossScale(skip_nonfinite=False)
+    static = config.pop("static", False)
+    dynamic = config.pop("dynamic", True)  # this class's configs from before said dynamic=False
+    if static or dynamic is False:
+        scale = StaticLossScale(config.pop("initial_scale", 2.0**15))
+        config.pop("dynamic_growth_steps", None)
+        return inner, config, scale
+    return inner, config, None

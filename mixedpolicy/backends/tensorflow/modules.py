@@ -32,6 +32,7 @@ import tensorflow as tf
 from mixedpolicy.backends._subclass import policy_subclass
 from mixedpolicy._adapter import ModelAdapter
 from mixedpolicy.backends.tensorflow.arrays import NAMES as _NAMES, TF_DTYPES as _TF_DTYPES
+from mixedpolicy.backends.tensorflow.reduce import CARRIED
 from mixedpolicy.table import LayerPolicy
 from mixedpolicy.policy import Policy
 from mixedpolicy.layer_plan import dotted_chains, join, plan
@@ -133,7 +134,8 @@ def apply_policy(model: tf.Module, policy_map: PolicyMap) -> tf.Module:
     remove_policy(model)
     layers = dotted_chains((path, module, LayerInfo(path, type(module), _kind(type(module))))
                            for path, module in _modules(model))
-    steps = plan(policy_map, layers, fix="Create the variables in float32", no_reduce="TensorFlow",
+    steps = plan(policy_map, layers, fix="Create the variables in float32",
+                 reduce_engine=("tf.distribute", CARRIED),
                  variables=lambda module, path: [(join(path, name), _NAMES.get(var.dtype))
                                                  for name, var in _own_variables(module).items()])
     for step in steps:

@@ -104,9 +104,32 @@ def test_per_layer_maps():
     mp.set_global_policy(None)
 
 
+def test_keras_on_tensorflow_carries_bfloat16_and_float16_reduce_dtypes_and_other_backends_none():
+    bf16 = mp.Policy("mixed_bfloat16", reduce_dtype="bfloat16")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    if keras.backend.backend() == "tensorflow":
+        mp.apply_policy(model, bf16)
+        model.compile(keras.optimizers.SGD(0.1), "mse")  # our optimizer carries the reduce dtype
+        assert model.optimizer.get_config()["reduce_policy"] == {"default": bf16.name, "overrides": {}}
+        saved = type(model.optimizer).from_config(model.optimizer.get_config())
+        assert saved._reduce_policy.default == bf16
+        opt = mp.LossScaleOptimizer(keras.optimizers.SGD(0.1), policy=bf16)
+        assert opt.loss_scaling.startswith("pass-through")
+        again = type(opt).from_config(opt.get_config())
+        assert again._reduce_policy == bf16
+    else:
+        with pytest.raises(ValueError, match=rf"bfloat16, which mixedpolicy cannot carry through Keras on "
+                                             rf"{keras.backend.backend()} \(its replicas reduce in the variable"):
+            mp.apply_policy(model, bf16)
+        with pytest.raises(ValueError, match="reduce_policy with reduce dtype bfloat16"):
+            mp.LossScaleOptimizer(keras.optimizers.SGD(0.1), policy=bf16)
+    # a float32 reduce changes nothing anywhere: Keras's own sum
+    assert "reduce_policy" not in mp.LossScaleOptimizer(keras.optimizers.SGD(0.1), policy="mixed_float16").get_config()
+
+
 def test_a_reduce_dtype_keras_cannot_carry_is_refused_before_anything_changes():
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
     before = model.layers[0].dtype_policy.name
-    with pytest.raises(ValueError, match=r"reduced across replicas in float8_e5m2.*not through Keras"):
+    with pytest.raises(ValueError, match=r"reduced across replicas in float8_e5m2, which mixedpolicy cannot carry through Keras on"):
         mp.apply_policy(model, mp.Policy("mixed_bfloat16", reduce_dtype="e5m2"))
     assert model.layers[0].dtype_policy.name == before

@@ -1,0 +1,106 @@
+"""Keras on TensorFlow: gradients summed across tf.distribute replicas in a reduce dtype.
+
+This package's Keras `LossScaleOptimizer` takes a ``reduce_policy``; under a strategy it
+sums the gradients in that policy's reduce dtypes (`mixedpolicy.tensorflow.all_reduce`)
+and leaves out the inner optimizer's own float32 sum. Keras's JAX and torch backends
+reduce in the variable dtype through Keras's own distribution: a reduce dtype other than
+the variables' is refused there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import keras
+
+from mixedpolicy.policy import Policy, as_policy
+from mixedpolicy.policy_map import PolicyMap
+
+
+def reduce_engine() -> tuple[str, tuple[str, ...]]:
+    """What carries a Keras model's gradients across replicas: on TensorFlow, tf.distribute
+    (through this package's LossScaleOptimizer, see `mp.tensorflow.all_reduce`); on JAX and
+    torch, Keras's own distribution, which reduces in the variable dtype."""
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        from mixedpolicy.backends.tensorflow.reduce import CARRIED
+
+        return "Keras on TensorFlow (tf.distribute)", CARRIED
+    return f"Keras on {backend}", ()
+
+
+def check_reduce_policy(policy: Any) -> Any:
+    """The reduce policy as a `Policy` or `PolicyMap` (None stays None), refused where this
+    backend cannot carry its reduce dtypes."""
+    if policy is None:
+        return None
+    resolved = policy if isinstance(policy, PolicyMap) else as_policy(policy, what="reduce_policy")
+    policies = ([resolved.default] + [p for _, p in resolved.overrides] if isinstance(resolved, PolicyMap)
+                else [resolved])
+    engine, carried = reduce_engine()
+    for p in policies:
+        if p is not None and p.reduce_dtype not in ("float32",) + carried:
+            raise ValueError(f"Received reduce_policy with reduce dtype {p.reduce_dtype}, which "
+                             f"mixedpolicy cannot carry through {engine} (it carries "
+                             f"{', '.join(('float32',) + carried)}; PyTorch DDP and JAX carry every "
+                             f"reduce dtype).")
+    return resolved
+
+
+def reduce_to_config(policy: Any) -> Any:
+    """The reduce policy as a config: a policy name, or {"default", "overrides"} for a
+    `PolicyMap` keyed by paths and globs (a map keyed by layer classes has no config: it is
+    left out, and the loaded optimizer reduces in float32 until one is given again)."""
+    if isinstance(policy, Policy):
+        return policy.name if policy.reduce_dtype != "float32" else None
+    if isinstance(policy, PolicyMap) and all(isinstance(k, str) for k, _ in policy.overrides):
+        if all(p.reduce_dtype == "float32" for p in [policy.default, *(p for _, p in policy.overrides)]
+               if p is not None):
+            return None
+        return {"default": None if policy.default is None else policy.default.name,
+                "overrides": {k: p.name for k, p in policy.overrides}}
+    return None
+
+
+def reduce_from_config(config: Any) -> Any:
+    if isinstance(config, dict):
+        return PolicyMap(config.get("default"), config.get("overrides") or {})
+    return config
+
+
+@contextlib.contextmanager
+def already_summed(optimizer: Any, summed: bool) -> Iterator[None]:
+    """While `summed`, the inner (TensorFlow-backend) optimizer takes the gradients as they
+    come instead of summing them over the replicas a second time."""
+    if not summed:
+        yield
+        return
+    if not hasattr(optimizer, "_all_reduce_sum_gradients"):
+        raise RuntimeError(f"This Keras version's {type(optimizer).__name__} has no "
+                           f"_all_reduce_sum_gradients to leave out, so gradients summed in the reduce "
+                           f"dtype would be summed again; use a float32 reduce_dtype with it.")
+    optimizer.__dict__["_all_reduce_sum_gradients"] = list  # this instance only (Keras tracks setattr)
+    try:
+        yield
+    finally:
+        optimizer.__dict__.pop("_all_reduce_sum_gradients", None)
+
+
+def sum_across_replicas(grads: Any, variables: Any, reduce_policy: Any) -> tuple[Any, bool]:
+    """(the gradients summed over the tf.distribute replicas in their reduce dtypes, True),
+    or (the gradients, False) where Keras's own float32 sum stands (no reduce policy, another
+    backend, one replica, or float32 everywhere)."""
+    if reduce_policy is None or keras.backend.backend() != "tensorflow":
+        return grads, False
+    import tensorflow as tf
+
+    from mixedpolicy.backends.tensorflow.reduce import all_reduce, reduce_dtypes
+
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync < 2:
+        return grads, False
+    variables = list(variables)
+    if all(d == "float32" for d in reduce_dtypes(variables, reduce_policy)):
+        return grads, False
+    return all_reduce(list(grads), variables, reduce_policy), True

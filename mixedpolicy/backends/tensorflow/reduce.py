@@ -1,0 +1,113 @@
+"""Reducing gradients across ``tf.distribute`` replicas in a policy's ``reduce_dtype``.
+
+`all_reduce(grads, variables, policy)` is called in a replica context (inside
+``strategy.run``, e.g. ``MirroredStrategy``): each gradient is cast to its variable's
+reduce dtype, summed over the replicas by the strategy's own ``all_reduce`` (one call per
+dtype, batched as Keras batches its float32 one), and cast back. float16 travels divided
+by the replica count (the sum cannot overflow) and is multiplied back after. A float32
+reduce is the very call Keras's TensorFlow optimizers make, so it is bit for bit theirs.
+
+TensorFlow carries float32, bfloat16 and float16. Its collectives cannot carry float8
+tensors (TensorFlow cannot even bitcast them to bytes), and table-N codes would be a
+hand-rolled format: those reduce dtypes are refused here, naming the engines that carry
+them (PyTorch DDP, JAX).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import tensorflow as tf
+
+from mixedpolicy.policy_map import reduce_dtypes_at
+
+#: The reduce dtypes TensorFlow's collectives carry.
+CARRIED = ("float32", "bfloat16", "float16")
+
+
+def variable_path(variable: Any) -> str:
+    """A variable's path as a `PolicyMap` resolves it: a Keras variable's ``path``
+    (``"sequential/dense/kernel"``, its layer's path as `describe` shows it, then its name),
+    a tf.Variable's name without its ``:0``."""
+    return getattr(variable, "path", None) or variable.name.split(":")[0]
+
+
+def reduce_dtypes(variables: Sequence[Any], policy: Any) -> list[str]:
+    """The reduce dtype of each variable's gradient under `policy` (see `check_carried`)."""
+    dtypes = reduce_dtypes_at(policy, [variable_path(v) for v in variables], sep="/", root=False)
+    check_carried(dtypes, "tf.distribute")
+    return dtypes
+
+
+def check_carried(dtypes: Sequence[str], where: str) -> None:
+    """Refuses a reduce dtype TensorFlow's collectives cannot carry, naming what they can."""
+    refused = sorted(set(dtypes) - set(CARRIED))
+    if refused:
+        raise ValueError(
+            f"Received reduce dtype {', '.join(refused)} for gradients reduced by {where}; "
+            f"TensorFlow's collectives carry {', '.join(CARRIED)} (they cannot carry float8 "
+            f"tensors, and table codecs need a byte format of their own). Choose one of those, "
+            f"or train with PyTorch DDP (mp.distributed.register) or JAX (mp.jax.all_reduce), "
+            f"which carry every reduce dtype.")
+
+
+def all_reduce(grads: Sequence[Any], variables: Sequence[Any], policy: Any = None) -> list:
+    """The sum over the replicas of each gradient, each travelling in its reduce dtype.
+
+    Args:
+      grads: the gradients of `variables` (None entries pass through).
+      variables: the variables, whose paths resolve a `PolicyMap`.
+      policy: a `Policy`, a name or a `PolicyMap`; None uses the global policy.
+
+    Returns:
+      The summed gradients, each in its own dtype (as Keras's optimizers sum them); with
+      one replica (no strategy) the gradients as they are.
+
+    Raises:
+      RuntimeError: not called in a replica context of a tf.distribute strategy.
+      ValueError: a reduce dtype TensorFlow cannot carry (see `check_carried`).
+    """
+    from mixedpolicy.scope import global_policy
+
+    context = tf.distribute.get_replica_context()
+    if context is None:
+        raise RuntimeError("mp.tensorflow.all_reduce was called in a cross-replica context; call it "
+                           "inside strategy.run(...), where each replica has its gradients.")
+    grads = list(grads)
+    if len(grads) != len(variables):
+        raise ValueError(f"Received {len(grads)} gradients for {len(variables)} variables; expected "
+                         f"one gradient (or None) per variable.")
+    dtypes = reduce_dtypes(variables, global_policy() if policy is None else policy)
+    if context.num_replicas_in_sync == 1:  # nothing travels (outside a strategy too)
+        return grads
+    n = float(context.num_replicas_in_sync)
+    out = list(grads)
+    for dtype in dict.fromkeys(dtypes):
+        chosen = [i for i, (g, d) in enumerate(zip(grads, dtypes))
+                  if d == dtype and g is not None and g.dtype.is_floating]
+        if not chosen:
+            continue
+        if all(grads[i].dtype.name == dtype for i in chosen):  # no cast: the engine's own call
+            summed = context.all_reduce(tf.distribute.ReduceOp.SUM, [grads[i] for i in chosen])
+            for i, s in zip(chosen, summed):
+                out[i] = s
+            continue
+        wire = tf.as_dtype(dtype)
+        divide = dtype == "float16" and n > 1  # divided before the cast: the sum cannot overflow
+        sent = [tf.cast(grads[i] / n if divide else grads[i], wire) for i in chosen]
+        summed = context.all_reduce(tf.distribute.ReduceOp.SUM, sent)
+        for i, s in zip(chosen, summed):
+            back = tf.cast(s, grads[i].dtype)
+            out[i] = back * n if divide else back
+    return out
+
+
+def bytes_per_step(variables: Sequence[Any], policy: Any = None) -> int:
+    """Bytes one replica sends to reduce the gradients of `variables` once."""
+    from mixedpolicy.codecs import wire_bytes
+    from mixedpolicy.scope import global_policy
+
+    dtypes = reduce_dtypes(variables, global_policy() if policy is None else policy)
+    return sum(wire_bytes(int(math.prod(v.shape)), d) for v, d in zip(variables, dtypes)
+               if tf.as_dtype(v.dtype).is_floating)

@@ -1,0 +1,56 @@
+"""Gradients reduced in the policy's reduce dtype over tf.distribute replicas (mirrored_worker.py)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import require_module
+
+
+@pytest.mark.slow
+def test_mirrored_strategy_reduces_in_the_reduce_dtype_and_skips_together():
+    """On two logical CPUs: float32 is the strategy's own sum bit for bit; bfloat16 and float16
+    (pre-divided) equal the sums computed by hand in those dtypes; a PolicyMap resolves by
+    variable path; float8 is refused naming what TensorFlow carries; a Keras custom loop and
+    `fit` with our optimizer sum once, in bfloat16; an overflow on one replica makes both
+    skip (asserts in mirrored_worker.py); bytes per step 4 : 2 : 2."""
+    require_module("tensorflow")
+    require_module("keras")
+    worker = Path(__file__).with_name("mirrored_worker.py")
+    env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3")
+    done = subprocess.run([sys.executable, str(worker)], capture_output=True, text=True, timeout=300,
+                          cwd=worker.parent, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    assert figures == {"float32": 40, "bfloat16": 20, "float16": 20}  # 4x2 kernel + 2 bias
+
+
+def test_a_tf_module_takes_the_reduce_dtypes_tensorflow_carries_and_refuses_the_others():
+    tf = require_module("tensorflow")
+    import mixedpolicy as mp
+
+    class Net(tf.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = tf.Variable(tf.ones((2, 2)))
+
+        def __call__(self, x):
+            return x @ self.w
+
+    net = mp.apply_policy(Net(), mp.Policy("mixed_bfloat16", reduce_dtype="bfloat16"))
+    assert mp.describe(net)[0].reduce_dtype == "bfloat16"
+    mp.remove_policy(net)
+    with pytest.raises(ValueError, match=r"float8_e4m3fn, which mixedpolicy cannot carry through "
+                                         r"tf.distribute \(it carries float32, bfloat16, float16"):
+        mp.apply_policy(net, mp.Policy("mixed_bfloat16", reduce_dtype="e4m3"))
+    g = tf.constant([1.0 + 2.0**-12, 3.0])
+    # one replica (no strategy): nothing travels, nothing is rounded
+    assert mp.tensorflow.all_reduce([g], [net.w], "params=float32,compute=bfloat16,reduce=bfloat16")[0] is g
+    with tf.distribute.MirroredStrategy(["/cpu:0"]).scope():
+        with pytest.raises(RuntimeError, match="cross-replica context; call it inside strategy.run"):
+            mp.tensorflow.all_reduce([g], [net.w])
+    assert mp.tensorflow.bytes_per_step([net.w], "float32") == 16
