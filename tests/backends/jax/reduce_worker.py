@@ -172,4 +172,34 @@ assert not np.array_equal(runs["float8_e5m2"][1]["head"]["w"], runs["float32"][1
 assert accuracy["float32"] > 0.9, accuracy
 assert abs(accuracy["float8_e5m2"] - accuracy["float32"]) <= 0.01, accuracy
 figures["digits_accuracy"] = accuracy
+# GSPMD: parameters sharded with NamedSharding under jax.jit (no shard_map): a policy's casts
+# and the LossScaleOptimizer's update keep every parameter's sharding
+from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+
+gspmd = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
+net = nnx.Linear(16, 8, rngs=nnx.Rngs(0))
+net.kernel.set_value(jax.device_put(net.kernel[...], NamedSharding(gspmd, P(None, "model"))))
+net.bias.set_value(jax.device_put(net.bias[...], NamedSharding(gspmd, P("model"))))
+net = mp.apply_policy(net, "mixed_float16")
+opt = nnx.Optimizer(net, mp.LossScaleOptimizer(optax.sgd(0.1)), wrt=nnx.Param)
+xs = jax.device_put(jnp.ones((8, 16)), NamedSharding(gspmd, P("data", None)))
+shardings = [net.kernel[...].sharding, net.bias[...].sharding]
+
+
+@nnx.jit
+def gspmd_step(net, opt, x):
+    def loss(m):
+        out = m(x)
+        assert out.dtype == jnp.float16  # the policy's compute dtype under GSPMD
+        return opt.tx.scale_loss(jnp.mean(out.astype(jnp.float32) ** 2), opt.opt_state)
+    grads = nnx.grad(loss)(net)
+    opt.update(net, grads)
+
+
+gspmd_step(net, opt, xs)
+assert net.kernel[...].dtype == jnp.float32
+assert [net.kernel[...].sharding, net.bias[...].sharding] == shardings, (net.kernel[...].sharding, shardings)
+assert not net.kernel[...].sharding.is_fully_replicated and np.isfinite(np.asarray(net.kernel[...])).all()
+
 print(json.dumps(figures), flush=True)

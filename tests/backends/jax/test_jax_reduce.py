@@ -15,7 +15,9 @@ def test_every_reduce_dtype_over_four_host_devices():
     """float32 is plain psum / pmean (within 2 ulp: different compiled programs), the half and 8-bit codecs close to the mean,
     per-layer dtypes by path, integers untouched, bytes 4 : 2 : 1 (+ scales), and an overflow
     on one replica makes every replica skip, and the digits MLP trained on four replicas with
-    8-bit gradients ends within 1 point of float32's accuracy (asserts in reduce_worker.py)."""
+    8-bit gradients ends within 1 point of float32's accuracy, and under jax.jit with
+    NamedSharding-sharded parameters (GSPMD) the policy's casts and the optimizer keep every
+    sharding (asserts in reduce_worker.py)."""
     require_module("jax")
     require_module("optax", "jax")
     worker = Path(__file__).with_name("reduce_worker.py")
