@@ -2,12 +2,13 @@
 
 The AdaPrec study's method, on any training loop whose step takes the reduce choice as an
 argument: every `interval` steps, from the current state, it trains `speculative_steps`
-steps under each candidate (the same batches for each), restores the state, fits each
-candidate's short learning curve, predicts the loss it would reach `interval` steps on,
-and picks the candidate with the best predicted loss decrease per second (among those
-whose predicted decrease is at least `min_relative_gain` of the best one), where a step's
-seconds are its compute time plus the bytes it sends over the given bandwidth. Training
-then goes on from the restored state with that choice. Every decision is logged.
+steps under each candidate (the same batches for each), fits each candidate's short
+learning curve, predicts the loss it would reach `interval` steps on, and picks the
+candidate with the best predicted loss decrease per second (among those whose predicted
+decrease is at least `min_relative_gain` of the best one), where a step's seconds are its
+compute time plus the bytes it sends over the given bandwidth. The chosen candidate's
+speculative steps are kept as training steps (its state goes on; the others' states are
+dropped), so speculation costs only the candidates not chosen. Every decision is logged.
 
 The learning-curve model: ``loss(k) = a + b * log(k)`` for the k-th speculative step,
 fitted by least squares (numpy), evaluated at ``k = interval``; it needs no scipy, is
@@ -69,13 +70,27 @@ def predict_loss(losses: Sequence[float], at: int) -> float:
     return max(predicted, 0.0) if np.all(y >= 0) else predicted
 
 
-def _diverged(recent: Sequence[float], decision: "Decision", factor: float) -> bool:
-    """Did the loss over the last interval end above `factor` times where it started?"""
-    if not recent:
-        return False
-    tail = float(np.mean(recent[-max(1, len(recent) // 4):]))
-    start = next(iter(decision.losses.values()))[0]
-    return not math.isfinite(tail) or tail > factor * start
+def fit_noise(losses: Sequence[float]) -> float:
+    """The standard deviation of `losses` around their fitted ``a + b log(k)`` (0 for fewer
+    than three points): how far a candidate's predicted gain is noise."""
+    y = np.asarray(losses, np.float64)
+    if y.size < 3 or not np.all(np.isfinite(y)):
+        return 0.0
+    k = np.log(np.arange(1, y.size + 1, dtype=np.float64))
+    design = np.stack([np.ones_like(k), k], axis=1)
+    coef, *_ = np.linalg.lstsq(design, y, rcond=None)
+    return float(np.sqrt(np.sum((y - design @ coef) ** 2) / (y.size - 2)))
+
+
+def _diverged(recent: Sequence[float], reference: float, window: int, factor: float) -> bool:
+    """Is the mean loss of the last `window` steps above `factor` times `reference` (the mean
+    loss of the `window` steps before the choice), or not finite?"""
+    tail = float(np.mean(recent[-window:]))
+    return not math.isfinite(tail) or tail > factor * reference
+
+
+def _key(candidate: Any) -> str:
+    return candidate if isinstance(candidate, str) else str(candidate)
 
 
 class Decision(NamedTuple):
@@ -106,10 +121,11 @@ class AdaPrec:
       min_relative_gain: a candidate competes only if its predicted loss decrease is at
         least this fraction of the best candidate's (0 lets the cheapest candidate win on
         any gain; a short curve can look fine for a codec that will stall or diverge).
-      divergence: in `run`, where the loss over an interval ends above this factor of the
-        loss the choice started from (or is not finite), the state goes back to that
-        decision and the choice is made again without that candidate (logged in
-        `rollbacks`); None never rolls back.
+      divergence: in `run`, where the loss since the last decision climbs above this factor
+        of the loss the choice started from (or is not finite; checked every
+        `speculative_steps` steps), the state goes back to that decision and the choice is
+        made again without that candidate, which is not chosen again in the run (logged in
+        `rollbacks` and `banned`); None never rolls back.
       snapshot, restore: how to keep and bring back the training state around
         speculation; the defaults suit immutable state (JAX pytrees): the same object.
 
@@ -141,12 +157,14 @@ class AdaPrec:
             raise ValueError(f"Received divergence={divergence!r}; expected a factor > 1, or None.")
         self.divergence = divergence
         self.rollbacks: list[tuple[int, Any]] = []  # (step, the candidate rolled back)
+        self.banned: list[Any] = []  # candidates rolled back in `run`: not chosen again
         if not 0 <= min_relative_gain <= 1:
             raise ValueError(f"Received min_relative_gain={min_relative_gain!r}; expected a fraction from 0 to 1.")
         self.compute_seconds, self.min_relative_gain = compute_seconds, min_relative_gain
         self._snapshot, self._restore = snapshot, restore
         self.decisions: list[Decision] = []
         self.choice = self.candidates[0]
+        self.speculated: Any = None  # the chosen candidate's state after the last speculation
 
     def _seconds(self, candidate: Any, measured: float) -> float:
         compute = self.compute_seconds if self.compute_seconds is not None else measured
@@ -155,9 +173,11 @@ class AdaPrec:
     def decide(self, step: int, state: Any, batches: Sequence[Any],
                train_step: Callable[[Any, Any, Any], tuple], banned: Sequence[Any] = ()) -> Any:
         """Speculates from `state` on `batches` under each candidate (but `banned`), records
-        and returns the choice; the state to go on from is ``restore(snapshot(state))``."""
+        and returns the choice; `state` itself is left as it was (each candidate starts from
+        ``restore(snapshot(state))``), and the chosen candidate's state after `batches` is
+        `speculated` (a snapshot)."""
         saved = self._snapshot(state)
-        losses, predicted, seconds, scores = {}, {}, {}, {}
+        losses, predicted, seconds, scores, ends = {}, {}, {}, {}, {}
         start_loss = None
         for index, candidate in enumerate(self.candidates):
             if candidate in banned and len(banned) < len(self.candidates):
@@ -170,41 +190,78 @@ class AdaPrec:
             measured = (time.perf_counter() - t0) / max(len(batches), 1)
             if start_loss is None:
                 start_loss = curve[0]
-            key = str(candidate) if not isinstance(candidate, str) else candidate
+            key = _key(candidate)
+            ends[key] = self._snapshot(current)
             losses[key], predicted[key] = curve, predict_loss(curve, self.interval)
             seconds[key] = self._seconds(candidate, measured)
             scores[key] = (start_loss - predicted[key]) / (self.interval * seconds[key])
         keys = list(scores)
-        by_key = {(str(c) if not isinstance(c, str) else c): c for c in self.candidates}
+        by_key = {_key(c): c for c in self.candidates}
         gains = {k: start_loss - predicted[k] for k in keys}
         top = max(gains.values())
-        eligible = [i for i, k in enumerate(keys) if top <= 0 or gains[k] >= self.min_relative_gain * top]
-        best = max(eligible, key=lambda i: (scores[keys[i]], -i))  # ties: the earlier
+        # gains closer to the best than the curves' own noise are the same gain: the cheaper
+        # step wins among them (at a low loss, 4-step curves differ by noise alone)
+        noise = 2.0 * float(np.median([fit_noise(losses[k]) for k in keys]))
+        eligible = [i for i, k in enumerate(keys)
+                    if top <= 0 or gains[k] >= min(self.min_relative_gain * top, top - noise)]
+        for k in keys:
+            if gains[k] >= top - noise and top > 0:
+                scores[k] = top / (self.interval * seconds[k])
+        if top <= 0:  # no candidate is predicted to gain: the least time per step
+            best = min(range(len(keys)), key=lambda i: (seconds[keys[i]], i))
+        else:
+            best = max(eligible, key=lambda i: (scores[keys[i]], -i))  # ties: the earlier
         self.choice = by_key[keys[best]]
+        self.speculated = ends[keys[best]]
         self.decisions.append(Decision(step, losses, predicted, seconds, scores, self.choice))
         return self.choice
 
     def run(self, state: Any, batches: Iterable[Any], train_step: Callable[[Any, Any, Any], tuple]
             ) -> Iterator[tuple[int, Any, float, Any]]:
         """Trains over `batches`, deciding every `interval` steps; yields (step, state, loss,
-        choice) after each real step. Speculation uses the next `speculative_steps`
-        batches, which the chosen candidate then trains on for real."""
+        choice) after each step. Speculation uses the next `speculative_steps` batches; the
+        chosen candidate's speculative steps are training steps (yielded with the state after
+        the last of them), so training goes on from there."""
         batches = list(batches)
-        step, saved, recent, banned = 0, None, [], ()
+        step, since, saved, recent, history = 0, None, None, [], []
         while step < len(batches):
-            if step % self.interval == 0:
-                if saved is not None and self.divergence is not None and _diverged(
-                        recent, self.decisions[-1], self.divergence):
-                    # the last choice made the loss climb: back to where it was chosen, without it
-                    state, banned = self._restore(saved), (self.choice,)
-                    self.rollbacks.append((step, self.choice))
-                else:
-                    banned = ()
+            if saved is not None and self._climbing(recent):
+                # the last choice made the loss climb: back to where it was chosen, and that
+                # candidate is not chosen again in this run
+                state = self._restore(saved)
+                self.rollbacks.append((step, self.choice))
+                self.banned.append(self.choice)
+                since = None
+            if since is None or since >= self.interval:
                 saved = self._snapshot(state)
                 ahead = batches[step:step + self.speculative_steps]
-                self.decide(step, self._restore(saved), ahead, train_step, banned)
-                recent = []
+                self.decide(step, self._restore(saved), ahead, train_step, self.banned)
+                state = self._restore(self.speculated)
+                recent = list(self.decisions[-1].losses[_key(self.choice)])
+                before = history[-self._window():] or recent[:1]
+                self._reference = float(np.mean(before))
+                history += recent
+                for loss in recent:
+                    yield step, state, loss, self.choice
+                    step += 1
+                since = len(recent)
+                continue
             state, loss = train_step(state, batches[step], self.choice)
             recent.append(float(loss))
+            history.append(float(loss))
             yield step, state, float(loss), self.choice
             step += 1
+            since += 1
+
+    def _window(self) -> int:
+        """Steps whose mean loss the divergence check compares: a quarter interval, at least
+        `speculative_steps` (single batch losses are too noisy at a low loss)."""
+        return max(self.speculative_steps, self.interval // 4)
+
+    def _climbing(self, recent: Sequence[float]) -> bool:
+        """Checked every `speculative_steps` steps once a window of them is in (not only at
+        the next decision), so a diverging choice is caught soon after it shows."""
+        if (self.divergence is None or len(recent) < self._window()
+                or len(recent) % self.speculative_steps):
+            return False
+        return _diverged(recent, self._reference, self._window(), self.divergence)

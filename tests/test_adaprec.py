@@ -88,26 +88,30 @@ def test_speculation_restores_the_state_bit_for_bit_and_decisions_repeat():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert [d.step for d in only.decisions] == [0, 10, 20, 30]
 
+    def bytes_of(c):
+        return mp.jax.bytes_per_step(params, mp.Policy("float32", reduce_dtype=c))
+
     def decisions(bandwidth):
         ada = AdaPrec(["float32", "float8_e5m2", "table-1"], speculative_steps=4, interval=10,
-                      bytes_per_step=lambda c: mp.jax.bytes_per_step(params, mp.Policy("float32", reduce_dtype=c)),
-                      bandwidth=bandwidth, compute_seconds=1e-4)
-        losses = [loss for _, _, loss, _ in ada.run(state, batches, train_step)]
-        return ada, losses
+                      bytes_per_step=bytes_of, bandwidth=bandwidth, compute_seconds=1e-4)
+        out = [(loss, choice) for _, _, loss, choice in ada.run(state, batches, train_step)]
+        return ada, [loss for loss, _ in out], [choice for _, choice in out]
 
-    slow, losses = decisions("1MB/s")
-    again, _ = decisions("1MB/s")
+    slow, losses, choices = decisions("1MB/s")
+    again, _, _ = decisions("1MB/s")
     assert [d.choice for d in slow.decisions] == [d.choice for d in again.decisions]  # deterministic
-    # on a slow link the fewest bytes that still learn win; the loss falls all the same
-    assert {d.choice for d in slow.decisions} <= {"float8_e5m2", "table-1"}
+    # on a slow link the fewest bytes that still learn win (float32 only where a cheap codec
+    # was rolled back); the loss falls all the same
+    assert slow.decisions[0].choice in ("float8_e5m2", "table-1")
+    assert sum(map(bytes_of, choices)) < 0.5 * len(choices) * bytes_of("float32")
     assert np.mean(losses[-5:]) < np.mean(losses[:5])
-    fast, _ = decisions("1TB/s")  # bytes cost nothing: the best predicted loss wins
+    fast, _, _ = decisions("1TB/s")  # bytes cost nothing: the best predicted loss wins
     first = fast.decisions[0]
     assert first.choice == min(first.predicted, key=first.predicted.get)
     assert set(first.scores) == {"float32", "float8_e5m2", "table-1"}
 
 
-def test_a_choice_that_makes_the_loss_climb_is_rolled_back_and_not_taken_again_at_once():
+def test_a_choice_that_makes_the_loss_climb_is_rolled_back_and_not_taken_again():
     # a toy: "wild" falls fastest for a few steps, then climbs; "steady" falls slowly
     def train_step(state, batch, choice):
         loss, age = state
@@ -121,8 +125,10 @@ def test_a_choice_that_makes_the_loss_climb_is_rolled_back_and_not_taken_again_a
     ada = AdaPrec(["steady", "wild"], speculative_steps=3, interval=10, bytes_per_step=lambda c: 0,
                   compute_seconds=1.0, min_relative_gain=0.0)
     out = list(ada.run((1.0, 0), range(40), train_step))
-    assert ada.decisions[0].choice == "wild" and ada.rollbacks and ada.rollbacks[0] == (10, "wild")
-    assert ada.decisions[1].choice == "steady" and "wild" not in ada.decisions[1].scores
+    # seen climbing at the first check after it does (every 3 steps), not at the next decision
+    assert ada.decisions[0].choice == "wild" and ada.rollbacks == [(9, "wild")] and ada.banned == ["wild"]
+    assert ada.decisions[1].step == 9 and all(d.choice == "steady" and "wild" not in d.scores
+                                              for d in ada.decisions[1:])
     assert out[-1][2] < 1.0  # the run still learns
     with pytest.raises(ValueError, match="divergence=1"):
         AdaPrec(["a"], divergence=1, bytes_per_step=len)

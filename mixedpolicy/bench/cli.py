@@ -143,6 +143,8 @@ def _main_replicas(args: argparse.Namespace, policies: tuple, reduce_dtypes: tup
         json.dump({"runs": runs}, f, indent=1)
     with open(os.path.join(args.out, "replicas.md"), "w") as f:
         f.write(text + "\n")
+    if report.can_plot():
+        text += "\n\nwrote " + replicas.plot(runs, os.path.join(args.out, "replicas_curves.png"))
     print()
     print(text)
     return 0
