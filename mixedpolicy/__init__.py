@@ -16,6 +16,7 @@ from mixedpolicy.scope import global_policy, policy_scope, set_global_policy
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale, all_finite
 from mixedpolicy.policy import Policy
 from mixedpolicy.policy_map import LayerInfo, PolicyMap, Resolution
+from mixedpolicy.ranges import GradientReport, RangeStats, Recommendation, inspect_gradients
 
 __version__ = "0.1.0"
 
@@ -32,6 +33,7 @@ def __getattr__(name: str):
 __all__ = [
     "AdaPrec",
     "DynamicLossScale",
+    "GradientReport",
     "LayerInfo",
     "LayerPolicy",
     "LossScale",
@@ -41,9 +43,12 @@ __all__ = [
     "PolicyFunction",
     "PolicyMap",
     "PolicyTable",
+    "RangeStats",
+    "Recommendation",
     "Resolution",
     "StaticLossScale",
     "all_finite",
+    "inspect_gradients",
     "apply_policy",
     "remove_policy",
     "describe",

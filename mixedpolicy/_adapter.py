@@ -88,6 +88,12 @@ class ModelAdapter(abc.ABC):
     def describe(self, model: Any) -> list:
         """The per-layer rows (`LayerPolicy`) of a model."""
 
+    def range_stats(self, model: Any, loss_fn: Any, batches: list, scales: tuple, activations: bool) -> dict:
+        """(layer path, kind) -> stats vector (`mixedpolicy.ranges.layout`) over `batches`,
+        for `mixedpolicy.inspect_gradients`."""
+        raise TypeError(f"inspect_gradients does not support {type(model).__name__} models yet; it "
+                        f"takes torch.nn.Module, Flax NNX, Keras 3 models and JAX pytrees.")
+
 
 class OptimizerAdapter(abc.ABC):
     """One framework's optimizers: the loss-scale wrapper that fits its idiom."""

@@ -88,6 +88,15 @@ class FlaxModels(ModelAdapter):
             return model.module
         return model  # a bare linen module carries no policy
 
+    def range_stats(self, model: Any, loss_fn: Any, batches: list, scales: tuple, activations: bool) -> dict:
+        if not _is_nnx(model):
+            raise TypeError(f"Received a linen {type(model).__name__}; inspect_gradients takes its "
+                            f"params pytree for linen: mp.inspect_gradients(params, lambda p, b: "
+                            f"loss(module.apply(p, b)), batches).")
+        from mixedpolicy.backends.jax.ranges import nnx_stats
+
+        return nnx_stats(model, loss_fn, batches, scales)
+
     def describe(self, model: Any) -> list:
         if _is_nnx(model):
             return _nnx_describe(model)

@@ -196,6 +196,11 @@ class KerasModels(ModelAdapter):
     def remove_policy(self, model: Any) -> Any:
         return remove_policy(model)
 
+    def range_stats(self, model: Any, loss_fn: Any, batches: list, scales: tuple, activations: bool) -> dict:
+        from mixedpolicy.backends.keras.ranges import range_stats
+
+        return range_stats(model, loss_fn, batches, scales)
+
     def describe(self, model: Any) -> list:
         rows = []
         for layer, chain in _layers(model):

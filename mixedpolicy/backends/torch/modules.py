@@ -180,6 +180,12 @@ class TorchModels(ModelAdapter):
             return remove_from_ddp(model, remove_policy)
         return remove_policy(model)
 
+    def range_stats(self, model: torch.nn.Module, loss_fn: Any, batches: list, scales: tuple,
+                    activations: bool) -> dict:
+        from mixedpolicy.backends.torch.ranges import range_stats
+
+        return range_stats(model, loss_fn, batches, scales, activations)
+
     def describe(self, model: torch.nn.Module) -> list:
         rows = []
         for path, module in model.named_modules():

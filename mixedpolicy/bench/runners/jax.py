@@ -300,3 +300,12 @@ def trainers(model: str, cfg: dict, policy: str, weights: dict, device: str, com
     """(ours, native); both steps are always compiled (nnx.jit), whatever `compile` says."""
     pin_tf32("jax", device, tf32)
     return Ours(model, cfg, policy, weights), Native(model, cfg, policy, weights)
+
+
+def network(model: str, cfg: dict, weights: dict, device: str) -> nnx.Module:
+    """The bench model in float32, no policy (what `mixedpolicy inspect` looks at)."""
+    return _MODELS[model](weights, cfg)
+
+
+def loss(net: nnx.Module, x: np.ndarray, y: np.ndarray):
+    return _loss(net, jnp.asarray(x), jnp.asarray(y))

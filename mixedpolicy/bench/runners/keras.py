@@ -224,3 +224,12 @@ def trainers(model: str, cfg: dict, policy: str, weights: dict, device: str, com
                    jit_compile=jit)
     keras.config.set_dtype_policy("float32")
     return _Keras(ours), _Keras(native)
+
+
+def network(model: str, cfg: dict, weights: dict, device: str) -> keras.Model:
+    """The bench model in float32, no policy (what `mixedpolicy inspect` looks at)."""
+    return load(_model(model, cfg), weights)
+
+
+def loss(net: keras.Model, x: np.ndarray, y: np.ndarray):
+    return _loss()(y, keras.ops.cast(net(x, training=True), "float32"))

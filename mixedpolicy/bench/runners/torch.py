@@ -262,3 +262,13 @@ def trainers(model: str, cfg: dict, policy: str, weights: dict, device: str, com
         for side in (ours, native):
             side.model = torch.compile(side.model)
     return ours, native
+
+
+def network(model: str, cfg: dict, weights: dict, device: str) -> torch.nn.Module:
+    """The bench model in float32, no policy (what `mixedpolicy inspect` looks at)."""
+    return _model(model, cfg, weights, device)
+
+
+def loss(net: torch.nn.Module, x: np.ndarray, y: np.ndarray) -> torch.Tensor:
+    device = next(net.parameters()).device
+    return _cross_entropy(net(torch.from_numpy(x).to(device)), torch.from_numpy(y).long().to(device))

@@ -1,0 +1,76 @@
+"""`inspect_gradients` on JAX: per-layer ranges of the weights' gradients, on the device.
+
+Flax NNX modules (``nnx.grad``) and pytrees of parameters (``jax.grad``: linen's params,
+Equinox or plain functions' weights). A leaf's layer is its path without the last key
+(``"dense.kernel"`` belongs to ``"dense"``), as `PolicyMap` resolves it; a layer's leaves
+are concatenated and their stats vector (`mixedpolicy.ranges.layout`) computed in one
+jitted function with XLA's own float16/bfloat16 casts, one transfer per layer. Activations
+are not exposed cheaply in JAX: only the weights' gradients are reported.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mixedpolicy.backends.jax.reduce import _path
+from mixedpolicy.ranges import BINS, EMIN, merge
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def stats(x: Any, scales: tuple) -> Any:
+    """The stats vector of `x` (float32 on the device; counts are exact below 2^24 values
+    per call)."""
+    a = jnp.abs(x.astype(jnp.float32)).reshape(-1)
+    finite = jnp.isfinite(a)
+    a = jnp.where(finite, a, 0.0)
+    nz = a > 0
+    _, e = jnp.frexp(a)
+    bins = jnp.clip(e - 1 - EMIN, 0, BINS - 1)
+    hist = jnp.bincount(bins, weights=nz.astype(jnp.float32), length=BINS)
+    head = jnp.stack([jnp.float32(a.size), jnp.sum(~nz & finite, dtype=jnp.float32),
+                      jnp.sum(~finite, dtype=jnp.float32), jnp.max(a) if a.size else jnp.float32(0)])
+    parts = [head, hist]
+    for s in scales:
+        y = a * jnp.float32(s)
+        for dt in (jnp.float16, jnp.bfloat16):
+            r = y.astype(dt).astype(jnp.float32)
+            tiny = float(jnp.finfo(dt).tiny)
+            parts.append(jnp.stack([jnp.sum(jnp.isinf(r) & nz), jnp.sum((r != 0) & (jnp.abs(r) < tiny)),
+                                    jnp.sum((r == 0) & nz)]).astype(jnp.float32))
+    return jnp.concatenate(parts)
+
+
+def by_layer(grads: Any) -> dict:
+    """layer path -> the concatenated floating leaves of `grads` under it."""
+    layers: dict = {}
+    for keys, leaf in jax.tree_util.tree_flatten_with_path(grads)[0]:
+        if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating):
+            layers.setdefault(_path(keys).rpartition(".")[0], []).append(jnp.ravel(leaf))
+    return {path: jnp.concatenate(leaves) for path, leaves in layers.items()}
+
+
+def _collect(grads_per_batch: list, scales: tuple) -> dict:
+    totals: dict = {}
+    for grads in grads_per_batch:
+        for path, flat in by_layer(grads).items():
+            vector = np.asarray(stats(flat, scales), np.float64)  # one transfer per layer
+            totals[(path, "weight_grad")] = merge(totals.get((path, "weight_grad")), vector)
+    return totals
+
+
+def pytree_stats(params: Any, loss_fn: Any, batches: list, scales: tuple) -> dict:
+    grad = jax.grad(loss_fn)
+    return _collect([grad(params, batch) for batch in batches], scales)
+
+
+def nnx_stats(model: Any, loss_fn: Any, batches: list, scales: tuple) -> dict:
+    from flax import nnx
+
+    grad = nnx.grad(loss_fn)
+    return _collect([nnx.to_pure_dict(grad(model, batch)) if hasattr(nnx, "to_pure_dict") else grad(model, batch)
+                     for batch in batches], scales)

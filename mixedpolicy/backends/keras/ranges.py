@@ -1,0 +1,71 @@
+"""`inspect_gradients` on Keras 3: per-layer ranges of the weights' gradients, on any backend.
+
+The gradients come the backend's own way (TensorFlow's GradientTape, torch autograd, JAX's
+grad through a ``StatelessScope``); a layer is a variable's path without its name
+(``"sequential/dense"``, as `describe` shows it). On torch and JAX the stats vector
+(`mixedpolicy.ranges.layout`) is computed on the device by those backends' functions; on
+TensorFlow with numpy after one transfer per layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import numpy as np
+
+from mixedpolicy.ranges import merge, numpy_stats
+
+
+def _gradients(model: Any, loss_fn: Any, batch: Any, variables: list) -> list:
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        with tf.GradientTape() as tape:
+            loss = loss_fn(model, batch)
+        return tape.gradient(loss, variables)
+    if backend == "torch":
+        import torch
+
+        loss = loss_fn(model, batch)
+        return list(torch.autograd.grad(loss, [v.value for v in variables], allow_unused=True))
+    if backend == "jax":
+        import jax
+
+        def loss_of(values: list) -> Any:
+            with keras.StatelessScope(state_mapping=list(zip(variables, values))):
+                return loss_fn(model, batch)
+
+        return jax.grad(loss_of)([v.value for v in variables])
+    raise TypeError(f"inspect_gradients does not support Keras's {backend!r} backend.")
+
+
+def _stats(flat: list, scales: tuple) -> np.ndarray:
+    backend = keras.backend.backend()
+    if backend == "torch":
+        import torch
+
+        from mixedpolicy.backends.torch.ranges import stats
+
+        return stats(torch.cat([g.reshape(-1) for g in flat]), scales).cpu().numpy()
+    if backend == "jax":
+        import jax.numpy as jnp
+
+        from mixedpolicy.backends.jax.ranges import stats
+
+        return np.asarray(stats(jnp.concatenate([jnp.ravel(g) for g in flat]), scales), np.float64)
+    return numpy_stats(np.concatenate([np.ravel(keras.ops.convert_to_numpy(g)) for g in flat]), scales)
+
+
+def range_stats(model: Any, loss_fn: Any, batches: list, scales: tuple) -> dict:
+    variables = list(model.trainable_variables)
+    totals: dict = {}
+    for batch in batches:
+        layers: dict = {}
+        for v, g in zip(variables, _gradients(model, loss_fn, batch, variables)):
+            if g is not None:
+                layers.setdefault(v.path.rpartition("/")[0], []).append(g)
+        for path, flat in layers.items():
+            totals[(path, "weight_grad")] = merge(totals.get((path, "weight_grad")), _stats(flat, scales))
+    return totals

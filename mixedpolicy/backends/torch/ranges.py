@@ -1,0 +1,86 @@
+"""`inspect_gradients` on PyTorch: per-module ranges, computed on the device.
+
+Weights' gradients come from ``loss.backward()``; activations and their gradients from
+forward hooks on the leaf modules (a tensor hook on each output for its gradient). Every
+tensor's stats vector (`mixedpolicy.ranges.layout`) is computed with torch ops and the
+framework's own float16/bfloat16 casts; one vector per (module, kind) moves to the host.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mixedpolicy.ranges import BINS, EMIN
+
+_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def stats(x: torch.Tensor, scales: tuple) -> torch.Tensor:
+    """The stats vector of `x`, as a float64 tensor on its device."""
+    a = x.detach().abs().float().reshape(-1)
+    finite = torch.isfinite(a)
+    a = torch.where(finite, a, torch.zeros((), dtype=a.dtype, device=a.device))
+    nz = a > 0
+    _, e = torch.frexp(a)
+    bins = (e.long() - 1 - EMIN).clamp(0, BINS - 1)
+    hist = torch.bincount(bins[nz], minlength=BINS).double()
+    amax = a.max() if a.numel() else torch.zeros((), device=a.device)
+    head = torch.stack([torch.tensor(float(a.numel()), device=a.device, dtype=torch.float64),
+                        (~nz & finite).sum().double(), (~finite).sum().double(), amax.double()])
+    parts = [head, hist]
+    for s in scales:
+        y = a * s
+        for dt in _DTYPES:
+            r = y.to(dt)
+            tiny = torch.finfo(dt).tiny
+            parts.append(torch.stack([(torch.isinf(r) & nz).sum(), ((r != 0) & (r.abs() < tiny)).sum(),
+                                      ((r == 0) & nz).sum()]).double())
+    return torch.cat(parts)
+
+
+def range_stats(model: torch.nn.Module, loss_fn: Any, batches: list, scales: tuple, activations: bool) -> dict:
+    totals: dict = {}
+
+    def add(key: tuple, vector: torch.Tensor) -> None:
+        totals[key] = vector if key not in totals else _merge_device(totals[key], vector)
+
+    handles = []
+    if activations:
+        for path, module in model.named_modules():
+            if next(module.children(), None) is not None:
+                continue  # leaf modules: a container's output is its last child's
+
+            def hook(module, args, output, path=path):
+                if isinstance(output, torch.Tensor) and output.is_floating_point():
+                    add((path, "activation"), stats(output, scales))
+                    if output.requires_grad:
+                        output.register_hook(lambda g, path=path: add((path, "activation_grad"), stats(g, scales)))
+
+            handles.append(module.register_forward_hook(hook))
+    saved = {n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()}
+    try:
+        for batch in batches:
+            model.zero_grad(set_to_none=True)
+            loss = loss_fn(model, batch)
+            loss.backward()
+            for path, module in model.named_modules():
+                grads = [p.grad.reshape(-1) for p in module.parameters(recurse=False) if p.grad is not None]
+                if grads:
+                    add((path, "weight_grad"), stats(torch.cat(grads), scales))
+    finally:
+        for h in handles:
+            h.remove()
+        for n, p in model.named_parameters():  # the user's gradients as they were
+            p.grad = saved[n]
+    order = {path: i for i, (path, _) in enumerate(model.named_modules())}
+    kinds = ("activation", "activation_grad", "weight_grad")
+    keys = sorted(totals, key=lambda k: (order.get(k[0], len(order)), kinds.index(k[1])))
+    return {key: totals[key].cpu().numpy() for key in keys}  # one transfer per (layer, kind)
+
+
+def _merge_device(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    out = a + b
+    out[3] = torch.maximum(a[3], b[3])
+    return out

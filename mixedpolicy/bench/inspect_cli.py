@@ -1,0 +1,83 @@
+"""`mixedpolicy inspect`: the gradient ranges of a bench model, and the loss scale they allow.
+
+Builds one of the bench's models (its shared initial weights, float32, no policy) on one
+framework, runs `--batches` digits batches through `mixedpolicy.inspect_gradients`, prints
+the per-layer table and the recommendation (a static loss scale and the layers to keep in
+float32), and writes the histogram figure. A Keras framework runs in a process of its own
+(Keras picks its backend per process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+from mixedpolicy.bench import data, models, runners
+
+FRAMEWORKS = ("torch", "jax", "keras-jax", "keras-torch", "keras-tensorflow")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mixedpolicy inspect",
+                                description="Per-layer gradient (and, on torch, activation) ranges of a bench "
+                                            "model on digits: is float16 safe, with which loss scale, and which "
+                                            "layers should stay float32?")
+    p.add_argument("--model", default="mlp", choices=models.MODELS)
+    p.add_argument("--framework", default="torch", choices=FRAMEWORKS)
+    p.add_argument("--batches", type=int, default=2, help="digits batches to look at (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=64, help="(default: %(default)s)")
+    p.add_argument("--loss-scale", type=float, default=2.0**15,
+                   help="the scale to check besides 1 (default: 32768, the dynamic scale's start)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="inspect-results", help="folder for the PNG (default: %(default)s)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.batches < 1 or args.batch_size < 1:
+        print(f"mixedpolicy inspect: error: Received --batches {args.batches} --batch-size {args.batch_size}; "
+              f"expected whole numbers >= 1.", file=sys.stderr)
+        return 2
+    backend = runners.runner(args.framework).keras_backend
+    if backend and os.environ.get("KERAS_BACKEND") != backend:  # Keras: a process on that backend
+        env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
+        return subprocess.run([sys.executable, "-m", "mixedpolicy", "inspect", *(argv or sys.argv[2:])],
+                              env=env).returncode
+    try:
+        from sklearn.datasets import load_digits  # noqa: F401
+    except ImportError:
+        print("mixedpolicy inspect: error: it looks at scikit-learn's digits; pip install "
+              "'mixedpolicy[bench]' (or scikit-learn).", file=sys.stderr)
+        return 2
+    import mixedpolicy as mp
+
+    runner = runners.load(args.framework)
+    cfg = models.config(args.model, "cpu")
+    net = runner.network(args.model, cfg, models.init_weights(args.model, cfg, args.seed), "cpu")
+    x_train, y_train, _, _ = data.digits(args.seed)
+    x = models.inputs(args.model, x_train, cfg)
+    y = models.targets(args.model, x, y_train)
+    prepare = getattr(runner, "prepare", lambda model, x: x)
+    order = data.batch_order(len(x), args.batch_size, args.batches, args.seed)
+    batches = [(prepare(args.model, x[i]), y[i]) for i in order]
+    report = mp.inspect_gradients(net, lambda m, b: runner.loss(m, *b), batches, loss_scale=args.loss_scale)
+    advice = report.recommend()
+    print(report)
+    print(f"\nrecommended static loss scale: {advice.loss_scale:g} "
+          f"(mp.LossScaleOptimizer(opt, loss_scale=mp.StaticLossScale({advice.loss_scale:g})))")
+    if advice.overrides:
+        print(f"keep in float32: {advice.overrides}")
+        for path, why in advice.reasons.items():
+            print(f"  {path}: {why}")
+    else:
+        print("every layer fits float16 at that scale: no override needed")
+    os.makedirs(args.out, exist_ok=True)
+    png = os.path.join(args.out, f"inspect_{args.model}_{args.framework}.png")
+    try:
+        print(f"wrote {report.plot(png, advice.loss_scale)}")
+    except ImportError:
+        print("(matplotlib is not installed: no figure; pip install 'mixedpolicy[bench]')", file=sys.stderr)
+    return 0

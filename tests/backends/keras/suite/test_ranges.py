@@ -1,0 +1,23 @@
+"""mp.inspect_gradients on a Keras model, under this process's Keras backend."""
+
+import numpy as np
+import keras
+
+import mixedpolicy as mp
+
+
+def test_keras_gradients_by_layer_path_with_a_recommendation():
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu", name="d1"),
+                              keras.layers.Dense(4, name="d2")], name="net")
+    x = np.random.default_rng(0).standard_normal((32, 8)).astype("float32")
+    y = np.arange(32) % 4
+    lossf = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    before = [w.copy() for w in model.get_weights()]
+    report = mp.inspect_gradients(model, lambda m, b: lossf(b[1], m(b[0], training=True)), [(x, y), (x, y)],
+                                  loss_scale=4096)
+    assert [r.path for r in report] == ["net/d1", "net/d2"]  # the paths describe shows
+    assert report.row("net/d1").count == 2 * (8 * 16 + 16)
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+    advice = report.recommend()
+    assert advice.overrides == {} and advice.loss_scale >= 4096
+    assert ("float16", 4096.0) in report.row("net/d2").fractions

@@ -1,0 +1,36 @@
+"""The command line: subcommands, --version, `describe MODULE:FACTORY` on a user's model."""
+
+import pytest
+
+from conftest import require_module
+from mixedpolicy import __version__
+from mixedpolicy.__main__ import main
+
+
+def test_version_help_and_unknown_commands(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"mixedpolicy {__version__}"
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in ("bench", "inspect", "describe"))
+    assert main([]) == 2
+    assert main(["benchmark"]) == 2
+    assert "unknown command 'benchmark'; expected one of: bench, inspect, describe" in capsys.readouterr().err
+
+
+def test_describe_a_users_model_from_a_file_with_a_policy(tmp_path, capsys):
+    require_module("torch")
+    (tmp_path / "my_models.py").write_text(
+        "import torch\n"
+        "def make():\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))\n")
+    target = f"{tmp_path / 'my_models.py'}:make"
+    assert main(["describe", target, "--policy", "bf16-mixed"]) == 0
+    out = capsys.readouterr().out
+    assert "Linear" in out and "bfloat16" in out and "LayerNorm" in out
+    assert main(["describe", target.replace(":make", ":nope")]) == 2
+    assert "has no callable 'nope'; its callables: make" in capsys.readouterr().err
+    assert main(["describe", "no_such_module_here:make"]) == 2
+    assert "'no_such_module_here' cannot be imported" in capsys.readouterr().err
+    assert main(["describe", "justaname"]) == 2
+    assert "expected MODULE:FACTORY" in capsys.readouterr().err
