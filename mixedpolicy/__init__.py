@@ -17,17 +17,34 @@ from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, Sta
 from mixedpolicy.policy import Policy
 from mixedpolicy.policy_map import LayerInfo, PolicyMap, Resolution
 from mixedpolicy.ranges import GradientReport, RangeStats, Recommendation, inspect_gradients
+from mixedpolicy.telemetry import LightningLossScaleCallback, metrics
+
+import logging as _logging
+
+_logging.getLogger("mixedpolicy").addHandler(_logging.NullHandler())  # the application decides
 
 __version__ = "0.1.0"
 
 
+#: the extra that installs each framework a lazily loaded module needs
+_EXTRAS = {"torch": "torch", "jax": "jax", "jaxlib": "jax", "optax": "jax", "flax": "jax",
+           "ml_dtypes": "jax", "jmp": "jax", "tensorflow": "tensorflow", "keras": "keras"}
+
+
 def __getattr__(name: str):
-    # mp.distributed, mp.jax and mp.tensorflow load on first use (mp.jax imports JAX,
-    # mp.tensorflow TensorFlow)
-    if name in ("distributed", "jax", "tensorflow", "codecs"):
+    # mp.distributed, mp.jax, mp.tensorflow and mp.keras load on first use (each imports
+    # its framework); a missing one names the extra that installs it
+    if name in ("distributed", "jax", "tensorflow", "keras", "codecs"):
         import importlib
 
-        return importlib.import_module(f"mixedpolicy.{name}")
+        try:
+            return importlib.import_module(f"mixedpolicy.{name}")
+        except ModuleNotFoundError as err:
+            extra = _EXTRAS.get((err.name or "").split(".")[0])
+            if extra is None:
+                raise
+            raise ImportError(f"mp.{name} needs {err.name}, which is not installed; install it with "
+                              f"pip install \"mixedpolicy[{extra}]\".") from err
     raise AttributeError(f"module 'mixedpolicy' has no attribute {name!r}")
 
 __all__ = [
@@ -36,6 +53,7 @@ __all__ = [
     "GradientReport",
     "LayerInfo",
     "LayerPolicy",
+    "LightningLossScaleCallback",
     "LossScale",
     "LossScaleOptimizer",
     "NoLossScale",
@@ -49,6 +67,7 @@ __all__ = [
     "StaticLossScale",
     "all_finite",
     "inspect_gradients",
+    "metrics",
     "apply_policy",
     "remove_policy",
     "describe",

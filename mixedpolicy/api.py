@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import weakref
+import logging
 from typing import Any, Mapping
 
 from mixedpolicy import _registry
@@ -14,6 +15,8 @@ from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale
 from mixedpolicy.policy import as_policy
 from mixedpolicy.policy_map import PolicyMap, as_policy_map
 from mixedpolicy.scope import global_policy
+
+_log = logging.getLogger("mixedpolicy")
 
 
 _KERAS_2_MODULES = ("tf_keras", "tensorflow.python.keras", "keras.src.legacy", "tensorflow.keras.")
@@ -77,6 +80,7 @@ def apply_policy(model: Any, policy: Any = None, overrides: Mapping[Any, Any] | 
     else:
         adapter = adapter or _model_adapter(model, "a plain function of arrays, or ")
         result = adapter.apply_policy(model, policy_map)
+        _log.debug("apply_policy(%s): %s", type(model).__name__, policy_map)
     _note_float16(result, policy_map)
     return result
 
@@ -253,6 +257,8 @@ class LossScaleOptimizer(abc.ABC):
                 loss_scale = DynamicLossScale()
             else:
                 loss_scale = NoLossScale(skip_nonfinite=skip_nonfinite)
+            _log.info("LossScaleOptimizer(%s): %s, following the policy", type(inner).__name__,
+                      "dynamic loss scaling" if isinstance(loss_scale, DynamicLossScale) else "a pass-through")
         if getattr(adapter, "takes_reduce_policy", False):  # Keras: it carries reduce dtypes itself
             reduce_policy = policy if policy is not None else global_policy()
             if not isinstance(reduce_policy, PolicyMap) and as_policy(reduce_policy).reduce_dtype == "float32":

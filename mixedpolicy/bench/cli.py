@@ -228,5 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     paths = report.write(results, args.out, with_plots)
     print()
     print(report.table(runs))
+    for line in report.wide(runs):
+        print(line, file=sys.stderr)
     print(f"\n{len(runs)} runs in {time.perf_counter() - start:.0f} s; wrote " + ", ".join(paths))
     return 0

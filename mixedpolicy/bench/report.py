@@ -66,6 +66,29 @@ def _throughput(run: dict) -> str:
     return f"{run['throughput_samples_per_s']:.0f}/s"
 
 
+#: an interquartile range of the pair ratios wider than this says the host was too noisy
+#: to tell a few percent of overhead
+WIDE_SPREAD = 0.10
+
+
+def spread(run: dict) -> float:
+    """The interquartile range of the run's (ours / native) pair ratios."""
+    import statistics
+
+    ratios = run.get("overhead_ratios") or [run["overhead_vs_native"]]
+    if len(ratios) < 4:
+        return max(ratios) - min(ratios)
+    q = statistics.quantiles(ratios, n=4)
+    return q[2] - q[0]
+
+
+def wide(runs: list[dict]) -> list[str]:
+    """A warning per run whose pair ratios spread too wide to conclude."""
+    return [f"warning: {label(r)} {r['policy']}: the pair ratios' interquartile range is "
+            f"{spread(r):.3f} (> {WIDE_SPREAD}); the host was too noisy to tell an overhead of a few "
+            f"percent: rerun on an idle machine or with more --repeats." for r in runs if spread(r) > WIDE_SPREAD]
+
+
 def _ratio(value) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
@@ -90,6 +113,7 @@ _COLUMNS = (
     ("final scale", lambda r: "-" if r["final_loss_scale"] is None else f"{r['final_loss_scale']:g}"),
     ("timed block", lambda r: str(r["timed_steps_per_block"])),
     ("overhead vs native", lambda r: f"{r['overhead_vs_native']:.3f}"),
+    ("IQR", lambda r: f"{spread(r):.3f}"),
 )
 
 
@@ -120,6 +144,7 @@ def markdown(results: dict) -> str:
     columns = _columns(results["runs"])
     lines += ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(cell(r) for _, cell in columns) + " |" for r in results["runs"]]
+    lines += [""] + [f"> {w}" for w in wide(results["runs"])] if wide(results["runs"]) else []
     lines += ["", "Loss, accuracy, skipped steps and scale come from the training steps, the same "
               "schedule on every framework. Then ours and the same model and policy written with "
               "the framework's own tools are timed in pairs of blocks of `timed block` steps, "
@@ -183,12 +208,33 @@ def can_plot() -> bool:
     return importlib.util.find_spec("matplotlib") is not None
 
 
+def csv_rows(runs: list[dict]) -> list[list]:
+    """One row per run: its headline numbers, for spreadsheets."""
+    header = ["framework", "compile", "policy", "model", "data", "batch_size", "step_ms", "native_step_ms",
+              "throughput_per_s", "peak_memory_mb", "speedup_vs_float32", "speedup_vs_tf32", "final_loss",
+              "accuracy", "skipped_steps", "final_loss_scale", "overhead_vs_native", "overhead_iqr"]
+    rows = [header]
+    for r in runs:
+        rows.append([r["framework"], r.get("compile", False), r["policy"], r["model"], r.get("data", "digits"),
+                     r["batch_size"], r["step_time_s"]["median"] * 1e3, r["native_step_time_s"]["median"] * 1e3,
+                     r.get("throughput_tokens_per_s", r["throughput_samples_per_s"]),
+                     r["peak_memory_bytes"] / 2**20, r.get("speedup_vs_float32"), r.get("speedup_vs_tf32"),
+                     r["final_loss"], r["accuracy"], r["skipped_steps"], r["final_loss_scale"],
+                     r["overhead_vs_native"], spread(r)])
+    return rows
+
+
 def write(results: dict, out: str, with_plots: bool = True) -> list[str]:
+    import csv
+
     speedups(results["runs"])
+    csv_path = os.path.join(out, "results.csv")
+    with open(csv_path, "w", newline="") as f:
+        csv.writer(f).writerows(csv_rows(results["runs"]))
     json_path = os.path.join(out, "results.json")
     with open(json_path, "w") as f:
         json.dump(results, f, indent=2)
     md_path = os.path.join(out, "report.md")
     with open(md_path, "w") as f:
         f.write(markdown(results))
-    return [json_path, md_path] + (plots(results, out) if with_plots else [])
+    return [json_path, csv_path, md_path] + (plots(results, out) if with_plots else [])

@@ -78,7 +78,28 @@ def resolve_frameworks(value: str | None) -> list[str]:
 
 
 def resolve_policies(value: str) -> list[str]:
-    return _split(value, "policies", POLICIES + BASELINES)
+    """--policies in any spelling mixedpolicy accepts ("16-mixed", "bf16-mixed", "f32"...), as
+    the bench's canonical names; a pure half-precision policy is refused (the bench times a
+    policy against the framework's own AMP, which has no pure counterpart)."""
+    import mixedpolicy as mp
+
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    names = []
+    for item in items:
+        if item in POLICIES + BASELINES:
+            names.append(item)
+            continue
+        try:
+            policy = mp.Policy(item)
+        except (ValueError, TypeError):
+            names.append(item)  # refused below, with the valid names
+            continue
+        names.append(policy.name if policy.name in POLICIES else item)
+        if policy.name not in POLICIES:
+            raise ValueError(f"Received --policies {item!r} ({policy.name}); the bench times mixed "
+                             f"policies against each framework's own AMP, which has no counterpart for "
+                             f"it: choose among {', '.join(POLICIES + BASELINES)} (any spelling).")
+    return _split(",".join(names), "policies", POLICIES + BASELINES)
 
 
 def resolve_compile(value: str) -> list[bool]:

@@ -79,7 +79,8 @@ def test_without_scikit_learn_the_bench_says_so(monkeypatch, capsys, tmp_path):
 def test_without_matplotlib_the_bench_says_so_first_and_still_prints_the_table(monkeypatch, capsys, tmp_path):
     from mixedpolicy.bench import cli as bench_cli, report
 
-    record = {"framework": "torch", "policy": "float32", "step_time_s": {"median": 1e-3},
+    record = {"framework": "torch", "policy": "float32", "model": "mlp", "batch_size": 64,
+              "step_time_s": {"median": 1e-3}, "native_step_time_s": {"median": 1e-3},
               "throughput_samples_per_s": 64000.0, "peak_memory_bytes": 2**20, "final_loss": 0.5,
               "accuracy": 0.9, "skipped_steps": 0, "final_loss_scale": None,
               "timed_steps_per_block": 10, "overhead_vs_native": 1.0}
@@ -194,6 +195,8 @@ def test_a_small_run_writes_every_output_with_every_field(tmp_path):
         assert 0 <= run["accuracy"] <= 1 and run["overhead_vs_native"] > 0
     assert results["runs"][1]["final_loss_scale"] is not None
     assert "| torch | mixed_float16 |" in (out / "report.md").read_text()
+    rows = (out / "results.csv").read_text().splitlines()
+    assert rows[0].startswith("framework,compile,policy") and len(rows) == 3
     for png in ("step_time.png", "loss_curves.png"):
             assert (out / png).read_bytes()[:4] == b"\x89PNG"
 
@@ -225,6 +228,20 @@ def test_synthetic_data_at_the_models_shape_with_a_tf32_baseline_and_speed_ups(t
     assert runs["float32"]["speedup_vs_float32"] == 1.0
     # the same weights and batches: tf32 is float32 on a CPU
     assert runs["tf32"]["final_loss"] == runs["float32"]["final_loss"]
+
+
+def test_policies_in_every_spelling_and_the_spread_of_the_pair_ratios():
+    from mixedpolicy.bench import report
+
+    assert spec.resolve_policies("16-mixed, bf16-mixed,f32,tf32") == ["mixed_float16", "mixed_bfloat16",
+                                                                      "float32", "tf32"]
+    with pytest.raises(ValueError, match=r"--policies 'bfloat16' \(bfloat16\); the bench times mixed policies"):
+        spec.resolve_policies("bfloat16")
+    steady = {"framework": "torch", "policy": "float32", "overhead_vs_native": 1.0,
+              "overhead_ratios": [0.99, 1.0, 1.0, 1.01, 1.0]}
+    noisy = dict(steady, overhead_ratios=[0.5, 1.0, 2.0, 0.7, 1.6])
+    assert report.spread(steady) == pytest.approx(0.01, abs=0.01) and report.spread(noisy) > 0.5
+    assert report.wide([steady]) == [] and "too noisy" in report.wide([noisy])[0]
 
 
 def test_model_input_shapes_and_sizes():

@@ -21,3 +21,14 @@ def test_keras_gradients_by_layer_path_with_a_recommendation():
     advice = report.recommend()
     assert advice.overrides == {} and advice.loss_scale >= 4096
     assert ("float16", 4096.0) in report.row("net/d2").fractions
+
+
+def test_the_keras_callback_puts_the_scale_in_the_logs():
+    from mixedpolicy.keras import LossScaleCallback
+
+    model = mp.apply_policy(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]), "mixed_float16")
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    x, y = np.ones((8, 4), "float32"), np.zeros((8, 2), "float32")
+    history = model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[LossScaleCallback(every_n_steps=1)])
+    assert history.history["loss_scale"] == [32768.0, 32768.0]
+    assert history.history["skipped_steps"] == [0, 0]
