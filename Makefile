@@ -7,13 +7,13 @@ STAMP := $(VENV)/.installed
 # The backends CI expects: a test for one of these that cannot import it fails.
 EXPECT_BACKENDS ?= numpy,torch,jax,tensorflow,keras
 
-.PHONY: setup test test-fast test-gpu bench clean
+.PHONY: setup test test-fast test-gpu typecheck docs bench clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[all,test]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[all,test,docs]"
 	touch $(STAMP)
 
 # Two pytest workers (pytest-xdist): many tests wait on a process of their own (a Keras
@@ -21,12 +21,20 @@ $(STAMP): pyproject.toml constraints.txt
 # stealing, since a few tests take a minute and most a second.
 JOBS ?= 2
 
-test: setup
+test: setup typecheck docs
 	MIXEDPOLICY_EXPECT_BACKENDS=$(EXPECT_BACKENDS) $(PY) -m pytest -q -n $(JOBS) --dist worksteal $(PYTEST_ARGS)
 
 # The suite without the tests that start processes of their own (marked slow).
 test-fast: setup
 	MIXEDPOLICY_EXPECT_BACKENDS=$(EXPECT_BACKENDS) $(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# The public API and the core, type-checked (mypy; settings in pyproject.toml).
+typecheck: setup
+	$(PY) -m mypy
+
+# The docs site (MkDocs + mkdocstrings), warnings as errors; written to site/.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
 
 # The checks only a CUDA GPU can make (marked gpu; they skip on a machine without one).
 test-gpu: setup
@@ -38,4 +46,4 @@ bench: setup
 	$(PY) -m mixedpolicy bench --out bench-results $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) build dist site *.egg-info .mypy_cache

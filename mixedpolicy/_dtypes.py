@@ -103,7 +103,7 @@ def _dtype_name(value: object, what: str) -> str:
     try:
         import numpy as np
 
-        return np.dtype(value).name
+        return np.dtype(value).name  # type: ignore[call-overload]  # any object numpy reads
     except TypeError:
         pass
     raise TypeError(

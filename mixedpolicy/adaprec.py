@@ -196,6 +196,7 @@ class AdaPrec:
             seconds[key] = self._seconds(candidate, measured)
             scores[key] = (start_loss - predicted[key]) / (self.interval * seconds[key])
         keys = list(scores)
+        assert start_loss is not None  # at least one candidate ran (banned ones only where not all are)
         by_key = {_key(c): c for c in self.candidates}
         gains = {k: start_loss - predicted[k] for k in keys}
         top = max(gains.values())
@@ -223,7 +224,9 @@ class AdaPrec:
         chosen candidate's speculative steps are training steps (yielded with the state after
         the last of them), so training goes on from there."""
         batches = list(batches)
-        step, since, saved, recent, history = 0, None, None, [], []
+        step, since, saved = 0, None, None
+        recent: list[float] = []
+        history: list[float] = []
         while step < len(batches):
             if saved is not None and self._climbing(recent):
                 # the last choice made the loss climb: back to where it was chosen, and that

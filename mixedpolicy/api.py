@@ -103,7 +103,10 @@ def _note_float16(model: Any, policy_map: PolicyMap) -> None:
     if not any(p.needs_loss_scaling for p in _policies_in(policy_map)):
         return
     try:
-        _FLOAT16_MODELS[key] = weakref.ref(model, lambda _, key=key: _FLOAT16_MODELS.pop(key, None))
+        def forget(_: Any, key: int = key) -> None:
+            _FLOAT16_MODELS.pop(key, None)
+
+        _FLOAT16_MODELS[key] = weakref.ref(model, forget)
     except TypeError:
         _float16_unweakable = True
 
@@ -233,7 +236,7 @@ class LossScaleOptimizer(abc.ABC):
                 f"loss_scale, policy, skip_nonfinite and axis_name.")
         if not isinstance(skip_nonfinite, bool):
             raise TypeError(f"Received skip_nonfinite={skip_nonfinite!r:.60}; expected True or False.")
-        settings = {name: value for name, value in (
+        settings: dict[str, Any] = {name: value for name, value in (
             ("loss_scale", initial_scale), ("dynamic_growth_steps", dynamic_growth_steps),
             ("growth_factor", growth_factor), ("backoff_factor", backoff_factor),
             ("min_scale", min_scale), ("max_scale", max_scale)) if value is not None}

@@ -108,7 +108,7 @@ def plan(policy_map: PolicyMap, layers: Iterable[tuple[Any, Sequence[LayerInfo]]
         resolution = policy_map.resolve(chain)
         if adjust is not None:
             resolution = adjust(layer, chain, resolution, parent)
-        step = PlannedLayer(layer, chain, resolution, parent.policy if parent is not None else None)
+        step = PlannedLayer(layer, tuple(chain), resolution, parent.policy if parent is not None else None)
         if reduce_engine is not None:
             _check_reduce(step, *reduce_engine)
         for where, dtype in (variables(layer, step.path) if variables is not None else ()):

@@ -97,6 +97,8 @@ class Resolution(_ResolutionFields):
         Resolution still equals ``(policy, source)``.
     """
 
+    origin: str
+
     def __new__(cls, policy: Policy, source: str, origin: str = "") -> "Resolution":
         self = super().__new__(cls, policy, source)
         self.origin = origin
@@ -237,7 +239,7 @@ class PolicyMap:
         if own is not None:
             return Resolution(own[1], f"map key {_key_text(own[0])}", "key")
         base = self._inherited(chain[:-1])
-        rule = _RULES.get(layer.kind) if self.builtin_rules else None
+        rule = _RULES.get(layer.kind) if self.builtin_rules and layer.kind is not None else None
         if rule is not None and base.policy.compute_dtype in ("float16", "bfloat16"):
             return Resolution(rule(base.policy), f"built-in rule: {layer.kind}", "rule")
         return base

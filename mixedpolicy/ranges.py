@@ -81,7 +81,7 @@ class RangeStats(NamedTuple):
 
     path: str
     kind: str            # weight_grad, activation or activation_grad
-    count: int
+    size: int            # values seen
     zeros: int
     nonfinite: int
     amax: float
@@ -90,11 +90,11 @@ class RangeStats(NamedTuple):
 
     @classmethod
     def from_vector(cls, path: str, kind: str, v: np.ndarray, scales: Sequence[float]) -> "RangeStats":
-        count = int(v[0])
-        tail = v[_HEAD + BINS:].reshape(len(scales), len(FORMATS), 3) / max(count, 1)
+        size = int(v[0])
+        tail = v[_HEAD + BINS:].reshape(len(scales), len(FORMATS), 3) / max(size, 1)
         fractions = {(fmt, float(s)): tuple(float(f) for f in tail[i, j])
                      for i, s in enumerate(scales) for j, fmt in enumerate(FORMATS)}
-        return cls(path, kind, count, int(v[1]), int(v[2]), float(v[3]), v[_HEAD:_HEAD + BINS].astype(np.int64),
+        return cls(path, kind, size, int(v[1]), int(v[2]), float(v[3]), v[_HEAD:_HEAD + BINS].astype(np.int64),
                    fractions)
 
     def flushed_at(self, scale: float, fmt: str = "float16") -> float:
@@ -102,7 +102,7 @@ class RangeStats(NamedTuple):
         the histogram (exact at the scales inspected, a bin's resolution elsewhere)."""
         smallest = LIMITS[fmt][2]
         below = sum(int(n) for i, n in enumerate(self.hist) if 2.0 ** (EMIN + i + 1) * scale <= smallest / 2)
-        return below / max(self.count - self.zeros - self.nonfinite, 1)
+        return below / max(self.size - self.zeros - self.nonfinite, 1)
 
 
 class Recommendation(NamedTuple):
@@ -183,7 +183,7 @@ class GradientReport:
             low = f"2^{EMIN + int(nonzero[0])}" if nonzero.size else "-"
             at = 1.0 if r.kind == "activation" else scale
             f16, bf16 = r.fractions[("float16", at)], r.fractions[("bfloat16", at)]
-            cells.append((r.path or "(root)", r.kind, str(r.count), f"{r.amax:.3g}", low, f"{at:g}",
+            cells.append((r.path or "(root)", r.kind, str(r.size), f"{r.amax:.3g}", low, f"{at:g}",
                           f"{f16[0]:.2%}", f"{f16[1]:.2%}", f"{f16[2]:.2%}", f"{bf16[2]:.2%}"))
         widths = [max(len(c[i]) for c in cells) for i in range(len(header))]
         return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)

@@ -29,14 +29,14 @@ def _expected(exponents, scale_exp):
 
 def _check(vector, exponents, scales, n_zeros=0, n_inf=0):
     stats = ranges.RangeStats.from_vector("x", "weight_grad", np.asarray(vector, np.float64), scales)
-    assert stats.count == len(exponents) + n_zeros + n_inf and stats.zeros == n_zeros and stats.nonfinite == n_inf
+    assert stats.size == len(exponents) + n_zeros + n_inf and stats.zeros == n_zeros and stats.nonfinite == n_inf
     hist, _ = _expected(exponents, 0)
     assert (stats.hist == hist).all()
     assert stats.amax == (2.0 ** max(exponents) if exponents else 0.0)
     for s in scales:
         _, per_format = _expected(exponents, int(math.log2(s)))
         for fmt, counts in zip(ranges.FORMATS, per_format):
-            n = stats.count
+            n = stats.size
             assert stats.fractions[(fmt, s)] == tuple(c / n for c in counts), (fmt, s)
 
 
@@ -129,10 +129,10 @@ def test_jax_nnx_and_pytrees_report_by_layer_path():
     x = jnp.asarray(np.random.default_rng(0).standard_normal((16, 8)), jnp.float32)
     report = mp.inspect_gradients(MLP(), lambda m, b: jnp.mean(m(b) ** 2), [x, x], loss_scale=1024)
     assert sorted(r.path for r in report) == ["hidden", "out"] and {r.kind for r in report} == {"weight_grad"}
-    assert report.row("hidden").count == 2 * (8 * 16 + 16)  # two batches
+    assert report.row("hidden").size == 2 * (8 * 16 + 16)  # two batches
     params = {"dense": {"kernel": jnp.full((8, 4), 1e-3), "bias": jnp.zeros(4)}}
     tree = mp.inspect_gradients(params, lambda p, b: jnp.sum(b @ p["dense"]["kernel"] + p["dense"]["bias"]), x)
-    assert [r.path for r in tree] == ["dense"] and tree.row("dense").count == 36
+    assert [r.path for r in tree] == ["dense"] and tree.row("dense").size == 36
 
 
 def test_bad_input_says_what_was_expected():

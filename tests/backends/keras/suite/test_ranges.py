@@ -16,7 +16,7 @@ def test_keras_gradients_by_layer_path_with_a_recommendation():
     report = mp.inspect_gradients(model, lambda m, b: lossf(b[1], m(b[0], training=True)), [(x, y), (x, y)],
                                   loss_scale=4096)
     assert [r.path for r in report] == ["net/d1", "net/d2"]  # the paths describe shows
-    assert report.row("net/d1").count == 2 * (8 * 16 + 16)
+    assert report.row("net/d1").size == 2 * (8 * 16 + 16)
     assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
     advice = report.recommend()
     assert advice.overrides == {} and advice.loss_scale >= 4096
