@@ -7,8 +7,12 @@ Runs unchanged under any Keras backend:
 
 import keras
 import numpy as np
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
+try:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+except ImportError:  # the examples' data set ships inside scikit-learn
+    raise SystemExit("This example trains on scikit-learn's digits, and scikit-learn is not installed: "
+                     "pip install 'mixedpolicy[bench]' (or scikit-learn).") from None
 
 import mixedpolicy as mp
 

@@ -11,8 +11,12 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")  # TensorFlow's optimizers 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
-from sklearn.model_selection import train_test_split  # noqa: E402
+try:  # noqa: E402
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+except ImportError:  # the examples' data set ships inside scikit-learn
+    raise SystemExit("This example trains on scikit-learn's digits, and scikit-learn is not installed: "
+                     "pip install 'mixedpolicy[bench]' (or scikit-learn).") from None
 
 import mixedpolicy as mp  # noqa: E402
 

@@ -4,8 +4,12 @@
 """
 
 import torch
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
+try:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+except ImportError:  # the examples' data set ships inside scikit-learn
+    raise SystemExit("This example trains on scikit-learn's digits, and scikit-learn is not installed: "
+                     "pip install 'mixedpolicy[bench]' (or scikit-learn).") from None
 
 import mixedpolicy as mp
 

@@ -66,3 +66,10 @@ def test_jax_example_trains_every_policy_near_float32():
     acc, skipped, scale = jax_mlp.train("mixed_float16", epochs=4)
     assert base > 0.9 and abs(acc - base) <= 0.03
     assert skipped >= 0 and 1.0 <= scale <= 2.0**24
+
+
+def test_without_scikit_learn_an_example_names_the_extra_to_install():
+    blocker = ("import sys, runpy; sys.modules['sklearn'] = None; "
+               f"runpy.run_path({str(ROOT / 'examples' / 'numpy_loss_scaling.py')!r}, run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 1 and "pip install 'mixedpolicy[bench]'" in proc.stderr, proc.stderr[-2000:]
