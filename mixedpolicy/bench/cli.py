@@ -17,7 +17,8 @@ import time
 
 from mixedpolicy.bench import data, models, replicas, report, runners
 from mixedpolicy.bench.spec import (BASELINES, FRAMEWORKS, MODELS, POLICIES, RunSpec, resolve_compile,
-                                    resolve_frameworks, resolve_model, resolve_policies)
+                                    resolve_frameworks, resolve_model, resolve_policies,
+                                    user_frameworks)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -31,7 +32,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", default=",".join(POLICIES),
                    help=f"comma-separated, any of: {', '.join(POLICIES + BASELINES)} (tf32: float32 with "
                         f"TF32 math allowed, a GPU baseline; default: %(default)s)")
-    p.add_argument("--model", default="mlp", help=f"one of: {', '.join(MODELS)} (default: %(default)s)")
+    p.add_argument("--model", default="mlp",
+                   help=f"one of: {', '.join(MODELS)}, or your own MODULE:FACTORY (a module path or a .py "
+                        f"file, and a function of no arguments that returns a fresh torch.nn.Module or Keras "
+                        f"model taking a batch of digits' 64 float32 features to 10 logits; the framework "
+                        f"is inferred from it; default: %(default)s)")
     p.add_argument("--data", default="digits", choices=("digits", "synthetic"),
                    help="digits (scikit-learn's, the quality task) or synthetic (seeded random inputs and "
                         "labels at the model's real size, for speed and memory only; default: %(default)s)")
@@ -177,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
         frameworks = resolve_frameworks(args.frameworks)
         policies = resolve_policies(args.policies)
         model = resolve_model(args.model)
+        if models.is_user(model):
+            models.config(model, args.device, args.data)  # a user's model trains on digits
+            frameworks = user_frameworks(model, frameworks if args.frameworks else [])
         compiles = resolve_compile(args.compile)
         _check_positive(args)
         _check_out(args.out)
@@ -197,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
               "(pip install 'mixedpolicy[bench]'); the table, results.json and report.md will be.",
               file=sys.stderr)
     os.makedirs(args.out, exist_ok=True)
-    weights_path = os.path.join(args.out, f"initial_weights_{model}.npz")
+    weights_path = os.path.join(args.out, f"initial_weights_{model if not models.is_user(model) else 'user'}.npz")
     cfg = models.config(model, args.device, args.data)
     models.save_weights(weights_path, models.init_weights(model, cfg, args.seed))
     data_path = ""

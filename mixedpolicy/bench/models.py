@@ -78,6 +78,11 @@ LR, MOMENTUM = 0.05, 0.9
 TRANSFORMER_LR = 0.01
 
 
+def is_user(model: str) -> bool:
+    """Is `model` a user's ``MODULE:FACTORY`` (see `mixedpolicy.bench.user_model`)?"""
+    return ":" in model
+
+
 def learning_rate(model: str) -> float:
     """The SGD learning rate every framework uses for `model`."""
     return TRANSFORMER_LR if model in ("transformer", "gpt2") else LR
@@ -89,6 +94,11 @@ CLASSES = 10
 
 def config(model: str, device: str, data: str = "digits") -> dict:
     """The sizes of `model` on `device` ("cpu", "cuda" or "cuda:N") trained on `data`."""
+    if is_user(model):  # a user's model takes digits' 64 features to 10 logits
+        if data != "digits":
+            raise ValueError(f"Received --data {data} with the user model {model}; a user's model "
+                             f"trains on digits (64 features in, 10 logits out).")
+        return {"classes": 10}
     if model not in MODELS:
         raise ValueError(f"Received model {model!r}; expected one of: {', '.join(MODELS)}.")
     if data not in DATASETS:
@@ -103,6 +113,8 @@ def config(model: str, device: str, data: str = "digits") -> dict:
 
 def input_shape(model: str, cfg: dict) -> tuple:
     """One sample's input shape (channels last), and for gpt2 its number of tokens."""
+    if is_user(model):
+        return (64,)
     side = cfg.get("image", 32)
     return {"mlp": (64,), "cnn": (8, 8, 1), "transformer": (8, 8), "resnet": (side, side, 3),
             "resnet50": (side, side, 3), "gpt2": (cfg.get("seq", 64),)}[model]
@@ -111,7 +123,7 @@ def input_shape(model: str, cfg: dict) -> tuple:
 def inputs(model: str, x: np.ndarray, cfg: dict | None = None) -> np.ndarray:
     """Digits' (n, 64) features in the model's input shape (channels last; gpt2: int32
     pixel tokens)."""
-    if model == "mlp":
+    if model == "mlp" or is_user(model):
         return x
     if model == "gpt2":
         return np.rint(x * 16).astype(np.int32)                  # 64 pixel tokens, 0-16
@@ -194,6 +206,8 @@ class _Init:
 def init_weights(model: str, cfg: dict, seed: int = 0) -> dict[str, np.ndarray]:
     """The named initial weights of `model` with sizes `cfg` (see the module docstring)."""
     init = _Init(seed)
+    if is_user(model):
+        return {}  # the factory initialises it; each run copies its first build to the other side
     if model == "mlp":
         sizes = cfg["sizes"]
         for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:])):

@@ -108,6 +108,44 @@ def resolve_compile(value: str) -> list[bool]:
 
 
 def resolve_model(value: str) -> str:
+    """A built-in model's name, or a user's ``MODULE:FACTORY`` whose factory loads."""
+    if ":" in value:
+        from mixedpolicy.bench.user_model import load_factory
+
+        try:
+            load_factory(value)
+        except ImportError as err:
+            raise ValueError(str(err)) from None
+        return value
     if value not in MODELS:
-        raise ValueError(f"Received --model {value!r}; expected one of: {', '.join(MODELS)}.")
+        raise ValueError(f"Received --model {value!r}; expected one of: {', '.join(MODELS)}, or your own "
+                         f"MODULE:FACTORY (see mixedpolicy bench --help).")
     return value
+
+
+def user_frameworks(model: str, chosen: list[str]) -> list[str]:
+    """The frameworks a user's model runs on: inferred from what its factory returns (a
+    torch.nn.Module: torch; a Keras model: Keras on the backend it was built with).
+
+    Raises:
+      ValueError: the factory returns neither, or --frameworks names another framework.
+    """
+    from mixedpolicy.bench.user_model import load_factory
+
+    built = load_factory(model)()
+    kind = type(built).__module__.split(".")[0]
+    if kind == "keras" or any(c.__module__.startswith("keras") for c in type(built).__mro__):
+        import keras
+
+        inferred = f"keras-{keras.backend.backend()}"
+    elif any(c.__module__.startswith("torch") for c in type(built).__mro__):
+        inferred = "torch"
+    else:
+        raise ValueError(f"Received --model {model}, whose factory returns a {type(built).__name__}; the "
+                         f"bench runs a user's torch.nn.Module or Keras 3 model (Flax NNX models take the "
+                         f"dtype arguments of the built-in ones, which the bench cannot add to yours).")
+    wrong = [f for f in chosen if f != inferred]
+    if wrong:
+        raise ValueError(f"Received --frameworks {','.join(chosen)} for --model {model}, a {inferred} model; "
+                         f"leave --frameworks out or pass {inferred}.")
+    return [inferred]

@@ -459,3 +459,47 @@ def test_compile_puts_both_sides_through_torch_compile_with_the_eager_numbers(tm
             native.step(x, y)
         losses[compiled] = (ours.last_loss(), native.last_loss())
     np.testing.assert_allclose(losses[True], losses[False], rtol=1e-5)
+
+
+_USER_MODELS = """
+import torch
+
+def make():
+    return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+
+def not_a_model():
+    return 42
+"""
+
+
+def test_a_user_model_is_checked_before_any_run(tmp_path, capsys):
+    require = pytest.importorskip
+    require("torch")
+    path = tmp_path / "user_models.py"
+    path.write_text(_USER_MODELS)
+    out = str(tmp_path / "out")
+    assert bench(["--model", f"{path}:nope", "--out", out]) == 2
+    assert "has no callable 'nope'; its callables: make, not_a_model" in capsys.readouterr().err
+    assert bench(["--model", f"{path}:not_a_model", "--out", out]) == 2
+    assert "returns a int; the bench runs a user's torch.nn.Module or Keras 3 model" in capsys.readouterr().err
+    assert bench(["--model", f"{path}:make", "--frameworks", "jax", "--out", out]) == 2
+    assert "a torch model; leave --frameworks out or pass torch" in capsys.readouterr().err
+    assert bench(["--model", f"{path}:make", "--data", "synthetic", "--out", out]) == 2
+    assert "a user's model trains on digits" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_a_user_torch_model_runs_against_autocast_from_the_same_weights(tmp_path):
+    pytest.importorskip("torch")
+    path = tmp_path / "user_models.py"
+    path.write_text(_USER_MODELS)
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "mixedpolicy", "bench", "--model", f"{path}:make",
+                           "--policies", "float32,16-mixed", "--steps", "4", "--repeats", "2", "--warmup", "1",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    assert [(r["framework"], r["policy"]) for r in runs] == [("torch", "float32"), ("torch", "mixed_float16")]
+    # ours and native start from one build of the factory: the same float32 accuracy
+    assert runs[0]["accuracy"] == runs[0]["native_accuracy"]

@@ -121,6 +121,13 @@ def _resnet(cfg: dict) -> keras.Model:
 
 
 def _model(model: str, cfg: dict) -> keras.Model:
+    if ":" in model:  # a user's MODULE:FACTORY
+        from mixedpolicy.bench.user_model import load_factory
+
+        net = load_factory(model)()
+        if not isinstance(net, keras.Model):
+            raise TypeError(f"{model} returned a {type(net).__name__}; expected a Keras model.")
+        return net
     if model == "mlp":
         sizes = cfg["sizes"]
         inputs = keras.Input((sizes[0],))
@@ -154,7 +161,10 @@ def _model(model: str, cfg: dict) -> keras.Model:
 
 
 def load(net: keras.Model, w: dict) -> keras.Model:
-    """Sets the shared initial weights, layer by layer (by name); every weight must find its layer."""
+    """Sets the shared initial weights, layer by layer (by name); every weight must find its layer.
+    (A user's model has none: its factory initialised it.)"""
+    if not w:
+        return net
     left = dict(w)
     names = {_name(key.rsplit(".", 1)[0]): key.rsplit(".", 1)[0] for key in w}  # Keras name -> ours
 
@@ -215,10 +225,12 @@ def trainers(model: str, cfg: dict, policy: str, weights: dict, device: str, com
     jit = True if compile else "auto"
     mp.set_global_policy(policy)  # ours: the one line a Keras script adds
     ours = mp.apply_policy(load(_model(model, cfg), weights), policy)
+    start = ours.get_weights()  # a user's factory initialises at random: native starts from these
     ours.compile(keras.optimizers.SGD(learning_rate(model), momentum=MOMENTUM), _loss(), jit_compile=jit)  # wraps under float16
     mp.set_global_policy(None)
     keras.config.set_dtype_policy(policy)  # Keras's own
     native = load(_model(model, cfg), weights)
+    native.set_weights(start)
     sgd = keras.optimizers.SGD(learning_rate(model), momentum=MOMENTUM)
     native.compile(keras.optimizers.LossScaleOptimizer(sgd) if policy == "mixed_float16" else sgd, _loss(),
                    jit_compile=jit)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import torch
 
@@ -155,6 +157,13 @@ class ResNet(torch.nn.Module):
 
 
 def _model(model: str, cfg: dict, w: dict, device: str) -> torch.nn.Module:
+    if ":" in model:  # a user's MODULE:FACTORY
+        from mixedpolicy.bench.user_model import load_factory
+
+        net = load_factory(model)()
+        if not isinstance(net, torch.nn.Module):
+            raise TypeError(f"{model} returned a {type(net).__name__}; expected a torch.nn.Module.")
+        return net.to(device)
     if model == "mlp":
         layers = []
         for i in range(len(cfg["sizes"]) - 1):
@@ -256,8 +265,10 @@ def trainers(model: str, cfg: dict, policy: str, weights: dict, device: str, com
     """(ours, native); `compile` runs both models through torch.compile (the optimizer steps
     stay eager on both sides)."""
     pin_tf32("torch", device, tf32)
-    ours = Ours(_model(model, cfg, weights, device), policy, device, learning_rate(model))
-    native = Native(_model(model, cfg, weights, device), policy, device, learning_rate(model))
+    net = _model(model, cfg, weights, device)
+    twin = copy.deepcopy(net)  # the same initial weights on both sides (a user's model too)
+    ours = Ours(net, policy, device, learning_rate(model))
+    native = Native(twin, policy, device, learning_rate(model))
     if compile:
         for side in (ours, native):
             side.model = torch.compile(side.model)
