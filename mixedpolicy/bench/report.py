@@ -9,6 +9,8 @@ import os
 import platform
 from typing import Any
 
+from mixedpolicy.bench.spec import run_label as label
+
 _PACKAGES = ("mixedpolicy", "numpy", "torch", "jax", "jaxlib", "flax", "optax", "tensorflow-cpu",
              "tensorflow", "keras", "scikit-learn")
 
@@ -95,10 +97,6 @@ def _ratio(value) -> str:
 
 #: (header, cell) of every column; a column that says nothing in these runs (no compiled
 #: run, no tf32 baseline) is left out of the table.
-def label(run: dict) -> str:
-    return run["framework"] + (" (compiled)" if run.get("compile") else "")
-
-
 _COLUMNS = (
     ("framework", label),
     ("policy", lambda r: r["policy"]),
@@ -153,52 +151,15 @@ def markdown(results: dict) -> str:
               "float32 (tf32) run's step time over this one's, same framework. On CPUs without bf16/fp16 hardware, half "
               "precision is slower than float32: that is the hardware; the overhead ratio is the "
               "figure that measures mixedpolicy there.", "",
-              "![step time](step_time.png)", "", "![loss curves](loss_curves.png)", ""]
+              "![overhead against native](overhead.png)", "", "![step times, ours and native](step_time.png)", "",
+              "![speed-up over float32](speedup.png)", "", "![loss curves](loss_curves.png)", ""]
     return "\n".join(lines)
 
 
 def plots(results: dict, out: str) -> list[str]:
-    import matplotlib
+    from mixedpolicy.bench.plots import write_all
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    runs = results["runs"]
-    frameworks = list(dict.fromkeys(label(r) for r in runs))
-    policies = list(dict.fromkeys(r["policy"] for r in runs))
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(frameworks)), 4))
-    width = 0.8 / len(policies)
-    for j, policy in enumerate(policies):
-        xs, ys = [], []
-        for i, framework in enumerate(frameworks):
-            for r in runs:
-                if label(r) == framework and r["policy"] == policy:
-                    xs.append(i + j * width)
-                    ys.append(r["step_time_s"]["median"] * 1e3)
-        ax.bar(xs, ys, width, label=policy)
-    ax.set_xticks([i + width * (len(policies) - 1) / 2 for i in range(len(frameworks))], frameworks)
-    ax.set_ylabel("ms per step (median)")
-    ax.set_yscale("log")
-    ax.set_title(f"{results['environment']['model']}: step time per framework and policy")
-    ax.legend()
-    fig.tight_layout()
-    step_png = os.path.join(out, "step_time.png")
-    fig.savefig(step_png, dpi=100)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for r in runs:
-        steps, losses = zip(*r["loss_curve"])
-        ax.plot(steps, losses, marker="o", label=f"{label(r)} {r['policy']}")
-    ax.set_xlabel("training step")
-    ax.set_ylabel("loss (last step of each timed block)")
-    ax.set_title("loss curves (ours)")
-    ax.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
-    loss_png = os.path.join(out, "loss_curves.png")
-    fig.savefig(loss_png, dpi=100)
-    plt.close(fig)
-    return [step_png, loss_png]
+    return write_all(results, out)
 
 
 def can_plot() -> bool:

@@ -36,6 +36,11 @@ class RunSpec(NamedTuple):
     compile: bool = False    # torch.compile / Keras jit_compile=True / tf.function(jit_compile=True)
 
 
+def run_label(run: dict) -> str:
+    """A run's framework as tables and plots show it ("torch (compiled)")."""
+    return run["framework"] + (" (compiled)" if run.get("compile") else "")
+
+
 def missing_packages(framework: str) -> list[str]:
     """The packages `framework`'s runner needs that are not installed (none is imported)."""
     return [p for p in runner(framework).packages if importlib.util.find_spec(p) is None]

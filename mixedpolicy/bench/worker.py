@@ -133,7 +133,7 @@ def run(spec: RunSpec) -> dict:
         n = min(every, spec.steps - done)
         advance(ours, n)
         advance(native, n)
-        losses.append([spec.warmup + done + n, ours.last_loss()])
+        losses.append([spec.warmup + done + n, ours.last_loss(), native.last_loss()])  # step, ours, native
     quality = {
         "final_loss": losses[-1][1],
         "loss_curve": losses,

@@ -197,7 +197,7 @@ def test_a_small_run_writes_every_output_with_every_field(tmp_path):
     assert "| torch | mixed_float16 |" in (out / "report.md").read_text()
     rows = (out / "results.csv").read_text().splitlines()
     assert rows[0].startswith("framework,compile,policy") and len(rows) == 3
-    for png in ("step_time.png", "loss_curves.png"):
+    for png in ("overhead.png", "step_time.png", "speedup.png", "loss_curves.png"):
             assert (out / png).read_bytes()[:4] == b"\x89PNG"
 
 
