@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 
-from mixedpolicy.bench import data, models, replicas, report, runners
+from mixedpolicy.bench import data, models, progress, replicas, report, runners
 from mixedpolicy.bench.spec import (BASELINES, FRAMEWORKS, MODELS, POLICIES, RunSpec, resolve_compile,
                                     resolve_frameworks, resolve_model, resolve_policies,
                                     user_frameworks)
@@ -219,23 +219,24 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.steps} training steps, {args.repeats} timed pairs of blocks of at least {args.min_block_time} s, "
           f"{len(specs)} runs (one process each)", flush=True)
     runs, start = [], time.perf_counter()
-    for i, spec in enumerate(specs, 1):
-        print(f"  [{i}/{len(specs)}] {spec.framework}{' compiled' if spec.compile else ''} {spec.policy} ...",
-              end="", flush=True)
-        t0 = time.perf_counter()
-        try:
-            record = run_one(spec)
-        except RuntimeError as err:
-            print(f"\nmixedpolicy bench: error: {err}", file=sys.stderr)
-            return 1
-        runs.append(record)
-        accuracy = "-" if record["accuracy"] is None else f"{record['accuracy']:.3f}"
-        print(f" {record['step_time_s']['median'] * 1e3:.2f} ms/step, accuracy {accuracy}, "
-              f"overhead {record['overhead_vs_native']:.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    with progress.Runs(len(specs)) as shown:
+        for i, spec in enumerate(specs, 1):
+            name = f"{spec.framework}{' compiled' if spec.compile else ''} {spec.policy}"
+            shown.start(i, name)
+            t0 = time.perf_counter()
+            try:
+                record = run_one(spec)
+            except RuntimeError as err:
+                shown.fail(f"mixedpolicy bench: error: {err}")
+                return 1
+            runs.append(record)
+            accuracy = "-" if record["accuracy"] is None else f"{record['accuracy']:.3f}"
+            shown.done(i, name, f"{record['step_time_s']['median'] * 1e3:.2f} ms/step, accuracy {accuracy}, "
+                                f"overhead {record['overhead_vs_native']:.3f} ({time.perf_counter() - t0:.0f} s)")
     results = {"environment": {**report.environment(args, frameworks), "model_config": cfg}, "runs": runs}
     paths = report.write(results, args.out, with_plots)
     print()
-    print(report.table(runs))
+    progress.print_table(report.table(runs), runs)
     for line in report.wide(runs):
         print(line, file=sys.stderr)
     print(f"\n{len(runs)} runs in {time.perf_counter() - start:.0f} s; wrote " + ", ".join(paths))

@@ -115,7 +115,7 @@ _COLUMNS = (
 )
 
 
-def _columns(runs: list[dict]) -> list:
+def columns(runs: list[dict]) -> list:
     speedups(runs)
     return [(h, cell) for h, cell in _COLUMNS
             if not (h == "vs float32" and all(r.get("speedup_vs_float32") is None for r in runs))
@@ -123,9 +123,9 @@ def _columns(runs: list[dict]) -> list:
 
 
 def table(runs: list[dict]) -> str:
-    columns = _columns(runs)
-    rows = [[h for h, _ in columns]] + [[cell(r) for _, cell in columns] for r in runs]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
+    chosen = columns(runs)
+    rows = [[h for h, _ in chosen]] + [[cell(r) for _, cell in chosen] for r in runs]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(chosen))]
     return "\n".join("  ".join(c.rjust(w) if i > 1 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
                      .rstrip() for row in rows)
 
@@ -139,9 +139,9 @@ def markdown(results: dict) -> str:
              f"({env['cpu']}, {env['cpu_count']} cores); Python {env['python']}; "
              + ", ".join(f"{k} {v}" for k, v in env["versions"].items()) + f"; TF32 {env['tf32']}.", "",
              f"Data: {env['data']}.", ""]
-    columns = _columns(results["runs"])
-    lines += ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(cell(r) for _, cell in columns) + " |" for r in results["runs"]]
+    chosen = columns(results["runs"])
+    lines += ["| " + " | ".join(h for h, _ in chosen) + " |", "|" + "---|" * len(chosen)]
+    lines += ["| " + " | ".join(cell(r) for _, cell in chosen) + " |" for r in results["runs"]]
     lines += [""] + [f"> {w}" for w in wide(results["runs"])] if wide(results["runs"]) else []
     lines += ["", "Loss, accuracy, skipped steps and scale come from the training steps, the same "
               "schedule on every framework. Then ours and the same model and policy written with "

@@ -503,3 +503,21 @@ def test_a_user_torch_model_runs_against_autocast_from_the_same_weights(tmp_path
     assert [(r["framework"], r["policy"]) for r in runs] == [("torch", "float32"), ("torch", "mixed_float16")]
     # ours and native start from one build of the factory: the same float32 accuracy
     assert runs[0]["accuracy"] == runs[0]["native_accuracy"]
+
+
+def test_on_a_narrow_terminal_the_table_splits_into_whole_columns_that_fit(monkeypatch, capsys):
+    import shutil
+
+    from mixedpolicy.bench import progress
+
+    run = {"framework": "torch", "policy": "mixed_float16", "step_time_s": {"median": 1e-3},
+           "native_step_time_s": {"median": 1e-3}, "throughput_samples_per_s": 64000.0, "peak_memory_bytes": 2**20,
+           "final_loss": 0.5, "accuracy": 0.9, "skipped_steps": 0, "final_loss_scale": 32768.0,
+           "timed_steps_per_block": 10, "overhead_vs_native": 1.0, "overhead_ratios": [1.0] * 5}
+    monkeypatch.setattr(progress.sys.stdout, "isatty", lambda: True, raising=False)
+    monkeypatch.setattr(shutil, "get_terminal_size", lambda fallback=None: os.terminal_size((60, 24)))
+    progress.print_table("plain", [run])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line]
+    assert len(lines) > 2 and all(len(line) <= 60 for line in lines)
+    assert sum(line.startswith("framework  policy") for line in lines) >= 2  # every part repeats the key
+    assert any("overhead vs native" in line for line in lines)
