@@ -31,11 +31,12 @@ from mixedpolicy.bench.trainer import Trainer
 SYNTHETIC_BATCHES = 4
 
 
-def data(spec: RunSpec, runner) -> tuple:
+def data(spec: RunSpec, runner, cfg: dict | None = None) -> tuple:
     """x_train, y_train, x_test, y_test in the model's input shape, laid out for the framework:
     the training labels are what the loss takes (gpt2: the next tokens), the test labels
-    what the accuracy compares with (digits' classes)."""
-    cfg = models.config(spec.model, spec.device, spec.dataset)
+    what the accuracy compares with (digits' classes). `cfg`: the model's sizes, if not the
+    device's (a smaller model's input size)."""
+    cfg = cfg or models.config(spec.model, spec.device, spec.dataset)
     prepare = getattr(runner, "prepare", lambda model, x: x)
     if spec.dataset == "synthetic":
         x_train, y_train, x_test, y_test = synthetic(spec.model, cfg, SYNTHETIC_BATCHES * spec.batch_size,
