@@ -4,7 +4,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -299,64 +298,61 @@ def test_digits_as_sentences_for_gpt2_and_synthetic_data_in_every_models_shape()
         models.config("mlp", "cpu", "imagenet")
 
 
-@pytest.mark.slow
-def test_every_framework_builds_the_same_model_from_the_shared_weights(tmp_path):
-    """Each framework's mlp, cnn, transformer and resnet compute the same float32 logits from
-    the shared weights, ours and hand-written alike; one step gives the same loss; under a
-    mixed policy (each on two models) ours and the hand-written version agree with each other."""
-    frameworks = spec.installed_frameworks()
-    if len(frameworks) < 2:
-        pytest.skip("needs two frameworks")
-    from bench_models_helper import MIXED, TINY
+@pytest.fixture(scope="module")
+def _shared_weights(tmp_path_factory):
+    from bench_models_helper import TINY
 
+    folder = tmp_path_factory.mktemp("bench_weights")
     for model in models.MODELS:
-        models.save_weights(str(tmp_path / f"{model}.npz"), models.init_weights(model, TINY[model], seed=1))
+        models.save_weights(str(folder / f"{model}.npz"), models.init_weights(model, TINY[model], seed=1))
+    return folder
+
+
+def _built(framework: str, weights) -> dict:
+    """What bench_models_helper.py records for `framework`, in a process of its own."""
     helper = str(Path(__file__).with_name("bench_models_helper.py"))
-    # Two at a time (CI has two cores), the slowest to build first (JAX compiles the most),
-    # each next one started as soon as a slot frees, so no slot idles behind a slow pair.
-    slow_first = ["keras-jax", "jax", "keras-tensorflow", "tensorflow", "keras-torch", "torch"]
-    waiting = sorted(frameworks, key=lambda f: slow_first.index(f) if f in slow_first else len(slow_first))
-    running: dict = {}
-    deadline = time.monotonic() + 900
-    while waiting or running:
-        while waiting and len(running) < 2:
-            f = waiting.pop(0)
-            with open(tmp_path / f"{f}.err", "w") as err:  # a file: a full pipe would stall the child
-                running[f] = subprocess.Popen([sys.executable, helper, f, str(tmp_path),
-                                               str(tmp_path / f"{f}.out.npz")],
-                                              env=_worker_env(f, "cpu"), stdout=subprocess.DEVNULL, stderr=err)
-        for f in [f for f, proc in running.items() if proc.poll() is not None]:
-            code = running.pop(f).returncode
-            assert code == 0, f"{f}:\n{(tmp_path / f'{f}.err').read_text()[-3000:]}"
-        if time.monotonic() > deadline:
-            for proc in running.values():
-                proc.kill()
-            pytest.fail(f"{sorted(running)} still building the models after 900 s")
-        time.sleep(0.2)
-    out = {f: dict(np.load(tmp_path / f"{f}.out.npz")) for f in frameworks}
-    ref = out[frameworks[0]]
-    for f in frameworks:
-        for model in models.MODELS:
-            key = f"{model}/float32"
-            scale = np.abs(ref[f"{key}/ours"]).max()
+    out = weights / f"{framework}.out.npz"
+    if not out.exists():  # the reference is built once per pytest worker
+        proc = subprocess.run([sys.executable, helper, framework, str(weights), str(out)], capture_output=True,
+                              text=True, env=_worker_env(framework, "cpu"), timeout=900)
+        assert proc.returncode == 0, f"{framework}:\n{proc.stderr[-3000:]}"
+    return dict(np.load(out))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", spec.FRAMEWORKS)
+def test_every_framework_builds_the_same_model_from_the_shared_weights(framework, _shared_weights):
+    """Each framework's models compute the same float32 logits from the shared weights as
+    PyTorch's (the reference), ours and hand-written alike; one step gives the same loss; under
+    a mixed policy (each on two of the smaller models) ours and the hand-written version agree.
+    One test per framework, so the suite's workers share them out."""
+    if spec.missing_packages(framework) or spec.missing_packages("torch"):
+        pytest.skip(f"needs {framework} and torch")
+    from bench_models_helper import MIXED
+
+    ref = _built("torch", _shared_weights)
+    got = _built(framework, _shared_weights)
+    for model in models.MODELS:
+        key = f"{model}/float32"
+        scale = np.abs(ref[f"{key}/ours"]).max()
+        for which in ("ours", "native"):
+            np.testing.assert_allclose(got[f"{key}/{which}"], ref[f"{key}/ours"], atol=1e-5 * scale,
+                                       err_msg=f"{framework} {model} {which}")
+        np.testing.assert_allclose(got[f"{key}/loss"], ref[f"{key}/loss"], rtol=1e-5, err_msg=f"{framework} {model}")
+        # After the step: equal weights; batch norms' running variance is debiased alike
+        # except Flax's, which keeps the biased one (eval logits move by ~1e-3).
+        np.testing.assert_allclose(got[f"{key}/after"], ref[f"{key}/after"], atol=2e-3 * scale,
+                                   err_msg=f"{framework} {model} after one step")
+        for policy, tol in (("mixed_bfloat16", 0.06), ("mixed_float16", 0.01)):
+            if MIXED[model] != policy:
+                continue
+            key = f"{model}/{policy}"
+            assert np.isfinite(got[f"{key}/loss"]) and got[f"{key}/skipped"] == 0
             for which in ("ours", "native"):
-                np.testing.assert_allclose(out[f][f"{key}/{which}"], ref[f"{key}/ours"], atol=1e-5 * scale,
-                                           err_msg=f"{f} {model} {which}")
-            np.testing.assert_allclose(out[f][f"{key}/loss"], ref[f"{key}/loss"], rtol=1e-5, err_msg=f"{f} {model}")
-            # After the step: equal weights; batch norms' running variance is debiased alike
-            # except Flax's, which keeps the biased one (eval logits move by ~1e-3).
-            np.testing.assert_allclose(out[f][f"{key}/after"], ref[f"{key}/after"], atol=2e-3 * scale,
-                                       err_msg=f"{f} {model} after one step")
-            for policy, tol in (("mixed_bfloat16", 0.06), ("mixed_float16", 0.01)):
-                if MIXED[model] != policy:
-                    continue
-                key = f"{model}/{policy}"
-                assert np.isfinite(out[f][f"{key}/loss"]) and out[f][f"{key}/skipped"] == 0
-                for which in ("ours", "native"):
-                    np.testing.assert_allclose(out[f][f"{key}/{which}"], ref[f"{model}/float32/ours"],
-                                               atol=tol * scale, err_msg=f"{f} {key} {which}")
-                np.testing.assert_allclose(out[f][f"{key}/ours"], out[f][f"{key}/native"], atol=tol * scale / 2,
-                                           err_msg=f"{f} {key}: ours against hand-written")
+                np.testing.assert_allclose(got[f"{key}/{which}"], ref[f"{model}/float32/ours"],
+                                           atol=tol * scale, err_msg=f"{framework} {key} {which}")
+            np.testing.assert_allclose(got[f"{key}/ours"], got[f"{key}/native"], atol=tol * scale / 2,
+                                       err_msg=f"{framework} {key}: ours against hand-written")
 
 
 def test_the_hand_written_jax_step_skips_a_non_finite_step_as_jmp_does(tmp_path):
