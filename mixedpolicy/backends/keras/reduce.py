@@ -95,12 +95,12 @@ def sum_across_replicas(grads: Any, variables: Any, reduce_policy: Any) -> tuple
         return grads, False
     import tensorflow as tf
 
-    from mixedpolicy.backends.tensorflow.reduce import all_reduce, reduce_dtypes
+    from mixedpolicy.backends.tensorflow.reduce import reduce_dtypes, sum_in
 
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync < 2:
         return grads, False
-    variables = list(variables)
-    if all(d == "float32" for d in reduce_dtypes(variables, reduce_policy)):
+    dtypes = reduce_dtypes(list(variables), reduce_policy)
+    if all(d == "float32" for d in dtypes):
         return grads, False
-    return all_reduce(list(grads), variables, reduce_policy), True
+    return sum_in(list(grads), dtypes, context), True

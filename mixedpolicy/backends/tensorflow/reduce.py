@@ -81,6 +81,12 @@ def all_reduce(grads: Sequence[Any], variables: Sequence[Any], policy: Any = Non
     dtypes = reduce_dtypes(variables, global_policy() if policy is None else policy)
     if context.num_replicas_in_sync == 1:  # nothing travels (outside a strategy too)
         return grads
+    return sum_in(grads, dtypes, context)
+
+
+def sum_in(grads: list, dtypes: Sequence[str], context: Any) -> list:
+    """The sum over `context`'s replicas of each gradient in its reduce dtype (see
+    `all_reduce`, which resolves the dtypes and checks the context)."""
     n = float(context.num_replicas_in_sync)
     out = list(grads)
     for dtype in dict.fromkeys(dtypes):
