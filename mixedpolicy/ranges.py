@@ -100,8 +100,8 @@ class RangeStats(NamedTuple):
     def flushed_at(self, scale: float, fmt: str = "float16") -> float:
         """The fraction of the values (zeros excepted) that become 0 in `fmt` at `scale`, from
         the histogram (exact at the scales inspected, a bin's resolution elsewhere)."""
-        smallest = LIMITS[fmt][2]
-        below = sum(int(n) for i, n in enumerate(self.hist) if 2.0 ** (EMIN + i + 1) * scale <= smallest / 2)
+        upper = 2.0 ** np.arange(EMIN + 1, EMAX + 1) * scale  # each bin's upper edge, scaled
+        below = int(self.hist[upper <= LIMITS[fmt][2] / 2].sum())
         return below / max(self.size - self.zeros - self.nonfinite, 1)
 
 
@@ -152,7 +152,6 @@ class GradientReport:
                              f"margin >= 1 and max_flushed from 0 to 1.")
         top = LIMITS["float16"][0]
         reasons: dict = {}
-        amax = self.amax()
         # gradients too large for float16 even at scale 1 keep their layer in float32 and
         # do not hold the others' scale down
         for r in self.rows:

@@ -22,27 +22,34 @@ from mixedpolicy.ranges import BINS, EMIN, merge
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def stats(x: Any, scales: tuple) -> Any:
-    """The stats vector of `x` (float32 on the device; counts are exact below 2^24 values
-    per call)."""
+def _on_device(x: Any, scales: tuple) -> tuple:
+    """(int32 counts: size, zeros, non-finite, the histogram, the per-scale counts; max |x|)."""
     a = jnp.abs(x.astype(jnp.float32)).reshape(-1)
     finite = jnp.isfinite(a)
     a = jnp.where(finite, a, 0.0)
     nz = a > 0
     _, e = jnp.frexp(a)
-    bins = jnp.clip(e - 1 - EMIN, 0, BINS - 1)
-    hist = jnp.bincount(bins, weights=nz.astype(jnp.float32), length=BINS)
-    head = jnp.stack([jnp.float32(a.size), jnp.sum(~nz & finite, dtype=jnp.float32),
-                      jnp.sum(~finite, dtype=jnp.float32), jnp.max(a) if a.size else jnp.float32(0)])
-    parts = [head, hist]
+    bins = jnp.where(nz, jnp.clip(e - 1 - EMIN, 0, BINS - 1), BINS)  # zeros go to a spare bin
+    hist = jnp.bincount(bins, length=BINS + 1)[:BINS].astype(jnp.int32)
+    parts = [jnp.stack([jnp.int32(a.size), jnp.sum(~nz & finite, dtype=jnp.int32),
+                        jnp.sum(~finite, dtype=jnp.int32)]), hist]
     for s in scales:
         y = a * jnp.float32(s)
         for dt in (jnp.float16, jnp.bfloat16):
             r = y.astype(dt).astype(jnp.float32)
             tiny = float(jnp.finfo(dt).tiny)
-            parts.append(jnp.stack([jnp.sum(jnp.isinf(r) & nz), jnp.sum((r != 0) & (jnp.abs(r) < tiny)),
-                                    jnp.sum((r == 0) & nz)]).astype(jnp.float32))
-    return jnp.concatenate(parts)
+            parts.append(jnp.stack([jnp.sum(jnp.isinf(r) & nz, dtype=jnp.int32),
+                                    jnp.sum((r != 0) & (jnp.abs(r) < tiny), dtype=jnp.int32),
+                                    jnp.sum((r == 0) & nz, dtype=jnp.int32)]))
+    return jnp.concatenate(parts), jnp.max(a) if a.size else jnp.float32(0)
+
+
+def stats(x: Any, scales: tuple) -> np.ndarray:
+    """The stats vector of `x` (`mixedpolicy.ranges.layout`), computed on the device with
+    integer counts (exact for any size JAX indexes with int32), moved in one transfer."""
+    counts, amax = jax.device_get(_on_device(x, scales))
+    counts = np.asarray(counts, np.float64)
+    return np.concatenate([counts[:3], [float(amax)], counts[3:]])
 
 
 def by_layer(grads: Any) -> dict:
@@ -58,7 +65,7 @@ def _collect(grads_per_batch: list, scales: tuple) -> dict:
     totals: dict = {}
     for grads in grads_per_batch:
         for path, flat in by_layer(grads).items():
-            vector = np.asarray(stats(flat, scales), np.float64)  # one transfer per layer
+            vector = stats(flat, scales)  # one transfer per layer
             totals[(path, "weight_grad")] = merge(totals.get((path, "weight_grad")), vector)
     return totals
 

@@ -54,7 +54,7 @@ def _stats(flat: list, scales: tuple) -> np.ndarray:
 
         from mixedpolicy.backends.jax.ranges import stats
 
-        return np.asarray(stats(jnp.concatenate([jnp.ravel(g) for g in flat]), scales), np.float64)
+        return stats(jnp.concatenate([jnp.ravel(g) for g in flat]), scales)
     return numpy_stats(np.concatenate([np.ravel(keras.ops.convert_to_numpy(g)) for g in flat]), scales)
 
 
