@@ -152,7 +152,7 @@ class KerasModels(ModelAdapter):
         _note_global()
         steps = plan(policy_map, _layers(model), reduce_engine=reduce_engine())
         by_path = {step.path: step.layer for step in steps}
-        planned = []
+        planned, kept = [], []
         for step in steps:
             layer, chain, resolution = step.layer, step.chain, step.resolution
             policy, source = resolution.policy, resolution.source
@@ -169,7 +169,16 @@ class KerasModels(ModelAdapter):
                     source += f" (float32 variables; {type(layer).__name__} computes in {surrounding})"
             name = _keras_policy(policy, chain[-1].path)
             own_variables = layer._trainable_variables + layer._non_trainable_variables
-            if own_variables and keras.DTypePolicy(name).variable_dtype != layer.dtype_policy.variable_dtype:
+            built_dtype = layer.dtype_policy.variable_dtype
+            if (own_variables and resolution.origin == "rule" and chain[-1].kind == NORMALIZATION
+                    and built_dtype == resolution.policy.output_dtype != keras.DTypePolicy(name).variable_dtype):
+                # Built under a pure global policy (a functional model's layers are built as it
+                # is defined): its half variables cannot become float32, so it stays as Keras
+                # built it (Keras's norms compute their statistics in float32 all the same).
+                name = layer.dtype_policy.name
+                source += f" (kept {built_dtype}: built before the policy was applied)"
+                kept.append(chain[-1].path)
+            elif own_variables and keras.DTypePolicy(name).variable_dtype != built_dtype:
                 raise ValueError(
                     f"Received the policy {name} for the built layer {chain[-1].path!r}, whose "
                     f"variables are {layer.dtype_policy.variable_dtype}: Keras cannot change the "
@@ -177,6 +186,13 @@ class KerasModels(ModelAdapter):
                     f"(before its first call or model.build), or choose a policy with "
                     f"{layer.dtype_policy.variable_dtype} variables.")
             planned.append((layer, name, source))
+        if kept:
+            warnings.warn(
+                f"{len(kept)} normalization layer(s) ({', '.join(kept[:3])}{', ...' if len(kept) > 3 else ''}) "
+                f"were built with half-precision variables, which Keras cannot make "
+                f"float32: they keep them (as Keras's own pure policy does). For float32 norm variables "
+                f"under a pure policy, apply the policy before the layers are built (a subclassed model "
+                f"before its first call), or give those layers dtype='float32'.", stacklevel=3)
         remove_policy(model)
         for layer, name, source in planned:
             object.__setattr__(layer, _STATE, (layer.dtype_policy, source))

@@ -104,6 +104,32 @@ def test_per_layer_maps():
     mp.set_global_policy(None)
 
 
+@pytest.mark.parametrize("pure", ["float16", "bfloat16"])
+def test_a_functional_model_built_under_a_pure_global_policy_applies_it_and_trains(pure):
+    """The functional API builds each layer as the model is defined: under a pure global
+    policy its norms hold half variables Keras cannot change. They are kept (as Keras's own
+    pure policy keeps them), said in describe and in one warning; the rest applies."""
+    mp.set_global_policy(pure)
+    try:
+        inputs = keras.Input((8,))
+        x = keras.layers.BatchNormalization(name="bn")(keras.layers.Dense(16, name="dense")(inputs))
+        model = keras.Model(inputs, keras.layers.Dense(3, name="head")(keras.layers.LayerNormalization(name="ln")(x)))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            mp.apply_policy(model, pure)
+        said = [str(w.message) for w in caught if "normalization layer(s)" in str(w.message)]
+        assert len(said) == 1 and "bn, ln" in said[0] and "dtype='float32'" in said[0], said
+        rows = {r.path: r for r in mp.describe(model)}
+        assert rows["bn"].policy == mp.Policy(pure) and f"kept {pure}" in rows["bn"].source, rows["bn"]
+        assert rows["dense"].policy == mp.Policy(pure) and rows["dense"].source == "map default"
+        model.compile(keras.optimizers.SGD(0.01), loss="mse")
+        history = model.fit(np.ones((8, 8), "float32"), np.zeros((8, 3), "float32"), epochs=3, verbose=0)
+        assert np.all(np.isfinite(history.history["loss"]))
+        assert keras.backend.standardize_dtype(model.get_layer("dense").kernel.dtype) == pure
+    finally:
+        mp.set_global_policy(None)
+
+
 def test_keras_on_tensorflow_carries_bfloat16_and_float16_reduce_dtypes_and_other_backends_none():
     bf16 = mp.Policy("mixed_bfloat16", reduce_dtype="bfloat16")
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
