@@ -16,7 +16,7 @@ import sys
 import time
 
 from mixedpolicy.bench import data, models, progress, replicas, report, runners
-from mixedpolicy.bench.spec import (BASELINES, FRAMEWORKS, MODELS, POLICIES, RunSpec, resolve_compile,
+from mixedpolicy.bench.spec import (BASELINES, FRAMEWORKS, MODELS, POLICIES, PURE, RunSpec, resolve_compile,
                                     resolve_frameworks, resolve_model, resolve_policies,
                                     user_frameworks)
 
@@ -30,13 +30,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--frameworks", default=None,
                    help=f"comma-separated, any of: {', '.join(FRAMEWORKS)} (default: all installed)")
     p.add_argument("--policies", default=",".join(POLICIES),
-                   help=f"comma-separated, any of: {', '.join(POLICIES + BASELINES)} (tf32: float32 with "
+                   help=f"comma-separated, in any spelling mixedpolicy accepts (16-mixed, bf16-true...): "
+                        f"{', '.join(POLICIES + PURE + BASELINES)} (pure ones against the framework's own "
+                        f"pure-precision training; tf32: float32 with "
                         f"TF32 math allowed, a GPU baseline; default: %(default)s)")
     p.add_argument("--model", default="mlp",
                    help=f"one of: {', '.join(MODELS)}, or your own MODULE:FACTORY (a module path or a .py "
-                        f"file, and a function of no arguments that returns a fresh torch.nn.Module or Keras "
-                        f"model taking a batch of digits' 64 float32 features to 10 logits; the framework "
-                        f"is inferred from it; default: %(default)s)")
+                        f"file, and a function of no arguments that returns a fresh torch.nn.Module, Flax NNX "
+                        f"module or Keras model taking a batch of digits' 64 float32 features to 10 logits; "
+                        f"the framework is inferred from it; an NNX factory also takes Flax's dtype= and "
+                        f"param_dtype= for the hand-written side; default: %(default)s)")
     p.add_argument("--data", default="digits", choices=("digits", "synthetic"),
                    help="digits (scikit-learn's, the quality task) or synthetic (seeded random inputs and "
                         "labels at the model's real size, for speed and memory only; default: %(default)s)")
@@ -184,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         model = resolve_model(args.model)
         if models.is_user(model):
             models.config(model, args.device, args.data)  # a user's model trains on digits
-            frameworks = user_frameworks(model, frameworks if args.frameworks else [])
+            frameworks = user_frameworks(model, frameworks if args.frameworks else [], policies)
         compiles = resolve_compile(args.compile)
         _check_positive(args)
         _check_out(args.out)

@@ -143,6 +143,11 @@ def markdown(results: dict) -> str:
     lines += ["| " + " | ".join(h for h, _ in chosen) + " |", "|" + "---|" * len(chosen)]
     lines += ["| " + " | ".join(cell(r) for _, cell in chosen) + " |" for r in results["runs"]]
     lines += [""] + [f"> {w}" for w in wide(results["runs"])] if wide(results["runs"]) else []
+    recipes = {(label(r), r["policy"]): r["native_recipe"] for r in results["runs"] if r.get("native_recipe")}
+    if recipes:
+        lines += ["", "What each run's native side is (the same model and policy written with the "
+                  "framework's own tools):", "", "| framework | policy | native |", "|---|---|---|"]
+        lines += [f"| {f} | {p} | {recipe} |" for (f, p), recipe in recipes.items()]
     lines += ["", "Loss, accuracy, skipped steps and scale come from the training steps, the same "
               "schedule on every framework. Then ours and the same model and policy written with "
               "the framework's own tools are timed in pairs of blocks of `timed block` steps, "

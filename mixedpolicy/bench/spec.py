@@ -8,9 +8,13 @@ from typing import NamedTuple
 from mixedpolicy.bench.models import MODELS
 from mixedpolicy.bench.runners import FRAMEWORKS, runner
 
-__all__ = ["FRAMEWORKS", "MODELS", "POLICIES", "RunSpec"]
+__all__ = ["FRAMEWORKS", "MODELS", "POLICIES", "PURE", "RunSpec"]
 
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
+#: Pure half precision (variables and math in the half dtype), run on request: the native
+#: side is the framework's own pure-precision training (``module.to(dtype)``, Flax's
+#: ``param_dtype``, Keras's "bfloat16"/"float16" dtype policy, variables made in the dtype).
+PURE = ("bfloat16", "float16")
 #: Baselines beside the policies: "tf32" is float32 with TF32 math allowed (GPUs from
 #: Ampere on; the same as float32 on a CPU), the speed-up a GPU gives for free.
 BASELINES = ("tf32",)
@@ -83,15 +87,15 @@ def resolve_frameworks(value: str | None) -> list[str]:
 
 
 def resolve_policies(value: str) -> list[str]:
-    """--policies in any spelling mixedpolicy accepts ("16-mixed", "bf16-mixed", "f32"...), as
-    the bench's canonical names; a pure half-precision policy is refused (the bench times a
-    policy against the framework's own AMP, which has no pure counterpart)."""
+    """--policies in any spelling mixedpolicy accepts ("16-mixed", "bf16-true", "f32"...), as
+    the bench's canonical names: the mixed policies, float32 and the pure half-precision ones."""
     import mixedpolicy as mp
 
+    valid = POLICIES + PURE + BASELINES
     items = [v.strip() for v in value.split(",") if v.strip()]
     names = []
     for item in items:
-        if item in POLICIES + BASELINES:
+        if item in valid:
             names.append(item)
             continue
         try:
@@ -99,12 +103,12 @@ def resolve_policies(value: str) -> list[str]:
         except (ValueError, TypeError):
             names.append(item)  # refused below, with the valid names
             continue
-        names.append(policy.name if policy.name in POLICIES else item)
-        if policy.name not in POLICIES:
-            raise ValueError(f"Received --policies {item!r} ({policy.name}); the bench times mixed "
-                             f"policies against each framework's own AMP, which has no counterpart for "
-                             f"it: choose among {', '.join(POLICIES + BASELINES)} (any spelling).")
-    return _split(",".join(names), "policies", POLICIES + BASELINES)
+        if policy.name not in valid:
+            raise ValueError(f"Received --policies {item!r} ({policy.name}); the bench runs policies that "
+                             f"each framework can also train with its own tools: choose among "
+                             f"{', '.join(valid)} (any spelling).")
+        names.append(policy.name)
+    return _split(",".join(names), "policies", valid)
 
 
 def resolve_compile(value: str) -> list[bool]:
@@ -128,29 +132,41 @@ def resolve_model(value: str) -> str:
     return value
 
 
-def user_frameworks(model: str, chosen: list[str]) -> list[str]:
+def user_frameworks(model: str, chosen: list[str], policies: list[str] = ()) -> list[str]:
     """The frameworks a user's model runs on: inferred from what its factory returns (a
-    torch.nn.Module: torch; a Keras model: Keras on the backend it was built with).
+    torch.nn.Module: torch; a Flax NNX module: jax; a Keras model: Keras on the backend it
+    was built with). A Flax NNX factory must take Flax's ``dtype`` (and, for pure policies,
+    ``param_dtype``) keyword arguments: the hand-written side is built with them.
 
     Raises:
-      ValueError: the factory returns neither, or --frameworks names another framework.
+      ValueError: the factory returns none of these, --frameworks names another framework,
+        or an NNX factory cannot build the hand-written side of one of `policies`.
     """
     from mixedpolicy.bench.user_model import load_factory
 
-    built = load_factory(model)()
-    kind = type(built).__module__.split(".")[0]
-    if kind == "keras" or any(c.__module__.startswith("keras") for c in type(built).__mro__):
+    factory = load_factory(model)
+    built = factory()
+    mro = [c.__module__ for c in type(built).__mro__]
+    if any(m.startswith("keras") for m in mro):
         import keras
 
         inferred = f"keras-{keras.backend.backend()}"
-    elif any(c.__module__.startswith("torch") for c in type(built).__mro__):
+    elif any(m.startswith("torch") for m in mro):
         inferred = "torch"
+    elif any(m.startswith("flax.nnx") for m in mro):
+        inferred = "jax"
     else:
         raise ValueError(f"Received --model {model}, whose factory returns a {type(built).__name__}; the "
-                         f"bench runs a user's torch.nn.Module or Keras 3 model (Flax NNX models take the "
-                         f"dtype arguments of the built-in ones, which the bench cannot add to yours).")
+                         f"bench runs a user's torch.nn.Module, Flax NNX module or Keras 3 model (a Flax "
+                         f"linen module has no state of its own to train: wrap it with nnx.bridge or "
+                         f"write it with flax.nnx).")
     wrong = [f for f in chosen if f != inferred]
     if wrong:
         raise ValueError(f"Received --frameworks {','.join(chosen)} for --model {model}, a {inferred} model; "
                          f"leave --frameworks out or pass {inferred}.")
+    if inferred == "jax":
+        from mixedpolicy.bench.runners.jax import user_native_kwargs
+
+        for policy in policies:
+            user_native_kwargs(factory, "float32" if policy == "tf32" else policy)
     return [inferred]

@@ -15,6 +15,10 @@ import numpy as np
 class Trainer(abc.ABC):
     """What a framework runner builds, twice (ours and native)."""
 
+    #: the native side's recipe in words ("torch.autocast(torch.float16) + GradScaler"), for
+    #: the report; empty on ours
+    recipe: str = ""
+
     @abc.abstractmethod
     def step(self, x: np.ndarray, y: np.ndarray) -> None:
         """One training step on a batch."""

@@ -171,6 +171,7 @@ def run(spec: RunSpec) -> dict:
         **({"throughput_tokens_per_s": spec.batch_size * tokens / median} if spec.model == "gpt2" else {}),
         "peak_memory_bytes": int(peak),
         **quality,
+        "native_recipe": native.recipe,
         "overhead_vs_native": statistics.median(ratios),
         "overhead_ratios": ratios,
     }

@@ -4,7 +4,7 @@
 
 For each model: float32 logits of ours and of the hand-written version on test
 inputs, the loss of one training step and the logits after it; then, under each
-mixed policy (one per model, see MIXED), the logits of both versions and the loss of one step.
+mixed or pure policy (see HALF), the logits of both versions and the loss of one step.
 """
 
 import sys
@@ -15,10 +15,11 @@ from mixedpolicy.bench import models, runners, worker
 from mixedpolicy.bench.spec import RunSpec
 
 BATCH = 8
-#: Each mixed policy is checked on two of the four models (float32 on all): every build
-#: costs compilation time, and ours-against-hand-written is the same code path per policy.
-MIXED = {"mlp": "mixed_float16", "cnn": "mixed_bfloat16", "transformer": "mixed_float16",
-         "resnet": "mixed_bfloat16", "resnet50": None, "gpt2": None}  # the GPU-scale two: float32 only
+#: Each mixed and pure policy is checked on two of the four models (float32 on all): every
+#: build costs compilation time, and ours-against-hand-written is the same code path per
+#: policy. The pure ones on the models with norm layers, which stay float32 on both sides.
+HALF = {"mlp": ("mixed_float16",), "cnn": ("mixed_bfloat16",), "transformer": ("mixed_float16", "bfloat16"),
+        "resnet": ("mixed_bfloat16", "float16"), "resnet50": (), "gpt2": ()}  # the GPU-scale two: float32 only
 #: Small sizes of the same architectures (on the CPU's data sizes): the check is about
 #: equal math, and fast.
 _SMALLER = {"mlp": {"sizes": (64, 32, 10)}, "cnn": {"channels": (4, 8)},
@@ -33,7 +34,7 @@ def main(framework: str, weights_dir: str, out: str) -> None:
     runner = runners.load(framework)
     record = {}
     for model in models.MODELS:
-        for policy in ("float32", MIXED[model]) if MIXED[model] else ("float32",):
+        for policy in ("float32",) + HALF[model]:
             spec = RunSpec(framework, policy, model, BATCH, 1, 1, 0, "cpu", f"{weights_dir}/{model}.npz", 0)
             x_train, y_train, x_test, _ = worker.data(spec, runner, TINY[model])
             weights = models.load_weights(spec.weights)

@@ -234,8 +234,13 @@ def test_policies_in_every_spelling_and_the_spread_of_the_pair_ratios():
 
     assert spec.resolve_policies("16-mixed, bf16-mixed,f32,tf32") == ["mixed_float16", "mixed_bfloat16",
                                                                       "float32", "tf32"]
-    with pytest.raises(ValueError, match=r"--policies 'bfloat16' \(bfloat16\); the bench times mixed policies"):
-        spec.resolve_policies("bfloat16")
+    assert spec.resolve_policies("bf16-true,16-true,float16") == ["bfloat16", "float16"]
+    with pytest.raises(ValueError, match=r"--policies 'float64' \(float64\); the bench runs policies that each "
+                                         r"framework can also train with its own tools: choose among float32, "
+                                         r"mixed_bfloat16, mixed_float16, bfloat16, float16, tf32"):
+        spec.resolve_policies("float64")
+    with pytest.raises(ValueError, match=r"'o=bf16' \(params=float32,compute=float32,output=bfloat16\)"):
+        spec.resolve_policies("o=bf16")
     steady = {"framework": "torch", "policy": "float32", "overhead_vs_native": 1.0,
               "overhead_ratios": [0.99, 1.0, 1.0, 1.01, 1.0]}
     noisy = dict(steady, overhead_ratios=[0.5, 1.0, 2.0, 0.7, 1.6])
@@ -324,11 +329,11 @@ def _built(framework: str, weights) -> dict:
 def test_every_framework_builds_the_same_model_from_the_shared_weights(framework, _shared_weights):
     """Each framework's models compute the same float32 logits from the shared weights as
     PyTorch's (the reference), ours and hand-written alike; one step gives the same loss; under
-    a mixed policy (each on two of the smaller models) ours and the hand-written version agree.
-    One test per framework, so the suite's workers share them out."""
+    a mixed or pure policy (each on two of the smaller models) ours and the hand-written version
+    agree. One test per framework, so the suite's workers share them out."""
     if spec.missing_packages(framework) or spec.missing_packages("torch"):
         pytest.skip(f"needs {framework} and torch")
-    from bench_models_helper import MIXED
+    from bench_models_helper import HALF
 
     ref = _built("torch", _shared_weights)
     got = _built(framework, _shared_weights)
@@ -343,8 +348,8 @@ def test_every_framework_builds_the_same_model_from_the_shared_weights(framework
         # except Flax's, which keeps the biased one (eval logits move by ~1e-3).
         np.testing.assert_allclose(got[f"{key}/after"], ref[f"{key}/after"], atol=2e-3 * scale,
                                    err_msg=f"{framework} {model} after one step")
-        for policy, tol in (("mixed_bfloat16", 0.06), ("mixed_float16", 0.01)):
-            if MIXED[model] != policy:
+        for policy, tol in (("mixed_bfloat16", 0.06), ("mixed_float16", 0.01), ("bfloat16", 0.1), ("float16", 0.02)):
+            if policy not in HALF[model]:
                 continue
             key = f"{model}/{policy}"
             assert np.isfinite(got[f"{key}/loss"]) and got[f"{key}/skipped"] == 0
@@ -368,7 +373,7 @@ def test_the_hand_written_jax_step_skips_a_non_finite_step_as_jmp_does(tmp_path)
     from mixedpolicy.bench.runners import jax as jax_runner
 
     cfg = models.config("mlp", "cpu")
-    native = jax_runner.Native("mlp", cfg, "mixed_float16", models.init_weights("mlp", cfg))
+    native = jax_runner.trainers("mlp", cfg, "mixed_float16", models.init_weights("mlp", cfg), "cpu")[1]
     x = np.random.default_rng(0).random((8, 64), np.float32)
     y = np.arange(8, dtype=np.int32)
 
@@ -457,48 +462,59 @@ def test_compile_puts_both_sides_through_torch_compile_with_the_eager_numbers(tm
     np.testing.assert_allclose(losses[True], losses[False], rtol=1e-5)
 
 
-_USER_MODELS = """
-import torch
-
-def make():
-    return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
-
-def not_a_model():
-    return 42
-"""
+USER_MODELS = Path(__file__).with_name("user_models.py")
 
 
 def test_a_user_model_is_checked_before_any_run(tmp_path, capsys):
-    require = pytest.importorskip
-    require("torch")
-    path = tmp_path / "user_models.py"
-    path.write_text(_USER_MODELS)
+    pytest.importorskip("torch")
     out = str(tmp_path / "out")
-    assert bench(["--model", f"{path}:nope", "--out", out]) == 2
-    assert "has no callable 'nope'; its callables: make, not_a_model" in capsys.readouterr().err
-    assert bench(["--model", f"{path}:not_a_model", "--out", out]) == 2
-    assert "returns a int; the bench runs a user's torch.nn.Module or Keras 3 model" in capsys.readouterr().err
-    assert bench(["--model", f"{path}:make", "--frameworks", "jax", "--out", out]) == 2
+    assert bench(["--model", f"{USER_MODELS}:nope", "--out", out]) == 2
+    assert "has no callable 'nope'; its callables: keras_mlp, linen_mlp" in capsys.readouterr().err
+    assert bench(["--model", f"{USER_MODELS}:not_a_model", "--out", out]) == 2
+    assert ("returns a int; the bench runs a user's torch.nn.Module, Flax NNX module or Keras 3 model"
+            in capsys.readouterr().err)
+    assert bench(["--model", f"{USER_MODELS}:torch_mlp", "--frameworks", "jax", "--out", out]) == 2
     assert "a torch model; leave --frameworks out or pass torch" in capsys.readouterr().err
-    assert bench(["--model", f"{path}:make", "--data", "synthetic", "--out", out]) == 2
+    assert bench(["--model", f"{USER_MODELS}:torch_mlp", "--data", "synthetic", "--out", out]) == 2
     assert "a user's model trains on digits" in capsys.readouterr().err
+    if not spec.missing_packages("jax"):
+        assert bench(["--model", f"{USER_MODELS}:linen_mlp", "--out", out]) == 2
+        assert "a Flax linen module has no state of its own" in capsys.readouterr().err
+        # float32 needs no dtype arguments; a half policy's hand-written side does
+        assert bench(["--model", f"{USER_MODELS}:nnx_without_dtype", "--policies", "float32,bf16-true",
+                      "--out", out]) == 2
+        err = capsys.readouterr().err
+        assert "nnx_without_dtype() takes no dtype or param_dtype keyword argument" in err, err
+        assert "give the factory `dtype=None, param_dtype=jnp.float32`" in err
     assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.slow
-def test_a_user_torch_model_runs_against_autocast_from_the_same_weights(tmp_path):
-    pytest.importorskip("torch")
-    path = tmp_path / "user_models.py"
-    path.write_text(_USER_MODELS)
+@pytest.mark.parametrize("factory, framework, policies, keras_backend", [
+    ("torch_mlp", "torch", "float32,16-mixed", None),
+    ("nnx_mlp", "jax", "f32,bf16-true", None),
+    ("keras_mlp", "keras-jax", "float32,mixed_float16", "jax"),
+])
+def test_a_user_model_runs_against_the_frameworks_own_from_the_same_weights(tmp_path, factory, framework,
+                                                                             policies, keras_backend):
+    if spec.missing_packages(framework):
+        pytest.skip(f"needs {framework}")
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "mixedpolicy", "bench", "--model", f"{path}:make",
-                           "--policies", "float32,16-mixed", "--steps", "4", "--repeats", "2", "--warmup", "1",
-                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+    # JAX's default promotion, as users run it (the suite's strict one trips Flax's own
+    # LayerNorm under param_dtype=bfloat16: flax/nnx/nn/normalization.py promotes implicitly)
+    env = dict(os.environ, JAX_NUMPY_DTYPE_PROMOTION="standard",
+               **({"KERAS_BACKEND": keras_backend} if keras_backend else {}))
+    proc = subprocess.run([sys.executable, "-m", "mixedpolicy", "bench", "--model", f"{USER_MODELS}:{factory}",
+                           "--policies", policies, "--steps", "4", "--repeats", "2", "--warmup", "1",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = json.loads((out / "results.json").read_text())["runs"]
-    assert [(r["framework"], r["policy"]) for r in runs] == [("torch", "float32"), ("torch", "mixed_float16")]
+    named = [spec.resolve_policies(p)[0] for p in policies.split(",")]
+    assert [(r["framework"], r["policy"]) for r in runs] == [(framework, p) for p in named]
     # ours and native start from one build of the factory: the same float32 accuracy
     assert runs[0]["accuracy"] == runs[0]["native_accuracy"]
+    assert all(np.isfinite(r["final_loss"]) and r["skipped_steps"] == 0 for r in runs)
+    assert "param_dtype=bfloat16" in runs[1]["native_recipe"] if framework == "jax" else runs[1]["native_recipe"]
 
 
 def test_on_a_narrow_terminal_the_table_splits_into_whole_columns_that_fit(monkeypatch, capsys):

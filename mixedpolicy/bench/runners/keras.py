@@ -232,10 +232,13 @@ def trainers(model: str, cfg: dict, policy: str, weights: dict, device: str, com
     native = load(_model(model, cfg), weights)
     native.set_weights(start)
     sgd = keras.optimizers.SGD(learning_rate(model), momentum=MOMENTUM)
-    native.compile(keras.optimizers.LossScaleOptimizer(sgd) if policy == "mixed_float16" else sgd, _loss(),
-                   jit_compile=jit)
+    # Keras's compile wraps mixed_float16 by itself; pure float16 is wrapped here, as ours is
+    scaled = mp.Policy(policy).needs_loss_scaling
+    native.compile(keras.optimizers.LossScaleOptimizer(sgd) if scaled else sgd, _loss(), jit_compile=jit)
     keras.config.set_dtype_policy("float32")
-    return _Keras(ours), _Keras(native)
+    native_side = _Keras(native)
+    native_side.recipe = f"Keras dtype policy {policy!r}" + (" + keras LossScaleOptimizer" if scaled else "")
+    return _Keras(ours), native_side
 
 
 def network(model: str, cfg: dict, weights: dict, device: str) -> keras.Model:

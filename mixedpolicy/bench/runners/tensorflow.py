@@ -17,7 +17,9 @@ if keras.backend.backend() != "tensorflow":  # its optimizers are Keras's, on Te
                       f"process runs Keras on {keras.backend.backend()!r}; start it with "
                       f"KERAS_BACKEND=tensorflow (mixedpolicy.bench.runners.environment does).")
 
-_COMPUTE = {"float32": tf.float32, "mixed_bfloat16": tf.bfloat16, "mixed_float16": tf.float16}
+_COMPUTE = {"float32": tf.float32, "mixed_bfloat16": tf.bfloat16, "mixed_float16": tf.float16,
+            "bfloat16": tf.bfloat16, "float16": tf.float16}
+_PURE = ("bfloat16", "float16")
 
 
 # `compute` is set only in the hand-written version: each module casts its inputs and its
@@ -268,7 +270,19 @@ def trainers(model: str, cfg: dict, policy: str, weights: dict, device: str, com
     ours = _Tf(mp.apply_policy(_MODELS[model](weights, cfg), policy),
                mp.LossScaleOptimizer(ours_opt, policy=policy), compile)
     native_opt = keras.optimizers.SGD(learning_rate(model), momentum=MOMENTUM)
-    # A float32 hand-written model casts nothing; a mixed one casts inputs and variables.
-    native = _Tf(_MODELS[model](weights, cfg, None if policy == "float32" else _COMPUTE[policy]),
+    # A float32 hand-written model casts nothing; a mixed one casts inputs and variables; a
+    # pure one makes its variables in the half dtype (norm layers' in float32, as ours).
+    compute = None if policy == "float32" else _COMPUTE[policy]
+    made = _pure_weights(weights, compute) if policy in _PURE else weights
+    native = _Tf(_MODELS[model](made, cfg, compute),
                  keras.optimizers.LossScaleOptimizer(native_opt) if scaled else native_opt, compile)
+    native.recipe = ("float32" if compute is None else
+                     f"{'variables made in' if policy in _PURE else 'inputs and variables cast to'} "
+                     f"{compute.name} by hand" + (" + keras LossScaleOptimizer" if scaled else ""))
     return ours, native
+
+
+def _pure_weights(weights: dict, dtype) -> dict:
+    """The shared weights in `dtype`, but the norm layers' (those with a scale), which stay float32."""
+    norms = {k.rsplit(".", 1)[0] for k in weights if k.endswith(".scale")}
+    return {k: v if k.rsplit(".", 1)[0] in norms else v.astype(dtype.as_numpy_dtype) for k, v in weights.items()}

@@ -13,6 +13,7 @@ from mixedpolicy.bench.models import (BN_EPSILON, BN_MOMENTUM, LN_EPSILON, MOMEN
 from mixedpolicy.bench.trainer import Trainer, pin_tf32
 
 _HALF = {"mixed_bfloat16": torch.bfloat16, "mixed_float16": torch.float16}
+_PURE = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _param(tensor: torch.Tensor, value: np.ndarray) -> None:
@@ -194,10 +195,13 @@ class _Torch(Trainer):
     def __init__(self, model: torch.nn.Module, device: str):
         self.model, self.device = model, device
         self._loss = None
+        self.pure = None
+
+    def _input(self, x: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(x).to(self.device, non_blocking=True)
 
     def _batch(self, x, y):
-        return (torch.from_numpy(x).to(self.device, non_blocking=True),
-                torch.from_numpy(y).long().to(self.device, non_blocking=True))
+        return self._input(x), torch.from_numpy(y).long().to(self.device, non_blocking=True)
 
     def sync(self) -> None:
         if self.device.startswith("cuda"):
@@ -209,7 +213,7 @@ class _Torch(Trainer):
     def predict(self, x: np.ndarray) -> np.ndarray:
         self.model.eval()
         with torch.no_grad():
-            logits = self.model(torch.from_numpy(x).to(self.device)).float().cpu().numpy()
+            logits = self.model(self._input(x)).float().cpu().numpy()
         self.model.train()
         return logits
 
@@ -221,9 +225,12 @@ class Ours(_Torch):
     def __init__(self, net: torch.nn.Module, policy: str, device: str, lr: float):
         super().__init__(mp.apply_policy(net, policy), device)
         sgd = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=MOMENTUM)
-        # one training loop for every policy: a pass-through where the policy needs no scaling
-        self.opt = mp.LossScaleOptimizer(sgd, policy=policy)
-        self._scaled = mp.Policy(policy).needs_loss_scaling
+        # one training loop for every policy: a pass-through where the policy needs no scaling;
+        # float16 weights take none (the optimizer refuses to scale for them, and says so)
+        pure16 = mp.Policy(policy).variable_dtype == "float16"
+        self.opt = (mp.LossScaleOptimizer(sgd, loss_scale=mp.NoLossScale()) if pure16 else
+                    mp.LossScaleOptimizer(sgd, policy=policy))
+        self._scaled = mp.Policy(policy).needs_loss_scaling and not pure16
 
     def step(self, x, y) -> None:
         x, y = self._batch(x, y)
@@ -241,11 +248,24 @@ class Ours(_Torch):
 
 
 class Native(_Torch):
+    """torch.autocast + GradScaler for a mixed policy; for a pure one the whole module in
+    the half dtype (``module.to(dtype)``, Lightning's "bf16-true"/"16-true"), inputs cast to
+    it, no scaler (GradScaler refuses float16 gradients)."""
+
     def __init__(self, net: torch.nn.Module, policy: str, device: str, lr: float):
-        super().__init__(net, device)
+        pure = _PURE.get(policy)
+        super().__init__(net.to(pure) if pure else net, device)
+        self.pure = pure
         self.dtype = _HALF.get(policy)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=MOMENTUM)
         self.scaler = torch.amp.GradScaler(device.split(":")[0], enabled=policy == "mixed_float16")
+        self.recipe = (f"module.to(torch.{policy}), inputs cast to it, no loss scale" if self.pure else
+                       "float32, no autocast" if self.dtype is None else
+                       f"torch.autocast(torch.{policy[6:]})" + (" + GradScaler" if self.scaler.is_enabled() else ""))
+
+    def _input(self, x: np.ndarray) -> torch.Tensor:
+        x = super()._input(x)
+        return x.to(self.pure) if self.pure and x.is_floating_point() else x
 
     def step(self, x, y) -> None:
         x, y = self._batch(x, y)
