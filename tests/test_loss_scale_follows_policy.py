@@ -187,6 +187,42 @@ def test_optax_pass_through_is_the_inner_update_and_adds_no_operation():
     np.testing.assert_array_equal(np.asarray(new.loss_scale), 1.0)
 
 
+def test_an_optax_pass_through_state_is_the_inner_state_alone_and_moves_between_policies():
+    """Every array of a state costs on each jitted call (about 10 us under nnx.jit): a
+    pass-through keeps none of its own, reads like a scaling state, and a state saved under
+    one policy is adopted by a wrapper of another."""
+    jax = require_module("jax")
+    optax = require_module("optax", "jax")
+    jnp = jax.numpy
+    from mixedpolicy.backends.jax.optax import LossScaleState, PassThroughState
+
+    params = {"w": jnp.ones((2, 3), jnp.float32)}
+    grads = {"w": jnp.full((2, 3), 0.5, jnp.float32)}
+    inner = optax.sgd(0.1, momentum=0.9)
+    plain = mp.LossScaleOptimizer(inner, policy="float32")
+    state = plain.init(params)
+    assert isinstance(state, PassThroughState)
+    leaves = jax.tree_util.tree_leaves
+    assert len(leaves(state)) == len(leaves(inner.init(params)))
+    _, state = jax.jit(plain.update)(grads, state, params)
+    assert mp.metrics(state) == {"loss_scale": 1.0, "skipped_steps": 0, "last_step_skipped": False}
+
+    scaling = mp.LossScaleOptimizer(inner, policy="mixed_float16")
+    with pytest.raises(TypeError, match=r"Received a PassThroughState for a LossScaleOptimizer whose state is "
+                                        r"a LossScaleState .*tx.adopt_state\(state\)"):
+        scaling.update(grads, state, params)
+    adopted = scaling.adopt_state(state)  # no scale was ever used: its own initial one
+    assert isinstance(adopted, LossScaleState) and float(adopted.loss_scale) == 2.0**15
+    np.testing.assert_array_equal(leaves(adopted.inner_state)[0], leaves(state.inner_state)[0])
+    _, grown = scaling.update(grads, adopted._replace(loss_scale=jnp.float32(64.0)), params)
+    assert float(scaling.adopt_state(grown).loss_scale) == 64.0  # scaling to scaling: the scale kept
+    back = plain.adopt_state(grown)  # back to a policy that needs no scale
+    assert isinstance(back, PassThroughState)
+    np.testing.assert_array_equal(leaves(back)[0], leaves(grown.inner_state)[0])
+    with pytest.raises(TypeError, match="Received a dict; expected the LossScaleState or PassThroughState"):
+        plain.adopt_state({"w": 1})
+
+
 def test_a_checkpoint_of_a_pass_through_loads_into_a_scaling_wrapper_and_back():
     """Switching the policy string between runs: the saved state moves both ways."""
     torch = require_module("torch")
