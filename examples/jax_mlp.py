@@ -57,8 +57,8 @@ def train(policy, epochs=15, seed=0):
             idx = order[i:i + 64]
             train_step(model, optimizer, x_train[idx], y_train[idx])
     accuracy = float((model(x_test).argmax(-1) == y_test).mean())
-    state = optimizer.opt_state
-    return accuracy, int(state.num_skipped_steps), float(state.loss_scale.get_value())
+    scale = mp.metrics(optimizer)  # the scale and skipped steps, under any policy
+    return accuracy, scale["skipped_steps"], scale["loss_scale"]
 
 
 if __name__ == "__main__":

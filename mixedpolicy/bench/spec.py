@@ -165,7 +165,7 @@ def user_frameworks(model: str, chosen: list[str], policies: list[str] = ()) -> 
         raise ValueError(f"Received --frameworks {','.join(chosen)} for --model {model}, a {inferred} model; "
                          f"leave --frameworks out or pass {inferred}.")
     if inferred == "jax":
-        from mixedpolicy.bench.runners.jax import user_native_kwargs
+        from mixedpolicy.bench.runners.nnx_user import user_native_kwargs
 
         for policy in policies:
             user_native_kwargs(factory, "float32" if policy == "tf32" else policy)

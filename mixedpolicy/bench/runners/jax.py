@@ -11,11 +11,10 @@ from flax import nnx
 import mixedpolicy as mp
 from mixedpolicy.bench.models import (BN_EPSILON, BN_MOMENTUM, LN_EPSILON, MOMENTUM, learning_rate,
                                       resnet_blocks, stem_stride)
+from mixedpolicy.bench.runners import nnx_user
 from mixedpolicy.bench.trainer import Trainer, pin_tf32
 
-_COMPUTE = {"float32": jnp.float32, "mixed_bfloat16": jnp.bfloat16, "mixed_float16": jnp.float16,
-            "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-_PURE = ("bfloat16", "float16")
+_COMPUTE, _PURE = nnx_user.COMPUTE, nnx_user.PURE
 _NORMS = (nnx.LayerNorm, nnx.BatchNorm, nnx.GroupNorm, nnx.RMSNorm)
 
 
@@ -317,56 +316,6 @@ def _cast_params(net: nnx.Module, dtype) -> nnx.Module:
     return net
 
 
-def _copy_state(source: nnx.Module, target: nnx.Module) -> None:
-    """`source`'s parameters and batch statistics into `target`, each in `target`'s dtype."""
-    kinds = (nnx.Param, nnx.BatchStat)
-    target_state = nnx.state(target, kinds)
-    source_state = nnx.state(source, kinds)
-    if jax.tree_util.tree_structure(source_state) != jax.tree_util.tree_structure(target_state):
-        raise ValueError("The factory's model has other parameters when built with dtype arguments; "
-                         "they must only set the layers' dtypes (Flax's dtype and param_dtype).")
-    nnx.update(target, jax.tree_util.tree_map(lambda s, t: jnp.asarray(s, t.dtype), source_state, target_state))
-
-
-def user_native_kwargs(factory, policy: str) -> dict:
-    """What the hand-written side of a user's Flax NNX model is built with: Flax's own
-    ``dtype`` (and ``param_dtype`` for a pure policy) keyword arguments.
-
-    Raises:
-      ValueError: the factory takes no such keyword arguments.
-    """
-    import inspect
-
-    if policy == "float32":
-        return {}
-    kwargs = {"dtype": _COMPUTE[policy]} | ({"param_dtype": _COMPUTE[policy]} if policy in _PURE else {})
-    params = inspect.signature(factory).parameters
-    takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    missing = [k for k in kwargs if k not in params and not takes_all]
-    if missing:
-        raise ValueError(f"The Flax NNX factory {getattr(factory, '__name__', factory)}{inspect.signature(factory)} "
-                         f"takes no {' or '.join(missing)} keyword argument; the bench builds the hand-written "
-                         f"side of {policy} as Flax does it, with the layers' dtype=... and, for a pure "
-                         f"policy, param_dtype=...: give the factory `dtype=None, param_dtype=jnp.float32` and "
-                         f"pass them to its layers.")
-    return kwargs
-
-
-def _user(model: str, policy: str) -> tuple[nnx.Module, nnx.Module]:
-    """(ours, native) of a user's Flax NNX ``MODULE:FACTORY``, native starting from ours's
-    weights."""
-    from mixedpolicy.bench.user_model import load_factory
-
-    factory = load_factory(model)
-    kwargs = user_native_kwargs(factory, policy)
-    ours, native = factory(), factory(**kwargs)
-    for net in (ours, native):
-        if not isinstance(net, nnx.Module):
-            raise TypeError(f"{model} returned a {type(net).__name__}; expected a Flax NNX module.")
-    _copy_state(ours, native)
-    return ours, native
-
-
 def _built_in(model: str, cfg: dict, weights: dict, policy: str) -> tuple[nnx.Module, nnx.Module]:
     ours = _MODELS[model](weights, cfg)
     native = _MODELS[model](weights, cfg, dtype=_COMPUTE[policy], norm_dtype=jnp.float32)
@@ -377,13 +326,13 @@ def trainers(model: str, cfg: dict, policy: str, weights: dict, device: str, com
              tf32: bool = False):
     """(ours, native); both steps are always compiled (nnx.jit), whatever `compile` says."""
     pin_tf32("jax", device, tf32)
-    ours, native = _user(model, policy) if ":" in model else _built_in(model, cfg, weights, policy)
+    ours, native = nnx_user.build(model, policy) if ":" in model else _built_in(model, cfg, weights, policy)
     return Ours(ours, policy, learning_rate(model)), Native(native, policy, learning_rate(model))
 
 
 def network(model: str, cfg: dict, weights: dict, device: str) -> nnx.Module:
     """The bench model in float32, no policy (what `mixedpolicy inspect` looks at)."""
-    return _user(model, "float32")[0] if ":" in model else _MODELS[model](weights, cfg)
+    return nnx_user.build(model, "float32")[0] if ":" in model else _MODELS[model](weights, cfg)
 
 
 def loss(net: nnx.Module, x: np.ndarray, y: np.ndarray):
