@@ -15,7 +15,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _pip_install(py: pathlib.Path, target: str) -> None:
-    proc = subprocess.run([str(py), "-m", "pip", "install", "--quiet", "-c", str(ROOT / "constraints.txt"), target],
+    # --no-compile: no bytecode for torch's thousands of modules (a third of the install time)
+    proc = subprocess.run([str(py), "-m", "pip", "install", "--quiet", "--no-compile", "-c",
+                           str(ROOT / "constraints.txt"), target],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
 

@@ -492,8 +492,10 @@ def test_a_user_model_is_checked_before_any_run(tmp_path, capsys):
 @pytest.mark.slow
 @pytest.mark.parametrize("factory, framework, policies, keras_backend", [
     ("torch_mlp", "torch", "float32,16-mixed", None),
-    ("nnx_mlp", "jax", "f32,bf16-true", None),
-    ("keras_mlp", "keras-jax", "float32,mixed_float16", "jax"),
+    # (each run costs a process; the NNX model's half-precision sides are checked in process
+    # by docs/benchmarks.md's block, Keras's by test_every_framework_builds_the_same_model...)
+    ("nnx_mlp", "jax", "f32", None),
+    ("keras_mlp", "keras-jax", "float32", "jax"),
 ])
 def test_a_user_model_runs_against_the_frameworks_own_from_the_same_weights(tmp_path, factory, framework,
                                                                              policies, keras_backend):
@@ -514,7 +516,8 @@ def test_a_user_model_runs_against_the_frameworks_own_from_the_same_weights(tmp_
     # ours and native start from one build of the factory: the same float32 accuracy
     assert runs[0]["accuracy"] == runs[0]["native_accuracy"]
     assert all(np.isfinite(r["final_loss"]) and r["skipped_steps"] == 0 for r in runs)
-    assert "param_dtype=bfloat16" in runs[1]["native_recipe"] if framework == "jax" else runs[1]["native_recipe"]
+    assert runs[-1]["native_recipe"] == {"torch": "torch.autocast(torch.float16) + GradScaler", "jax": "float32",
+                                         "keras-jax": "Keras dtype policy 'float32'"}[framework]
 
 
 def test_on_a_narrow_terminal_the_table_splits_into_whole_columns_that_fit(monkeypatch, capsys):
