@@ -12,6 +12,8 @@ EXPECT_BACKENDS ?= numpy,torch,jax,tensorflow,keras
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
+	@echo "Installing mixedpolicy, the four frameworks and the test and docs tools into $(VENV)"
+	@echo "(pinned by constraints.txt; a few minutes the first time, nothing after that)..."
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[all,test,docs]"
 	touch $(STAMP)
