@@ -36,13 +36,19 @@ def _describe(argv: list[str]) -> int:
     from mixedpolicy.bench.user_model import load_factory
 
     try:
+        policy = None if args.policy is None else mp.Policy(args.policy)
+        # the global policy first, as a script sets it: a Keras model the factory builds
+        # (a functional or Sequential one is built as it is defined) takes its dtypes
+        mp.set_global_policy(policy)
         model = load_factory(args.target)()
-        if args.policy is not None:
-            model = mp.apply_policy(model, mp.Policy(args.policy))
+        if policy is not None:
+            model = mp.apply_policy(model, policy)
         print(mp.describe(model))
     except (ValueError, TypeError, ImportError) as err:
         print(f"mixedpolicy describe: error: {err}", file=sys.stderr)
         return 2
+    finally:
+        mp.set_global_policy(None)
     return 0
 
 

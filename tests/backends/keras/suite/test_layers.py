@@ -159,3 +159,19 @@ def test_a_reduce_dtype_keras_cannot_carry_is_refused_before_anything_changes():
     with pytest.raises(ValueError, match=r"reduced across replicas in float8_e5m2, which mixedpolicy cannot carry through Keras on"):
         mp.apply_policy(model, mp.Policy("mixed_bfloat16", reduce_dtype="e5m2"))
     assert model.layers[0].dtype_policy.name == before
+
+
+def test_describe_on_the_command_line_builds_a_users_keras_model_under_the_policy(capsys):
+    """`mixedpolicy describe MODULE:FACTORY --policy P` sets the global policy before the
+    factory builds the model, as a script does: a pure policy applies to a Sequential model."""
+    from pathlib import Path
+
+    from mixedpolicy.__main__ import main
+
+    factory = f"{Path(__file__).parents[3] / 'bench' / 'user_models.py'}:keras_mlp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the kept norm's warning (tested above)
+        assert main(["describe", factory, "--policy", "bf16-true"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert rows and all(row[2:6] == ["bfloat16"] * 4 for row in rows), rows
+    assert keras.config.dtype_policy().name == "float32"  # the global policy is put back
