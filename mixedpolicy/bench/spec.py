@@ -145,7 +145,11 @@ def user_frameworks(model: str, chosen: list[str], policies: list[str] = ()) -> 
     from mixedpolicy.bench.user_model import load_factory
 
     factory = load_factory(model)
-    built = factory()
+    try:
+        built = factory()
+    except Exception as err:  # the user's code: whatever it raises, said with the fix
+        raise ValueError(f"Received --model {model}, whose factory raised {type(err).__name__}: {err}; it must "
+                         f"build the model when called with no arguments.") from None
     mro = [c.__module__ for c in type(built).__mro__]
     if any(m.startswith("keras") for m in mro):
         import keras
@@ -164,9 +168,34 @@ def user_frameworks(model: str, chosen: list[str], policies: list[str] = ()) -> 
     if wrong:
         raise ValueError(f"Received --frameworks {','.join(chosen)} for --model {model}, a {inferred} model; "
                          f"leave --frameworks out or pass {inferred}.")
+    _check_logits(model, built, inferred)
     if inferred == "jax":
         from mixedpolicy.bench.runners.nnx_user import user_native_kwargs
 
         for policy in policies:
             user_native_kwargs(factory, "float32" if policy == "tf32" else policy)
     return [inferred]
+
+
+def _check_logits(model: str, built, framework: str) -> None:
+    """A user's model must map a batch of digits' 64 float32 features to 10 logits: tried
+    on two zero samples before any run, so a mismatch is said here, not in a worker."""
+    import numpy as np
+
+    x = np.zeros((2, 64), np.float32)
+    try:
+        if framework == "torch":
+            import torch
+
+            with torch.no_grad():
+                out = built(torch.from_numpy(x))
+        else:
+            out = built(x)
+        shape = tuple(np.shape(out))
+    except Exception as err:  # the user's model: whatever it raises, said with the contract
+        raise ValueError(f"Received --model {model}, whose model fails on a batch of digits' features, "
+                         f"float32 of shape (2, 64): {type(err).__name__}: {err}. The bench trains it on "
+                         f"digits: 64 features in, 10 logits out.") from None
+    if shape != (2, 10):
+        raise ValueError(f"Received --model {model}, whose model maps a (2, 64) batch to shape {shape}; the "
+                         f"bench trains it on digits and expects (2, 10): 10 logits per sample.")

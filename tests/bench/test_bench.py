@@ -469,7 +469,7 @@ def test_a_user_model_is_checked_before_any_run(tmp_path, capsys):
     pytest.importorskip("torch")
     out = str(tmp_path / "out")
     assert bench(["--model", f"{USER_MODELS}:nope", "--out", out]) == 2
-    assert "has no callable 'nope'; its callables: keras_mlp, linen_mlp" in capsys.readouterr().err
+    assert "has no callable 'nope'; its callables: keras_mlp, linen_mlp, nnx_mlp" in capsys.readouterr().err
     assert bench(["--model", f"{USER_MODELS}:not_a_model", "--out", out]) == 2
     assert ("returns a int; the bench runs a user's torch.nn.Module, Flax NNX module or Keras 3 model"
             in capsys.readouterr().err)
@@ -477,6 +477,14 @@ def test_a_user_model_is_checked_before_any_run(tmp_path, capsys):
     assert "a torch model; leave --frameworks out or pass torch" in capsys.readouterr().err
     assert bench(["--model", f"{USER_MODELS}:torch_mlp", "--data", "synthetic", "--out", out]) == 2
     assert "a user's model trains on digits" in capsys.readouterr().err
+    assert bench(["--model", f"{USER_MODELS}:raises", "--out", out]) == 2
+    assert "whose factory raised RuntimeError: no GPU here; it must build the model" in capsys.readouterr().err
+    assert bench(["--model", f"{USER_MODELS}:torch_wrong_width", "--out", out]) == 2
+    assert ("fails on a batch of digits' features, float32 of shape (2, 64): RuntimeError"
+            in capsys.readouterr().err)
+    assert bench(["--model", f"{USER_MODELS}:torch_seven_classes", "--out", out]) == 2
+    assert "maps a (2, 64) batch to shape (2, 7); the bench trains it on digits and expects (2, 10)" in \
+        capsys.readouterr().err
     if not spec.missing_packages("jax"):
         assert bench(["--model", f"{USER_MODELS}:linen_mlp", "--out", out]) == 2
         assert "a Flax linen module has no state of its own" in capsys.readouterr().err

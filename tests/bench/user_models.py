@@ -46,5 +46,21 @@ def keras_mlp():
                              keras.layers.LayerNormalization(), keras.layers.Dense(10)])
 
 
+def torch_wrong_width():
+    import torch
+
+    return torch.nn.Linear(32, 10)
+
+
+def torch_seven_classes():
+    import torch
+
+    return torch.nn.Linear(64, 7)
+
+
+def raises():
+    raise RuntimeError("no GPU here")
+
+
 def not_a_model():
     return 42
