@@ -159,3 +159,12 @@ def test_the_cli_inspects_a_bench_model_and_writes_the_figure(tmp_path, capsys):
     if __import__("importlib").util.find_spec("matplotlib"):
         assert (tmp_path / "inspect_mlp_torch.png").read_bytes()[:4] == b"\x89PNG"
     assert main(["inspect", "--batches", "0"]) == 2
+    # a user's own model, its framework inferred as the bench infers it
+    users = f"{__import__('pathlib').Path(__file__).parent / 'bench' / 'user_models.py'}"
+    capsys.readouterr()
+    assert main(["inspect", "--model", f"{users}:torch_mlp", "--framework", "jax", "--out", str(tmp_path)]) == 2
+    assert "--framework jax for --model" in capsys.readouterr().err
+    assert main(["inspect", "--model", f"{users}:torch_mlp", "--batches", "1", "--out", str(tmp_path)]) == 0
+    assert "recommended static loss scale" in capsys.readouterr().out
+    if __import__("importlib").util.find_spec("matplotlib"):
+        assert (tmp_path / "inspect_torch_mlp_torch.png").exists()

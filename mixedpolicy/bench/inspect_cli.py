@@ -24,8 +24,12 @@ def parser() -> argparse.ArgumentParser:
                                 description="Per-layer gradient (and, on torch, activation) ranges of a bench "
                                             "model on digits: is float16 safe, with which loss scale, and which "
                                             "layers should stay float32?")
-    p.add_argument("--model", default="mlp", choices=models.MODELS)
-    p.add_argument("--framework", default="torch", choices=FRAMEWORKS)
+    p.add_argument("--model", default="mlp",
+                   help=f"one of: {', '.join(models.MODELS)}, or your own MODULE:FACTORY, as `mixedpolicy bench "
+                        f"--model` takes it (a torch, Flax NNX or Keras model from digits' 64 features to 10 "
+                        f"logits; its framework inferred; default: %(default)s)")
+    p.add_argument("--framework", default=None, choices=FRAMEWORKS,
+                   help="for a built-in model (default: torch)")
     p.add_argument("--batches", type=int, default=2, help="digits batches to look at (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=64, help="(default: %(default)s)")
     p.add_argument("--loss-scale", type=float, default=2.0**15,
@@ -35,11 +39,34 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _framework(args: argparse.Namespace) -> str:
+    """The framework to inspect on: --framework for a built-in model (torch by default); a
+    user's MODULE:FACTORY's own, inferred as the bench infers it.
+
+    Raises:
+      ValueError: the model is neither, or --framework names another framework than a user's model's.
+    """
+    from mixedpolicy.bench.spec import resolve_model, user_frameworks
+
+    model = resolve_model(args.model)
+    if not models.is_user(model):
+        return args.framework or "torch"
+    chosen = [args.framework] if args.framework else []
+    if chosen and runners.runner(args.framework).keras_backend:
+        os.environ["KERAS_BACKEND"] = runners.runner(args.framework).keras_backend  # before Keras loads
+    return user_frameworks(model, chosen, flag="--framework")[0]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.batches < 1 or args.batch_size < 1:
         print(f"mixedpolicy inspect: error: Received --batches {args.batches} --batch-size {args.batch_size}; "
               f"expected whole numbers >= 1.", file=sys.stderr)
+        return 2
+    try:
+        args.framework = _framework(args)
+    except ValueError as err:
+        print(f"mixedpolicy inspect: error: {err}", file=sys.stderr)
         return 2
     backend = runners.runner(args.framework).keras_backend
     if backend and os.environ.get("KERAS_BACKEND") != backend:  # Keras: a process on that backend
@@ -75,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print("every layer fits float16 at that scale: no override needed")
     os.makedirs(args.out, exist_ok=True)
-    png = os.path.join(args.out, f"inspect_{args.model}_{args.framework}.png")
+    name = args.model.rpartition(":")[2] if models.is_user(args.model) else args.model
+    png = os.path.join(args.out, f"inspect_{name}_{args.framework}.png")
     try:
         print(f"wrote {report.plot(png, advice.loss_scale)}")
     except ImportError:

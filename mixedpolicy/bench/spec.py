@@ -132,7 +132,7 @@ def resolve_model(value: str) -> str:
     return value
 
 
-def user_frameworks(model: str, chosen: list[str], policies: list[str] = ()) -> list[str]:
+def user_frameworks(model: str, chosen: list[str], policies: list[str] = (), flag: str = "--frameworks") -> list[str]:
     """The frameworks a user's model runs on: inferred from what its factory returns (a
     torch.nn.Module: torch; a Flax NNX module: jax; a Keras model: Keras on the backend it
     was built with). A Flax NNX factory must take Flax's ``dtype`` (and, for pure policies,
@@ -166,8 +166,8 @@ def user_frameworks(model: str, chosen: list[str], policies: list[str] = ()) -> 
                          f"write it with flax.nnx).")
     wrong = [f for f in chosen if f != inferred]
     if wrong:
-        raise ValueError(f"Received --frameworks {','.join(chosen)} for --model {model}, a {inferred} model; "
-                         f"leave --frameworks out or pass {inferred}.")
+        raise ValueError(f"Received {flag} {','.join(chosen)} for --model {model}, a {inferred} model; "
+                         f"leave {flag} out or pass {inferred}.")
     _check_logits(model, built, inferred)
     if inferred == "jax":
         from mixedpolicy.bench.runners.nnx_user import user_native_kwargs
