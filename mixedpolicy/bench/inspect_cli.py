@@ -51,10 +51,7 @@ def _framework(args: argparse.Namespace) -> str:
     model = resolve_model(args.model)
     if not models.is_user(model):
         return args.framework or "torch"
-    chosen = [args.framework] if args.framework else []
-    if chosen and runners.runner(args.framework).keras_backend:
-        os.environ["KERAS_BACKEND"] = runners.runner(args.framework).keras_backend  # before Keras loads
-    return user_frameworks(model, chosen, flag="--framework")[0]
+    return user_frameworks(model, [args.framework] if args.framework else [], flag="--framework")[0]
 
 
 def main(argv: list[str] | None = None) -> int:

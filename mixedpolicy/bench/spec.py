@@ -142,8 +142,14 @@ def user_frameworks(model: str, chosen: list[str], policies: list[str] = (), fla
       ValueError: the factory returns none of these, --frameworks names another framework,
         or an NNX factory cannot build the hand-written side of one of `policies`.
     """
+    import os
+    import sys
+
     from mixedpolicy.bench.user_model import load_factory
 
+    backends = {runner(f).keras_backend for f in chosen} - {""}
+    if len(backends) == 1 and "keras" not in sys.modules:  # a Keras model, built on the backend asked for
+        os.environ["KERAS_BACKEND"] = backends.pop()
     factory = load_factory(model)
     try:
         built = factory()
