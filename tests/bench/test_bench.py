@@ -498,25 +498,25 @@ def test_a_user_model_is_checked_before_any_run(tmp_path, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("factory, framework, policies, keras_backend", [
-    ("torch_mlp", "torch", "float32,16-mixed", None),
+@pytest.mark.parametrize("factory, framework, policies, flags", [
+    ("torch_mlp", "torch", "float32,16-mixed", []),
     # (each run costs a process; the NNX model's half-precision sides are checked in process
     # by docs/benchmarks.md's block, Keras's by test_every_framework_builds_the_same_model...)
-    ("nnx_mlp", "jax", "f32", None),
-    ("keras_mlp", "keras-jax", "float32", "jax"),
+    ("nnx_mlp", "jax", "f32", []),
+    # KERAS_BACKEND unset below: --frameworks says which backend Keras builds the model on
+    ("keras_mlp", "keras-torch", "float32", ["--frameworks", "keras-torch"]),
 ])
 def test_a_user_model_runs_against_the_frameworks_own_from_the_same_weights(tmp_path, factory, framework,
-                                                                             policies, keras_backend):
+                                                                             policies, flags):
     if spec.missing_packages(framework):
         pytest.skip(f"needs {framework}")
     out = tmp_path / "out"
     # JAX's default promotion, as users run it (the suite's strict one trips Flax's own
     # LayerNorm under param_dtype=bfloat16: flax/nnx/nn/normalization.py promotes implicitly)
-    env = dict(os.environ, JAX_NUMPY_DTYPE_PROMOTION="standard",
-               **({"KERAS_BACKEND": keras_backend} if keras_backend else {}))
+    env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"} | {"JAX_NUMPY_DTYPE_PROMOTION": "standard"}
     proc = subprocess.run([sys.executable, "-m", "mixedpolicy", "bench", "--model", f"{USER_MODELS}:{factory}",
                            "--policies", policies, "--steps", "4", "--repeats", "2", "--warmup", "1",
-                           "--out", str(out)], capture_output=True, text=True, timeout=600, env=env)
+                           "--out", str(out), *flags], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = json.loads((out / "results.json").read_text())["runs"]
     named = [spec.resolve_policies(p)[0] for p in policies.split(",")]
@@ -525,7 +525,7 @@ def test_a_user_model_runs_against_the_frameworks_own_from_the_same_weights(tmp_
     assert runs[0]["accuracy"] == runs[0]["native_accuracy"]
     assert all(np.isfinite(r["final_loss"]) and r["skipped_steps"] == 0 for r in runs)
     assert runs[-1]["native_recipe"] == {"torch": "torch.autocast(torch.float16) + GradScaler", "jax": "float32",
-                                         "keras-jax": "Keras dtype policy 'float32'"}[framework]
+                                         "keras-torch": "Keras dtype policy 'float32'"}[framework]
 
 
 def test_on_a_narrow_terminal_the_table_splits_into_whole_columns_that_fit(monkeypatch, capsys):
