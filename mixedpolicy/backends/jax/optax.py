@@ -168,8 +168,9 @@ class LossScaleTransformation(optax.GradientTransformationExtraArgs):
 
     def adopt_state(self, state: Any) -> Any:
         """`state`, saved by a mixedpolicy optax wrapper under any policy or scale setting,
-        as this wrapper's state: the inner state kept, and the scale carried over where both
-        keep one (else this wrapper's initial scale, as if no step had been taken).
+        as this wrapper's state: the inner state kept; a dynamic scale goes on from the saved
+        scale and counters where there are some (else from its initial scale, as if no step
+        had been taken); a static scale or none keeps its own.
 
         For a checkpoint saved under another policy: restore it with its own structure,
         then ``tx.adopt_state(restored)``.
@@ -181,7 +182,8 @@ class LossScaleTransformation(optax.GradientTransformationExtraArgs):
             raise TypeError(f"Received a {type(state).__name__}; expected the LossScaleState or "
                             f"PassThroughState of a mixedpolicy optax LossScaleOptimizer.")
         fresh = self.update.make_state(state.inner_state)
-        if isinstance(state, LossScaleState) and isinstance(fresh, LossScaleState):
+        if isinstance(state, LossScaleState) and isinstance(self.update.loss_scale, DynamicLossScale):
+            # the dynamic scale goes on from the saved one (a static scale keeps its own)
             return LossScaleState(state.inner_state, state.loss_scale, state.counts)
         return fresh
 
