@@ -193,8 +193,9 @@ def _check_logits(model: str, built, framework: str) -> None:
         if framework == "torch":
             import torch
 
+            where = next(iter(built.parameters()), torch.empty(0)).device  # a factory may place it on a GPU
             with torch.no_grad():
-                out = built(torch.from_numpy(x))
+                out = built(torch.from_numpy(x).to(where))
         else:
             out = built(x)
         shape = tuple(np.shape(out))
