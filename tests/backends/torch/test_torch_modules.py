@@ -141,6 +141,36 @@ def test_integer_inputs_are_never_cast():
     assert emb(torch.tensor([1, 2])).dtype == torch.bfloat16
 
 
+def test_a_pure_region_casts_floating_tensors_in_any_argument_structure():
+    """Tensors, tuples, lists and dicts of plain values take a fast path; anything else
+    (nested containers, named tuples) torch's pytree: every floating tensor is cast alike,
+    nothing else is touched, and outputs leave in the output dtype."""
+    import collections
+
+    Pair = collections.namedtuple("Pair", "a b")
+
+    class Echo(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(2))
+
+        def forward(self, x, n, nested, pair, mask=None, flag=False):
+            self.seen = [x.dtype, nested[0][0].dtype, nested[0][1].dtype, pair.a.dtype, mask.dtype]
+            return {"x": x, "n": n, "nested": nested, "pair": pair, "mask": mask, "flag": flag,
+                    "params": [self.w]}
+
+    echo = mp.apply_policy(Echo(), "p=bf16,c=bf16,o=f16")
+    f32, i64 = torch.ones(2), torch.arange(2)
+    out = echo(f32, 3, [[f32, i64]], Pair(f32, "s"), mask=f32, flag=True)
+    bf16 = torch.bfloat16
+    # inside, floating inputs in the compute dtype; outputs leave in float16
+    assert out["n"] == 3 and out["flag"] is True and out["pair"].b == "s" and isinstance(out["pair"], Pair)
+    assert out["nested"][0][1].dtype == torch.int64
+    for t in (out["x"], out["nested"][0][0], out["pair"].a, out["mask"], out["params"][0]):
+        assert t.dtype == torch.float16, t.dtype
+    assert echo.seen == [bf16, bf16, torch.int64, bf16, bf16] and echo.w.dtype == bf16
+
+
 def test_loss_module_computes_in_float32():
     loss = mp.apply_policy(torch.nn.CrossEntropyLoss(), "mixed_float16")
     value = loss(torch.randn(4, 3, dtype=torch.float16), torch.tensor([0, 1, 2, 0]))
