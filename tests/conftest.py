@@ -23,6 +23,10 @@ from mixedpolicy import _registry  # noqa: E402
 # tests/backends/keras/suite runs once per Keras backend, started by tests/backends/keras/test_keras.py with
 # MIXEDPOLICY_KERAS_SUITE set (Keras picks its backend per process); the main run skips it.
 collect_ignore = [] if os.environ.get("MIXEDPOLICY_KERAS_SUITE") else ["backends/keras/suite"]
+# The *_worker.py scripts run as processes of their own (two DDP ranks, four JAX host devices,
+# a MirroredStrategy): --doctest-modules would import them, running their whole body in the
+# pytest process (half a minute per xdist worker) and leaving their XLA_FLAGS behind.
+collect_ignore_glob = ["*_worker.py"]
 
 
 def expected_backends() -> set[str]:
