@@ -17,6 +17,20 @@ _LIGHTNING = {
     "16-true": ("float16", "float16"),
     "bf16-true": ("bfloat16", "bfloat16"),
     "64-true": ("float64", "float64"),
+    # Lightning's legacy aliases that no other family reads otherwise (it maps "32"/32 to
+    # "32-true" and "64"/64 to "64-true")
+    "32": ("float32", "float32"),
+    "64": ("float64", "float64"),
+}
+# Names two anchors read differently: refused, naming both readings and the unambiguous spellings.
+_AMBIGUOUS = {
+    "16": "Lightning reads precision='16' (or 16) as '16-mixed' (float32 variables, float16 "
+          "compute); as a dtype it means float16 everywhere. Write '16-mixed' or "
+          "'mixed_float16' for the first, 'float16' or '16-true' for the second.",
+    "bf16": "Lightning reads precision='bf16' as 'bf16-mixed' (float32 variables, bfloat16 "
+            "compute); jmp and the dtype short forms read 'bf16' as bfloat16 everywhere. Write "
+            "'bf16-mixed' or 'mixed_bfloat16' for the first, 'bfloat16' or 'bf16-true' for the "
+            "second.",
 }
 _JMP_KEYS = {"p": "params", "params": "params", "c": "compute", "compute": "compute",
              "o": "output", "output": "output", "r": "reduce", "reduce": "reduce"}
@@ -44,6 +58,8 @@ def _parse_name(name: str) -> tuple[str, str, str | None, str | None]:
                 f"full precision use {compute!r} itself."
             )
         return "float32", compute, None, None
+    if key in _AMBIGUOUS:
+        raise ValueError(f"Received policy name {show(name)}, which is ambiguous: {_AMBIGUOUS[key]}")
     if key in _LIGHTNING:
         variable, compute = _LIGHTNING[key]
         return variable, compute, None, None
@@ -148,11 +164,13 @@ class Policy:
             variable, compute, output = "float32", None, None
         elif isinstance(name, str):
             variable, compute, output, reduce = _parse_name(name)
+        elif isinstance(name, int) and not isinstance(name, bool) and str(name) in ("32", "64"):
+            variable, compute, output, reduce = _parse_name(str(name))  # Lightning's 32 and 64
         else:
             hint = ""
             if isinstance(name, int) and not isinstance(name, bool):
-                hint = (" Numbers such as Lightning's precision=16 are ambiguous: write "
-                        "'16-mixed' or 'mixed_float16' for float16 compute with float32 "
+                hint = (" Of Lightning's numbers, 32 and 64 are accepted; 16 is ambiguous: "
+                        "write '16-mixed' or 'mixed_float16' for float16 compute with float32 "
                         "variables, or 'float16' for float16 everywhere.")
             raise TypeError(
                 f"Received policy name {show(name)} of type {type(name).__name__}; expected "

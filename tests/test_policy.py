@@ -34,6 +34,9 @@ CASES = {
     "16-true": ("float16", "float16", "float16"),
     "bf16-true": ("bfloat16", "bfloat16", "bfloat16"),
     "64-true": ("float64", "float64", "float64"),
+    # Lightning's legacy aliases that mean one thing everywhere
+    "32": ("float32", "float32", "float32"),
+    "64": ("float64", "float64", "float64"),
 }
 
 
@@ -118,6 +121,10 @@ def test_from_config_rejects_unknown_keys():
     ("p=f32,p=bf16", ValueError, "sets 'params' twice"),
     ("p=f32,c=int8", ValueError, "not a floating dtype"),
     (16, TypeError, "'16-mixed'.*'float16'"),
+    ("16", ValueError, "ambiguous.*'16-mixed'.*'float16'"),
+    # Lightning reads "bf16" as bf16-mixed, jmp as bfloat16 everywhere: both readings named
+    ("bf16", ValueError, "ambiguous: Lightning.*'bf16-mixed'.*jmp.*'bfloat16'"),
+    (" BF16 ", ValueError, "ambiguous"),
     (3.5, TypeError, "of type float"),
 ])
 def test_bad_names_say_what_how_and_what_is_valid(bad, exc, message):
@@ -137,6 +144,14 @@ def test_suggested_aliases_are_accepted():
         Policy(None, compute_dtype=dtype)
     for name in ("mixed_float16", "mixed_bfloat16", "16-mixed", "float16"):  # from the int-name hint
         Policy(name)
+
+
+def test_lightning_numbers_32_and_64_mean_what_lightning_means():
+    assert Policy(32) == Policy("32") == Policy("32-true") == Policy("float32")
+    assert Policy(64) == Policy("64-true") == Policy("float64")
+    assert Policy(32).name == "float32"
+    with pytest.raises(TypeError, match="bool"):
+        Policy(True)
 
 
 def test_bad_dtype_keyword():
