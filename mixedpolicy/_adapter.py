@@ -118,6 +118,10 @@ class OptimizerAdapter(abc.ABC):
         """Rebuilds this framework's wrapper from a config, or None if it is not one of its."""
         return None
 
+    def follow_policies(self, wrapper: Any, policies: tuple) -> None:
+        """Told the policies a wrapper made without a scale of its own follows (where they chose
+        no scaling): a framework that checks a scaling wrapper's variables checks them here too."""
+
     def policies_of(self, optimizer: Any) -> tuple[Any, str] | None:
         """(the policies the optimizer's variables are trained under, where that was read),
         or None where the framework cannot tell (the global policy then decides)."""

@@ -11,7 +11,7 @@ from mixedpolicy import _registry
 from mixedpolicy.table import LayerPolicy, PolicyTable
 from mixedpolicy.function import PolicyFunction
 from mixedpolicy._scale_checks import check_scale
-from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale
+from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, summary
 from mixedpolicy.policy import as_policy
 from mixedpolicy.policy_map import PolicyMap, as_policy_map
 from mixedpolicy.scope import global_policy
@@ -144,24 +144,22 @@ def describe(model: Any) -> PolicyTable:
     return PolicyTable(_model_adapter(model, "the result of apply_policy on a function, or ").describe(model))
 
 
-def _needs_scaling(adapter: Any, inner: Any, policy: Any) -> bool:
-    """Does the policy the optimizer runs under compute in float16 anywhere?
+def _followed_policies(adapter: Any, inner: Any, policy: Any) -> tuple | None:
+    """The policies the optimizer runs under, or None where a live float16 model decides.
 
     `policy` when given (a policy, its name or a `PolicyMap`); else what the framework
-    knows of its variables (torch: the policies `apply_policy` put on them); else: does
-    a live model `apply_policy` put a float16 policy on, or the global policy, compute
-    in float16?
+    knows of its variables (torch: the policies `apply_policy` put on them); else, when a
+    live model `apply_policy` put a float16 policy on may be this one's: None; else the
+    global policy.
     """
     if policy is None:
         known = adapter.policies_of(inner)
         if known is None and (_float16_unweakable or len(_FLOAT16_MODELS)):
-            return True  # a model here computes in float16, and nothing says it is not this one's
-        policies = known[0] if known is not None else (global_policy(),)
-    elif isinstance(policy, PolicyMap):
-        policies = _policies_in(policy)
-    else:
-        policies = (as_policy(policy, what="policy"),)
-    return any(p.needs_loss_scaling for p in policies)
+            return None  # a model here computes in float16, and nothing says it is not this one's
+        return known[0] if known is not None else (global_policy(),)
+    if isinstance(policy, PolicyMap):
+        return _policies_in(policy)
+    return (as_policy(policy, what="policy"),)
 
 
 class LossScaleOptimizer(abc.ABC):
@@ -184,9 +182,13 @@ class LossScaleOptimizer(abc.ABC):
       `apply_policy` put on the modules owning its parameters; Keras: its global
       dtype policy too), else the global policy. Where any of those computes in
       float16, a bounded `DynamicLossScale` with the defaults below; else (float32,
-      bfloat16) a pass-through whose step is the inner optimizer's step, nothing
-      added: no scaling and no finiteness check (``skip_nonfinite=True`` keeps the
-      check and the skip, unscaled).
+      bfloat16) no scaling, but the same safety: a step whose gradients are not all
+      finite is skipped and counted (inside the compiled step under ``jax.jit`` and
+      Keras, through the fused optimizers' on-device flag in torch), and the wrapper
+      refuses what the scaling wrapper refuses (torch: half-precision master weights
+      the policy does not store, ``unscale_()`` twice), so one loop behaves alike under
+      every policy string. ``skip_nonfinite=False`` makes it a pass-through whose step
+      is exactly the inner optimizer's step, nothing added.
 
     Args:
       inner: the optimizer to wrap.
@@ -198,8 +200,9 @@ class LossScaleOptimizer(abc.ABC):
         `NoLossScale`) used as it is, instead of the settings above and the policy.
       policy: the policy (a `Policy`, its name, or a `PolicyMap`) whose compute dtypes
         decide whether to scale; None reads it as described above.
-      skip_nonfinite: for the pass-through only: still skip a step whose gradients
-        are not all finite.
+      skip_nonfinite: where no scaling is chosen: skip a step whose gradients are not
+        all finite (True, the default), or hand every step to the inner optimizer as it
+        is (False).
       axis_name: JAX only: the ``pmap`` / ``shard_map`` axis over which replicas agree
         to skip a step.
       **kwargs: Keras only: what ``keras.optimizers.LossScaleOptimizer`` takes besides
@@ -225,7 +228,7 @@ class LossScaleOptimizer(abc.ABC):
                 *, growth_factor: float | None = None, backoff_factor: float | None = None,
                 min_scale: float | None = None, max_scale: float | None = None,
                 loss_scale: LossScale | None = None, policy: Any = None,
-                skip_nonfinite: bool = False, axis_name: Any = None, **kwargs: Any):
+                skip_nonfinite: bool = True, axis_name: Any = None, **kwargs: Any):
         adapter = _registry.optimizer_adapter(inner)
         if kwargs and not (adapter is not None and adapter.takes_optimizer_options):
             raise TypeError(
@@ -255,13 +258,15 @@ class LossScaleOptimizer(abc.ABC):
             loss_scale = DynamicLossScale(**settings)
         if adapter is None:
             raise _no_adapter(inner, "optimizer")
+        followed: tuple | None = ()
         if loss_scale is None:
-            if _needs_scaling(adapter, inner, policy):
+            followed = _followed_policies(adapter, inner, policy)
+            if followed is None or any(p.needs_loss_scaling for p in followed):
                 loss_scale = DynamicLossScale()
             else:
                 loss_scale = NoLossScale(skip_nonfinite=skip_nonfinite)
             _log.info("LossScaleOptimizer(%s): %s, following the policy", type(inner).__name__,
-                      "dynamic loss scaling" if isinstance(loss_scale, DynamicLossScale) else "a pass-through")
+                      summary(loss_scale))
         if getattr(adapter, "takes_reduce_policy", False):  # Keras: it carries reduce dtypes itself
             reduce_policy = policy if policy is not None else global_policy()
             if not isinstance(reduce_policy, PolicyMap) and as_policy(reduce_policy).reduce_dtype == "float32":
@@ -269,8 +274,12 @@ class LossScaleOptimizer(abc.ABC):
             if reduce_policy is not None:
                 kwargs["reduce_policy"] = reduce_policy
         if kwargs:  # a framework's own options (Keras: name, dynamic, its base arguments)
-            return adapter.wrap_optimizer(inner, loss_scale, axis_name, **kwargs)
-        return adapter.wrap_optimizer(inner, loss_scale, axis_name)
+            wrapper = adapter.wrap_optimizer(inner, loss_scale, axis_name, **kwargs)
+        else:
+            wrapper = adapter.wrap_optimizer(inner, loss_scale, axis_name)
+        if followed and isinstance(loss_scale, NoLossScale):
+            adapter.follow_policies(wrapper, followed)  # refuses what the scaling wrapper refuses
+        return wrapper
 
     @staticmethod
     def from_config(config: Mapping[str, Any], custom_objects: Any = None) -> Any:

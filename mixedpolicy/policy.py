@@ -334,8 +334,8 @@ def as_policy(value: Any, *, what: str = "policy") -> Policy:
     """
     if isinstance(value, Policy):
         return value
-    if isinstance(value, str):
-        return Policy(value)
+    if isinstance(value, str) or (type(value) is int and value in (16, 32, 64)):
+        return Policy(value)  # an int: Lightning's 32 and 64 (16 refused as ambiguous)
     if isinstance(value, Mapping):
         return Policy.from_config(value)
     if hasattr(value, "param_dtype") and hasattr(value, "compute_dtype"):

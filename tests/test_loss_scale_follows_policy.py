@@ -1,5 +1,6 @@
 """LossScaleOptimizer(opt) follows the policy: dynamic scaling where something computes in
-float16, else a pass-through that adds nothing to the inner optimizer's step.
+float16, else no scaling with the same safety (a non-finite step is skipped);
+``skip_nonfinite=False`` makes a pass-through that adds nothing to the inner optimizer's step.
 
 (Keras: tests/backends/keras/suite/test_optimizer.py, under each Keras backend.)
 """
@@ -13,7 +14,8 @@ from conftest import require_module
 
 import mixedpolicy as mp
 
-PASS = "pass-through"
+PASS = "no scaling; a step whose gradients are not all finite is skipped"  # what a policy without float16 picks
+EXACT = "pass-through"  # skip_nonfinite=False
 
 
 @pytest.fixture(autouse=True)
@@ -54,7 +56,7 @@ def test_torch_follows_the_policies_apply_policy_put_on_its_parameters():
     assert choice(_torch_model(torch), policy=mp.PolicyMap("float32", {"0": "mixed_float16"})).startswith("dynamic")
     assert choice(_torch_model(torch), dynamic_growth_steps=10).startswith("dynamic")
     assert choice(_torch_model(torch), loss_scale=mp.StaticLossScale(8.0)).startswith("static")
-    assert choice(_torch_model(torch), skip_nonfinite=True).startswith("no scaling")
+    assert choice(_torch_model(torch), skip_nonfinite=False).startswith(EXACT)
 
 
 def test_without_a_view_of_the_model_a_live_float16_model_or_the_global_policy_decides():
@@ -127,9 +129,9 @@ def test_torch_pass_through_is_the_inner_step_bit_for_bit_and_op_for_op(make):
     ours_model, plain_model = _torch_model(torch), _torch_model(torch)
     mp.apply_policy(ours_model, "mixed_bfloat16")
     mp.apply_policy(plain_model, "mixed_bfloat16")
-    ours = mp.LossScaleOptimizer(build(ours_model.parameters()))
+    ours = mp.LossScaleOptimizer(build(ours_model.parameters()), skip_nonfinite=False)
     plain = build(plain_model.parameters())
-    assert ours.loss_scaling.startswith(PASS)
+    assert ours.loss_scaling.startswith(EXACT)
     for _ in range(3):
         for model, opt in ((ours_model, ours), (plain_model, plain)):
             opt.zero_grad()
@@ -146,15 +148,18 @@ def test_torch_pass_through_is_the_inner_step_bit_for_bit_and_op_for_op(make):
     assert not ours.last_step_skipped and ours.num_skipped_steps == 0 and float(ours.loss_scale) == 1.0
 
 
-def test_torch_pass_through_takes_a_non_finite_step_unless_asked_to_skip():
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "bfloat16"])
+def test_torch_never_applies_a_non_finite_step_unless_told_to(policy):
     torch = require_module("torch")
-    for skip in (False, True):
-        model = _torch_model(torch)
-        opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), skip_nonfinite=skip)
+    for skip in (None, False, True):
+        model = mp.apply_policy(_torch_model(torch), policy)
+        kw = {} if skip is None else {"skip_nonfinite": skip}
+        opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), **kw)
         (model(torch.ones(1, 4)).sum() * float("inf")).backward()
         opt.step()
         finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
-        assert finite == skip and opt.last_step_skipped == skip
+        assert finite == (skip is not False) and opt.last_step_skipped == (skip is not False)
+        assert opt.num_skipped_steps == (skip is not False)
 
 
 def test_optax_pass_through_is_the_inner_update_and_adds_no_operation():
@@ -164,8 +169,8 @@ def test_optax_pass_through_is_the_inner_update_and_adds_no_operation():
     params = {"w": jnp.arange(6.0, dtype=jnp.float32).reshape(2, 3), "b": jnp.ones(3, jnp.float32)}
     grads = jax.tree_util.tree_map(lambda p: p * 0.5 - 1.0, params)
     inner = optax.sgd(0.1, momentum=0.9)  # (adamw trips strict dtype promotion inside optax)
-    opt = mp.LossScaleOptimizer(inner)
-    assert opt.loss_scaling.startswith(PASS)
+    opt = mp.LossScaleOptimizer(inner, skip_nonfinite=False)
+    assert opt.loss_scaling.startswith(EXACT)
     state, inner_state = opt.init(params), inner.init(params)
     assert opt.scale_loss(jnp.float32(3.0), state) == 3.0
 
@@ -179,8 +184,9 @@ def test_optax_pass_through_is_the_inner_update_and_adds_no_operation():
     for a, b in zip(jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(plain)):
         # the same operations (above); two compiled programs all the same, so within 2 ulp
         np.testing.assert_array_max_ulp(np.asarray(a), np.asarray(b), maxulp=2)
-    # skip_nonfinite=True: unscaled, but a non-finite update is skipped
-    careful = mp.LossScaleOptimizer(inner, skip_nonfinite=True)
+    # the default: unscaled, but a non-finite update is skipped
+    careful = mp.LossScaleOptimizer(inner)
+    assert careful.loss_scaling == PASS
     bad = jax.tree_util.tree_map(lambda g: g * jnp.inf, grads)
     updates, new = careful.update(bad, careful.init(params), params)
     assert bool(new.last_step_skipped) and not any(bool(jnp.any(u)) for u in jax.tree_util.tree_leaves(updates))
@@ -199,7 +205,7 @@ def test_an_optax_pass_through_state_is_the_inner_state_alone_and_moves_between_
     params = {"w": jnp.ones((2, 3), jnp.float32)}
     grads = {"w": jnp.full((2, 3), 0.5, jnp.float32)}
     inner = optax.sgd(0.1, momentum=0.9)
-    plain = mp.LossScaleOptimizer(inner, policy="float32")
+    plain = mp.LossScaleOptimizer(inner, policy="float32", skip_nonfinite=False)
     state = plain.init(params)
     assert isinstance(state, PassThroughState)
     leaves = jax.tree_util.tree_leaves

@@ -12,7 +12,7 @@ def test_metrics_of_a_torch_optimizer_and_an_optax_state():
     torch = require_module("torch")
     model = torch.nn.Linear(2, 2)
     opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), policy="mixed_float16")
-    model(torch.ones(1, 2)).sum().mul(float("inf")).backward()
+    opt.scale_loss(model(torch.ones(1, 2)).sum().mul(float("inf"))).backward()
     opt.step()
     assert mp.metrics(opt) == {"loss_scale": 16384.0, "skipped_steps": 1, "last_step_skipped": True}
     assert set(mp.metrics(opt, prefix="train/")) == {"train/loss_scale", "train/skipped_steps",
@@ -47,7 +47,8 @@ def test_the_factory_says_what_it_chose_through_the_mixedpolicy_logger(caplog):
     torch = require_module("torch")
     with caplog.at_level(logging.INFO, logger="mixedpolicy"):
         mp.LossScaleOptimizer(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1), policy="mixed_bfloat16")
-    assert "LossScaleOptimizer(SGD): a pass-through, following the policy" in caplog.text
+    assert ("LossScaleOptimizer(SGD): no scaling; a step whose gradients are not all finite is skipped, "
+            "following the policy") in caplog.text
 
 
 def test_a_missing_framework_names_its_extra(monkeypatch):

@@ -1,9 +1,8 @@
 """`LossScaleOptimizer` for Keras 3: Keras's own, with a bounded scale and visible skips.
 
-A subclass of ``keras.optimizers.LossScaleOptimizer`` that keeps its interface,
-its variables (``dynamic_scale``, ``step_counter``) and its behaviour in
-``model.fit`` and custom loops on the jax, torch and tensorflow backends, and
-changes what made Keras's unsafe:
+A subclass of ``keras.optimizers.LossScaleOptimizer`` that keeps its interface, its variables
+(``dynamic_scale``, ``step_counter``) and its behaviour in ``model.fit`` and custom loops on the
+jax, torch and tensorflow backends, and changes what made Keras's unsafe:
 
 - the scale moves by the shared `mixedpolicy.DynamicLossScale` algorithm, bounded
   to ``[min_scale, max_scale]``: Keras's halves without a floor, reaches 0 after
@@ -149,8 +148,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     @property
     def loss_scaling(self) -> str:
-        """What this wrapper does to a step: dynamic, static, or a pass-through."""
-        return summary(NoLossScale(skip_nonfinite=False) if self._pass_through else self._scale_settings)
+        """What this wrapper does to a step (a static scale of 1 takes the same steps as none)."""
+        unit = isinstance(self._scale_settings, StaticLossScale) and float(self._scale_settings.loss_scale) == 1.0
+        return summary(NoLossScale(not self._pass_through) if self._pass_through or unit else self._scale_settings)
 
     def scale_loss(self, loss: Any) -> Any:
         """Returns ``loss * loss_scale`` in float32; differentiate this (a pass-through: `loss`)."""

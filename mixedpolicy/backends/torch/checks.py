@@ -4,12 +4,15 @@ scale a ``torch.amp.GradScaler`` state dict describes.
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from typing import Any
 
 import torch
 
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale
+
+_log = logging.getLogger("mixedpolicy")
 
 
 def _capturable_devices() -> list:
@@ -38,24 +41,42 @@ def check_capturable(opt: torch.optim.Optimizer) -> None:
                     f"capturable=False (the default), or move the model to the GPU before creating it.")
 
 
-def check_half_master_weights(group: dict, loss_scale: LossScale) -> None:
-    if isinstance(loss_scale, NoLossScale):
+def check_half_master_weights(group: dict, loss_scale: LossScale, variable_dtypes: Any = None) -> None:
+    """Refuses half-precision master weights: always under a scale; under a pass-through that
+    follows policies (`variable_dtypes`, theirs) unless one of them stores variables in that
+    dtype; never under a `NoLossScale` given by hand."""
+    if isinstance(loss_scale, NoLossScale) and variable_dtypes is None:
         return
     for p in group["params"]:
-        if p.dtype in (torch.float16, torch.bfloat16):
+        if p.dtype not in (torch.float16, torch.bfloat16):
+            continue
+        name = str(p.dtype).rpartition(".")[2]
+        if isinstance(loss_scale, NoLossScale):
+            if name in variable_dtypes:
+                continue
             raise ValueError(
-                f"Received an optimizer whose parameters are {p.dtype} master weights. "
-                f"Loss scaling protects float16 gradients, but updates to half-precision "
-                f"weights are lost to rounding. Keep the weights in float32 (apply a "
-                f"mixed policy such as 'mixed_float16', which stores variables in "
-                f"float32), or wrap with loss_scale=mp.NoLossScale() if intended.")
+                f"Received an optimizer whose parameters (one of shape {tuple(p.shape)}) are {name} "
+                f"master weights, under a policy that stores variables in "
+                f"{' or '.join(sorted(variable_dtypes))}: updates to half-precision weights are "
+                f"lost to rounding, and the same loop under a float16 policy would be refused. "
+                f"Keep the weights in float32 (drop .half()/.to({name}); apply_policy computes in "
+                f"half precision), train under a pure policy that stores them in {name} "
+                f"(mp.apply_policy(model, {name!r})), or wrap with loss_scale=mp.NoLossScale() "
+                f"if intended.")
+        raise ValueError(
+            f"Received an optimizer whose parameters are {p.dtype} master weights. "
+            f"Loss scaling protects float16 gradients, but updates to half-precision "
+            f"weights are lost to rounding. Keep the weights in float32 (apply a "
+            f"mixed policy such as 'mixed_float16', which stores variables in "
+            f"float32), or wrap with loss_scale=mp.NoLossScale() if intended.")
 
 
-def config_from_scaler_state(cfg: LossScale, state: Any) -> tuple:
+def config_from_scaler_state(cfg: LossScale, state: Any, follows_policy: bool = False) -> tuple:
     """(the loss scale `state` describes, skip count or None), `cfg` giving the kind; changes nothing.
 
-    A pass-through (`NoLossScale(skip_nonfinite=False)`) takes any state and keeps being one:
-    the policy it follows needs no scale, whatever the run that saved the state used.
+    A wrapper that scales nothing because its policy needs no scale (`follows_policy`), or a
+    pass-through (`NoLossScale(skip_nonfinite=False)`), takes any state and keeps scaling
+    nothing, whatever the run that saved the state used; what it drops is logged.
     """
     if not isinstance(state, dict):
         raise TypeError(f"Received a scaler state of type {type(state).__name__}; expected the "
@@ -90,7 +111,14 @@ def config_from_scaler_state(cfg: LossScale, state: Any) -> tuple:
             min_scale=state.get("min_scale") or min(cfg.min_scale, scale),
             max_scale=state.get("max_scale") or max(cfg.max_scale, scale))
     elif isinstance(cfg, NoLossScale):
-        if float(scale) != 1.0 and cfg.skip_nonfinite:
+        if float(scale) != 1.0 and (follows_policy or not cfg.skip_nonfinite):
+            _log.warning(
+                "Loaded a checkpoint whose loss scale is %g (growth counter %s) into a "
+                "LossScaleOptimizer that scales nothing (%s): the scale is dropped; the inner "
+                "optimizer's state and the skip count are kept. Pass policy='mixed_float16' (or "
+                "initial_scale=...) to go on scaling.", float(scale), int(state["_growth_tracker"]),
+                "its policy computes in no float16" if follows_policy else "skip_nonfinite=False")
+        elif float(scale) != 1.0:
             raise ValueError(
                 f"Received a scaler state with scale={scale} for a LossScaleOptimizer made with "
                 f"NoLossScale(), which never scales. Load it into a wrapper made with a "
@@ -123,3 +151,15 @@ def grads_by_device_and_dtype(param_groups: list, half_allowed: bool) -> dict:
                 g = g.coalesce()._values() if g.dtype == torch.float16 else g._values()
             groups[(g.device, g.dtype)].append(g)
     return groups
+
+
+def unscaled_step_error(what: str, scale: float) -> RuntimeError:
+    """The refusal of a step (or unscale) whose gradients did not come from a scaled loss."""
+    return RuntimeError(
+        f"{what} was called, but no loss was scaled since the last step: the gradients came "
+        f"from loss.backward(), not from opt.scale_loss(loss).backward(), and dividing them by "
+        f"the loss scale ({scale:g}) would make the update that many times too small "
+        f"(torch.amp.GradScaler stops here too). Call opt.scale_loss(loss).backward(). In "
+        f"Lightning, let the Trainer scale: Trainer(plugins=[mixedpolicy.lightning."
+        f"Precision(policy)]) with the plain optimizer from configure_optimizers; with the "
+        f"Hugging Face Trainer, see docs/torch.md.")

@@ -16,14 +16,17 @@ exactly `DynamicLossScale.adjust`.
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from mixedpolicy._adapter import OptimizerAdapter
 from mixedpolicy.backends.torch.arrays import PARAMETER_POLICY
-from mixedpolicy.backends.torch.checks import check_capturable, check_half_master_weights, grads_by_device_and_dtype
+from mixedpolicy.backends.torch.checks import (check_capturable, check_half_master_weights, grads_by_device_and_dtype,
+                                               unscaled_step_error)
+from mixedpolicy.backends.torch.closure import check_closure_optimizers, closure_step, reevaluates_closure
 from mixedpolicy.backends.torch.state import Checkpoints
 from mixedpolicy.scope import global_policy
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, is_pass_through, summary
@@ -39,26 +42,25 @@ class TorchLossScaleOptimizer(Checkpoints, torch.optim.Optimizer):
 
     def __init__(self, inner: Any, loss_scale: LossScale):  # noqa: D107 (Optimizer.__init__ not called on purpose)
         inners = list(inner) if isinstance(inner, (list, tuple)) else [inner]
+        check_closure_optimizers(inners, loss_scale)
         for opt in inners:
             if isinstance(opt, TorchLossScaleOptimizer):
                 raise TypeError(
                     "Received a mixedpolicy LossScaleOptimizer to wrap; it already scales the loss, "
                     "and wrapping it again would divide the gradients by two scales. Wrap the "
                     "torch optimizer once (use .inner_optimizers to get at the optimizers inside).")
-            if isinstance(opt, torch.optim.LBFGS):
-                raise TypeError(
-                    "Received torch.optim.LBFGS, which re-evaluates the loss inside step(closure); "
-                    "loss scaling cannot follow those re-evaluations. Use LBFGS without a "
-                    "LossScaleOptimizer, under a bfloat16 or float32 policy (they need no loss scale).")
             for group in opt.param_groups:
                 check_half_master_weights(group, loss_scale)
             check_capturable(opt)
         self._inners = inners
         self._scale_settings = loss_scale
+        self._variable_dtypes: frozenset | None = None  # of the policies a pass-through follows
         self._scale: torch.Tensor | None = None
         self._growth_tracker: torch.Tensor | None = None
         self._found_inf: torch.Tensor | None = None  # of the current step, once checked
         self._unscaled = False
+        self._acting_on: torch.optim.Optimizer | None = None
+        self._loss_scaled = False  # scale_loss ran since the last step (GradScaler's check, per step)
         self._skipped: torch.Tensor | None = None
         self._last_skipped: torch.Tensor | None = None
         for kind in ("step_pre", "step_post", "state_dict_pre", "state_dict_post",
@@ -87,8 +89,16 @@ class TorchLossScaleOptimizer(Checkpoints, torch.optim.Optimizer):
         if isinstance(param_group, dict):
             params = param_group.get("params")
             params = [params] if isinstance(params, torch.Tensor) else list(params or [])
-            check_half_master_weights({"params": params}, self._scale_settings)
+            check_half_master_weights({"params": params}, self._scale_settings, self._variable_dtypes)
         self._inners[0].add_param_group(param_group)
+
+    def _follow_policies(self, policies: tuple) -> None:
+        """A pass-through chosen by `policies` refuses what the scaling wrapper refuses: half
+        master weights, unless a policy followed stores variables in that dtype (a pure one)."""
+        dtypes = frozenset(p.variable_dtype for p in policies)
+        for group in self.param_groups:
+            check_half_master_weights(group, self._scale_settings, dtypes)
+        self._variable_dtypes = dtypes
     # -- the inner optimizer's view -------------------------------------------
     @property
     def inner_optimizers(self) -> list:
@@ -170,14 +180,41 @@ class TorchLossScaleOptimizer(Checkpoints, torch.optim.Optimizer):
             raise TypeError(f"Received a loss of type {type(loss).__name__} ({loss!r:.60}); "
                             f"expected the loss tensor of this step (or a list of them), whose "
                             f".backward() computes the gradients.")
+        self._loss_scaled = True
         if isinstance(self._scale_settings, NoLossScale):
             return loss
         scale = self._ensure_scale(loss.device)
         return loss.float() * scale.to(loss.device, non_blocking=True)
 
+    def _check_loss_was_scaled(self, what: str) -> None:
+        if self._loss_scaled or isinstance(self._scale_settings, NoLossScale):
+            return
+        if not any(p.grad is not None for group in self.param_groups for p in group["params"]):
+            return  # no backward at all: refused below as a step without gradients
+        raise unscaled_step_error(what, float(self.loss_scale))
+
     # -- unscale and step -----------------------------------------------------
+    def _stepped(self) -> list:
+        """The optimizers the current step acts on: all, or the one `acting_on` names."""
+        return self._inners if self._acting_on is None else [self._acting_on]
+
+    @contextlib.contextmanager
+    def acting_on(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
+        """Within it, `unscale_` and `step` act on `optimizer` alone (one of `inner_optimizers`),
+        with the shared scale: how a trainer that steps its optimizers one by one (Lightning)
+        keeps one scale for all, as one ``torch.amp.GradScaler`` does."""
+        if not any(optimizer is o for o in self._inners):
+            raise ValueError(f"Received a {type(optimizer).__name__} that this LossScaleOptimizer "
+                             f"does not wrap; expected one of inner_optimizers.")
+        self._acting_on = optimizer
+        try:
+            yield
+        finally:
+            self._acting_on = None
+
     def _grads_by_device_and_dtype(self) -> dict:
-        return grads_by_device_and_dtype(self.param_groups, half_allowed=isinstance(self._scale_settings, NoLossScale))
+        groups = [g for opt in self._stepped() for g in opt.param_groups]
+        return grads_by_device_and_dtype(groups, half_allowed=isinstance(self._scale_settings, NoLossScale))
 
     def _unscale_and_check(self, inv_scale: torch.Tensor) -> torch.Tensor:
         """Multiplies every gradient by `inv_scale` and returns one found-inf flag (no sync)."""
@@ -200,11 +237,13 @@ class TorchLossScaleOptimizer(Checkpoints, torch.optim.Optimizer):
         Raises:
           RuntimeError: `unscale_` was already called since the last `step`.
         """
-        if is_pass_through(self._scale_settings):
-            return  # nothing was scaled (GradScaler(enabled=False).unscale_ does nothing either)
         if self._unscaled:
             raise RuntimeError("unscale_() was already called since the last step(); the "
                                "gradients are unscaled once per step. Call step() next.")
+        if is_pass_through(self._scale_settings):
+            self._unscaled = True  # nothing was scaled; the misuse above is refused all the same
+            return
+        self._check_loss_was_scaled("unscale_()")
         scale = self._ensure_scale(self._first_device())
         self._found_inf = self._unscale_and_check(scale.double().reciprocal().float())
         self._unscaled = True
@@ -212,25 +251,37 @@ class TorchLossScaleOptimizer(Checkpoints, torch.optim.Optimizer):
     def step(self, closure: Any = None) -> Any:
         """Unscales (unless `unscale_` ran), skips or applies the update, updates the scale.
 
+        Args:
+          closure: as torch's optimizers take it (Lightning passes one): called once, with
+            gradients enabled, before the gradients are checked; its result is returned. An
+            optimizer that re-evaluates it (LBFGS) gets it as it is under a pass-through.
+
         Raises:
-          TypeError: a closure was given (closure optimizers such as LBFGS re-evaluate
-            the loss, which loss scaling cannot follow).
+          RuntimeError: under loss scaling, no loss was scaled since the last step (the
+            gradients are not the scaled ones), or no parameter has a gradient.
         """
+        pass_through = is_pass_through(self._scale_settings)
+        stepped = self._stepped()
+        if closure is not None and any(reevaluates_closure(o) for o in stepped):
+            return closure_step(self, stepped[0], closure)
+        result = None
         if closure is not None:
-            raise TypeError("LossScaleOptimizer.step() takes no closure: an optimizer that "
-                            "re-evaluates the loss (LBFGS) cannot be loss-scaled. Use it without "
-                            "a LossScaleOptimizer and a bfloat16 or float32 policy.")
-        if is_pass_through(self._scale_settings):  # the inner step, nothing added
-            for opt in self._inners:
+            with torch.enable_grad():
+                result = closure()
+        if pass_through:  # the inner step, nothing added
+            for opt in stepped:
                 opt.step()
-            return None
+            self._after_step()
+            return result
+        if not self._unscaled:
+            self._check_loss_was_scaled("step()")
         # NoLossScale too: its scale is 1, and a non-finite step is still skipped
         scale = self._ensure_scale(self._first_device())
-        fused = all(getattr(opt, "_step_supports_amp_scaling", False) for opt in self._inners)
+        fused = all(getattr(opt, "_step_supports_amp_scaling", False) for opt in stepped)
         if fused:
             if self._found_inf is None:  # the fused kernel unscales; only check here
                 self._found_inf = self._unscale_and_check(torch.ones((), dtype=torch.float32, device=scale.device))
-            for opt in self._inners:
+            for opt in stepped:
                 opt.grad_scale = None if self._unscaled else scale
                 opt.found_inf = self._found_inf
                 try:
@@ -241,12 +292,16 @@ class TorchLossScaleOptimizer(Checkpoints, torch.optim.Optimizer):
             if not self._unscaled:
                 self.unscale_()
             if not self._found_inf.item():  # the one host sync GradScaler makes too
-                for opt in self._inners:
+                for opt in stepped:
                     opt.step()
         self._update_scale(self._found_inf)
+        self._after_step()
+        return result
+
+    def _after_step(self) -> None:
         self._found_inf = None
         self._unscaled = False
-        return None
+        self._loss_scaled = False
 
     step = torch.optim.Optimizer.profile_hook_step(step)  # runs the step pre/post hooks
     step.hooked = True
@@ -280,6 +335,9 @@ class TorchOptimizers(OptimizerAdapter):
                 f"replica axis. Under DistributedDataParallel every rank already skips "
                 f"together: the gradients are all-reduced before the step checks them.")
         return TorchLossScaleOptimizer(optimizer, loss_scale)
+
+    def follow_policies(self, wrapper: Any, policies: tuple) -> None:
+        wrapper._follow_policies(policies)
 
     def policies_of(self, optimizer: Any) -> tuple[Any, str] | None:
         inners = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]

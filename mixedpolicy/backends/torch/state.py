@@ -43,7 +43,7 @@ class Checkpoints:
 
     def _scale_state_from(self, state: Any) -> tuple:
         """(loss-scale config, skip count or None) from a scaler state dict; changes nothing."""
-        return config_from_scaler_state(self._scale_settings, state)
+        return config_from_scaler_state(self._scale_settings, state, self._variable_dtypes is not None)
 
     def _set_scale_state(self, cfg: LossScale, skipped: int | None) -> None:
         if skipped is None:

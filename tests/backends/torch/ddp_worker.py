@@ -23,9 +23,9 @@ def _model():
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
 
 
-def _grads(rank, policy=None, hook=None, poison=False, plain=False, tag=None, local=False):
+def _grads(rank, policy=None, hook=None, poison=False, plain=False, tag=None, local=False, opt=None):
     """Gradients of one DDP backward on this rank's batch (`local`: without DDP), and the
-    hook state."""
+    hook state; `opt(params)` makes an optimizer whose scale_loss the backward goes through."""
     model = _model()
     if tag is not None:
         mp.apply_policy(model, tag)
@@ -41,8 +41,10 @@ def _grads(rank, policy=None, hook=None, poison=False, plain=False, tag=None, lo
     x = torch.randn(32, 8)
     if poison and rank == 1:
         x[0, 0] = float("inf")
-    ddp(x).float().square().mean().backward()
-    return [p.grad.clone() for p in model.parameters()], state, model
+    loss = ddp(x).float().square().mean()
+    optimizer = opt(model.parameters()) if opt is not None else None
+    (loss if optimizer is None else optimizer.scale_loss(loss)).backward()
+    return [p.grad.clone() for p in model.parameters()], state, (model if opt is None else (model, optimizer))
 
 
 def _equal(a, b):
@@ -141,8 +143,8 @@ def run(rank, world, port):
         assert "before wrapping it in DDP" in str(err) and "Nothing was applied" in str(err), err
     # an overflow on one rank reaches every rank, in every reduce dtype: all skip together
     for name in ("float32", "bfloat16", "float16", "float8_e5m2", "float8_e4m3fn"):
-        grads, _, model = _grads(rank, mp.Policy("mixed_float16", reduce_dtype=name), poison=True)
-        opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), policy="mixed_float16")
+        grads, _, (model, opt) = _grads(rank, mp.Policy("mixed_float16", reduce_dtype=name), poison=True, opt=lambda
+                                        ps: mp.LossScaleOptimizer(torch.optim.SGD(ps, lr=0.1), policy="mixed_float16"))
         before = [p.detach().clone() for p in model.parameters()]
         opt.step()
         assert opt.last_step_skipped, (rank, name)

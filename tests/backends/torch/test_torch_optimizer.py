@@ -266,13 +266,81 @@ def test_half_master_weights_are_an_error():
         mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
 
 
-def test_closure_is_refused():
+def test_step_takes_a_closure_and_calls_it_once_as_torch_optimizers_do():
+    data = batches(3)
+
+    def train(with_closure):
+        model = net()
+        opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        calls, losses = [0], []
+        for step, (x, y) in enumerate(data):
+            def closure(x=x, y=y, step=step):
+                calls[0] += 1
+                opt.zero_grad()
+                loss = loss_of(model, x, y, poison=step == 1)
+                opt.scale_loss(loss).backward()
+                return loss
+            if with_closure:
+                losses.append(opt.step(closure))
+            else:
+                losses.append(closure())
+                assert opt.step() is None
+        return model, opt, losses, calls[0]
+
+    ours, opt, losses, calls = train(True)
+    plain, plain_opt, plain_losses, _ = train(False)
+    assert calls == 3 and opt.num_skipped_steps == 1 == plain_opt.num_skipped_steps
+    assert [float(a) for a in losses] == [float(b) for b in plain_losses]
+    assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), plain.parameters()))
+
+
+def test_lbfgs_is_refused_under_scaling_and_passed_its_closure_otherwise():
+    model = net()
+    with pytest.raises(TypeError, match="LBFGS under dynamic.*re-evaluates"):  # at construction
+        mp.LossScaleOptimizer(torch.optim.LBFGS(model.parameters()))
+    x, y = batches(1)[0]
+
+    def run(poison, **kw):
+        model = net()
+        opt = mp.LossScaleOptimizer(torch.optim.LBFGS(model.parameters(), max_iter=3), policy="float32", **kw)
+
+        def closure():
+            opt.zero_grad()
+            loss = loss_of(model, x, y, poison)
+            opt.scale_loss(loss).backward()
+            return loss
+        before = [p.detach().clone() for p in model.parameters()]
+        loss = opt.step(closure)
+        return model, opt, before, loss
+
+    model, opt, before, loss = run(poison=False)
+    assert torch.isfinite(loss) and not opt.last_step_skipped
+    assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    model, opt, before, _ = run(poison=True)  # checked at the first evaluation: nothing moved
+    assert opt.last_step_skipped and opt.num_skipped_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    model, opt, before, _ = run(poison=True, skip_nonfinite=False)  # exactly LBFGS's own step
+    assert opt.num_skipped_steps == 0
+
+
+def test_a_step_whose_loss_was_not_scaled_is_refused_under_scaling():
     model = net()
     opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    with pytest.raises(TypeError, match="takes no closure"):
-        opt.step(lambda: 0.0)
-    with pytest.raises(TypeError, match="LBFGS.*re-evaluates"):  # at construction, not at step
-        mp.LossScaleOptimizer(torch.optim.LBFGS(model.parameters()))
+    x, y = batches(1)[0]
+    loss_of(model, x, y).backward()  # forgot opt.scale_loss: the update would be 32768x too small
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="no loss was scaled.*scale_loss\\(loss\\).backward"):
+        opt.step()
+    with pytest.raises(RuntimeError, match="no loss was scaled"):
+        opt.unscale_()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    opt.zero_grad()
+    opt.scale_loss(loss_of(model, x, y)).backward()  # accumulating several scaled losses is fine
+    opt.scale_loss(loss_of(model, x, y)).backward()
+    opt.step()
+    loss_of(model, x, y).backward()  # the flag is per step
+    with pytest.raises(RuntimeError, match="no loss was scaled"):
+        opt.step()
 
 
 def test_isinstance_and_type():

@@ -180,14 +180,25 @@ def test_reads_keras_layout_and_its_own_earlier_layout():
 
 
 def test_the_factory_follows_the_policy(monkeypatch):
-    """Under float32 or bfloat16, mp.LossScaleOptimizer(opt) adds nothing to the inner step."""
+    """Under float32 or bfloat16, mp.LossScaleOptimizer(opt) scales nothing but skips a non-finite
+    step; skip_nonfinite=False adds nothing to the inner step."""
     from keras import ops
     from mixedpolicy.backends.keras.optimizer import LossScaleOptimizer
 
     mp.set_global_policy(None)
     # the float16 models earlier tests left alive: while one lives, the factory scales
     monkeypatch.setattr("mixedpolicy.api._FLOAT16_MODELS", {})
-    opt = mp.LossScaleOptimizer(keras.optimizers.SGD(0.5))
+    # the default under a policy without float16: no scaling, a non-finite step skipped
+    safe = mp.LossScaleOptimizer(keras.optimizers.SGD(0.5))
+    assert isinstance(safe, LossScaleOptimizer) and safe.loss_scaling.startswith("no scaling")
+    w = keras.Variable(np.ones(2, "float32"))
+    safe.apply([ops.convert_to_tensor(np.array([1.0, np.inf], "float32"))], [w])
+    np.testing.assert_array_equal(ops.convert_to_numpy(w), [1.0, 1.0])  # Keras's LSO test expects this
+    assert safe.last_step_skipped and safe.num_skipped_steps == 1 and safe.loss_scale == 1.0
+    again = mp.LossScaleOptimizer.from_config(safe.get_config())
+    assert again.loss_scaling.startswith("no scaling")
+    # skip_nonfinite=False: the inner optimizer's step exactly
+    opt = mp.LossScaleOptimizer(keras.optimizers.SGD(0.5), skip_nonfinite=False)
     assert isinstance(opt, LossScaleOptimizer) and opt.loss_scaling.startswith("pass-through")
     loss = ops.convert_to_tensor(np.float32(3.0))
     assert opt.scale_loss(loss) is loss and opt.loss_scale == 1.0
@@ -199,7 +210,7 @@ def test_the_factory_follows_the_policy(monkeypatch):
     plain = keras.optimizers.SGD(0.5) if keras.backend.backend() != "tensorflow" else None
     if plain is None:  # TensorFlow has no stateless_apply
         return _fit_with_the_pass_through()
-    opt = mp.LossScaleOptimizer(keras.optimizers.SGD(0.5))
+    opt = mp.LossScaleOptimizer(keras.optimizers.SGD(0.5), skip_nonfinite=False)
     w1, w2 = keras.Variable(np.ones(2, "float32")), keras.Variable(np.ones(2, "float32"))
     opt.build([w1])
     plain.build([w2])

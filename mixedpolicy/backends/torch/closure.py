@@ -1,0 +1,68 @@
+"""The step of an optimizer that re-evaluates its closure (LBFGS), under a LossScaleOptimizer that
+scales nothing: loss scaling cannot follow the re-evaluations, but the skip of a non-finite step
+can be made before the optimizer moves anything."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mixedpolicy.loss_scale import LossScale, NoLossScale, is_pass_through, summary
+
+
+class SkipStep(Exception):
+    """Raised from a checked closure to leave an optimizer's step before it moves anything."""
+
+
+def reevaluates_closure(opt: torch.optim.Optimizer) -> bool:
+    """Does `opt.step(closure)` evaluate the closure more than once (LBFGS)?"""
+    return isinstance(opt, torch.optim.LBFGS)
+
+
+def check_closure_optimizers(inners: list, loss_scale: LossScale) -> None:
+    """Refuses a closure-re-evaluating optimizer under a scale, or among several optimizers."""
+    for opt in inners:
+        if not reevaluates_closure(opt):
+            continue
+        if len(inners) > 1:
+            raise TypeError(f"Received {type(opt).__name__} among several optimizers: it re-evaluates "
+                            f"the loss inside its own step(closure), which cannot be shared with the "
+                            f"others. Wrap it alone.")
+        if not isinstance(loss_scale, NoLossScale):
+            raise TypeError(
+                f"Received torch.optim.{type(opt).__name__} under {summary(loss_scale)}: it "
+                f"re-evaluates the loss inside step(closure), and loss scaling cannot follow "
+                f"those re-evaluations (torch.amp.GradScaler refuses it too). Under a bfloat16 "
+                f"or float32 policy the wrapper scales nothing and takes it; with float16 "
+                f"compute use a first-order optimizer such as torch.optim.AdamW.")
+
+
+def closure_step(wrapper: Any, optimizer: torch.optim.Optimizer, closure: Any) -> Any:
+    """A step of an optimizer that re-evaluates `closure` (LBFGS), under a wrapper that
+    scales nothing: the closure as it is, or (skipping non-finite steps) checked at its
+    first evaluation, before the optimizer has moved anything."""
+    if is_pass_through(wrapper._scale_settings):
+        result = optimizer.step(closure)
+        wrapper._after_step()
+        return result
+    scale = wrapper._ensure_scale(wrapper._first_device())
+    first = [True]
+
+    def checked() -> Any:
+        loss = closure()
+        if first[0]:
+            first[0] = False
+            wrapper._found_inf = wrapper._unscale_and_check(torch.ones((), dtype=torch.float32, device=scale.device))
+            if wrapper._found_inf.item():
+                raise SkipStep
+        return loss
+
+    result = None
+    try:
+        result = optimizer.step(checked)
+    except SkipStep:
+        pass
+    wrapper._update_scale(wrapper._found_inf)
+    wrapper._after_step()
+    return result

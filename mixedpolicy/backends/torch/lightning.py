@@ -1,0 +1,230 @@
+"""Lightning's precision plugin and callback, built on the torch `LossScaleOptimizer`.
+
+`precision_class(pl)` and `callback_class(pl)` build, for one Lightning package (``pytorch_lightning``
+or ``lightning.pytorch``: their base classes differ), a subclass of its ``Precision`` plugin and
+of its ``Callback``; `mixedpolicy.lightning` hands out the ones of the package in use.
+
+What the plugin does where Lightning calls it (the order Lightning's own ``MixedPrecision`` keeps):
+``convert_module`` puts the policy (or `PolicyMap`) on the LightningModule before the optimizers
+are made; ``connect`` wraps the Trainer's optimizers in one `LossScaleOptimizer` (one scale for
+all, as one ``GradScaler``); ``pre_backward`` scales the loss; ``optimizer_step`` runs the closure,
+unscales (so clipping and ``on_before_optimizer_step`` see true gradients), then steps, skipping a
+step whose gradients are not all finite; the scale and skip count go into the Trainer's checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+
+from mixedpolicy.backends.torch.optimizer import TorchLossScaleOptimizer
+from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, summary
+from mixedpolicy.policy_map import PolicyMap, as_policy_map
+from mixedpolicy.telemetry import metrics
+
+_log = logging.getLogger("mixedpolicy")
+
+#: a policy's name -> the precision string Lightning reports for it (``trainer.precision``)
+_LIGHTNING_NAMES = {"mixed_float16": "16-mixed", "mixed_bfloat16": "bf16-mixed", "float32": "32-true",
+                    "float16": "16-true", "bfloat16": "bf16-true", "float64": "64-true"}
+_built: dict = {}
+
+
+def _loss_scale_for(policy_map: PolicyMap, settings: dict, loss_scale: LossScale | None) -> LossScale:
+    """A bounded dynamic scale where a policy computes in float16 over float32 variables;
+    otherwise no scaling, non-finite steps skipped (a pure float16 policy trains float16
+    weights, which a scale cannot help: as Lightning's "16-true", no scaler)."""
+    if loss_scale is not None:
+        if settings:
+            raise TypeError(f"Received loss_scale={loss_scale!r} together with {sorted(settings)}; "
+                            f"the loss_scale given is used as it is. Pass one or the other.")
+        return loss_scale
+    policies = (policy_map.default, *(p for _, p in policy_map.overrides))
+    mixed16 = any(p is not None and p.compute_dtype == "float16" and p.variable_dtype != "float16"
+                  for p in policies)
+    if mixed16 or settings:
+        return DynamicLossScale(**settings)
+    return NoLossScale()
+
+
+def _unwrap(optimizer: Any) -> Any:
+    return getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer holds the torch one
+
+
+def precision_class(pl: Any) -> type:
+    """The ``Precision`` plugin subclass for the Lightning package `pl` (built once)."""
+    key = ("precision", pl.__name__)
+    if key in _built:
+        return _built[key]
+    base = pl.plugins.precision.Precision
+
+    class Precision(base):  # type: ignore[misc, valid-type]
+        """A Lightning precision plugin that trains under a mixedpolicy policy or `PolicyMap`.
+
+        ``Trainer(plugins=[mixedpolicy.lightning.Precision("mixed_float16", {"head": "float32"})])``:
+        the policy with its overrides goes on the LightningModule (per-layer autocast regions,
+        norms in float32), the loss is scaled where a layer computes in float16 over float32
+        weights, gradients are unscaled before clipping, a step whose gradients are not all
+        finite is skipped and counted under every policy, and the scale with its counters is
+        saved in and restored from the Trainer's checkpoint. Return plain torch optimizers from
+        ``configure_optimizers``: the plugin wraps them.
+
+        Args:
+          policy: a `Policy`, its name (Lightning's ``"16-mixed"``, ``"bf16-mixed"`` too) or a
+            `PolicyMap`; None takes the global policy.
+          overrides: per-layer overrides, as for `PolicyMap` (not with a `PolicyMap`).
+          initial_scale, dynamic_growth_steps, growth_factor, backoff_factor, min_scale,
+            max_scale: settings of the dynamic scale, as `LossScaleOptimizer` takes them.
+          loss_scale: a ready `LossScale`, used as it is.
+
+        Raises:
+          ValueError, TypeError: a bad policy or setting, named with what is valid.
+        """
+
+        def __init__(self, policy: Any = None, overrides: Any = None, *, initial_scale: Any = None,
+                     dynamic_growth_steps: Any = None, growth_factor: Any = None, backoff_factor: Any = None,
+                     min_scale: Any = None, max_scale: Any = None, loss_scale: LossScale | None = None):
+            super().__init__()
+            self.policy_map = as_policy_map(policy, overrides)
+            if self.policy_map.default is None:
+                from mixedpolicy.scope import global_policy
+
+                self.policy_map = PolicyMap(global_policy(), self.policy_map.overrides)
+            settings = {k: v for k, v in (("loss_scale", initial_scale), ("dynamic_growth_steps", dynamic_growth_steps),
+                                          ("growth_factor", growth_factor), ("backoff_factor", backoff_factor),
+                                          ("min_scale", min_scale), ("max_scale", max_scale)) if v is not None}
+            if loss_scale is not None and not isinstance(loss_scale, LossScale):
+                raise TypeError(f"Received loss_scale of type {type(loss_scale).__name__}; expected a "
+                                f"DynamicLossScale, StaticLossScale or NoLossScale.")
+            self._loss_scale = _loss_scale_for(self.policy_map, settings, loss_scale)
+            default = self.policy_map.default
+            self.precision = _LIGHTNING_NAMES.get(default.name, default.name)  # what trainer.precision shows
+            self.optimizer: TorchLossScaleOptimizer | None = None  # the Trainer's optimizers, once connected
+            self._pending_state: dict | None = None
+
+        @property
+        def loss_scaling(self) -> str:
+            """What the plugin does to each step (dynamic scaling, or none with the skip)."""
+            return summary(self._loss_scale)
+
+        # -- the module ---------------------------------------------------------------
+        def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+            from mixedpolicy.api import apply_policy
+
+            return apply_policy(module, self.policy_map)
+
+        def connect(self, model: Any, optimizers: list, lr_schedulers: list) -> tuple:
+            inners = [_unwrap(o) for o in optimizers]
+            for opt in inners:
+                if isinstance(opt, TorchLossScaleOptimizer):
+                    raise TypeError(
+                        "Received a mixedpolicy LossScaleOptimizer from configure_optimizers together "
+                        "with mixedpolicy.lightning.Precision, which scales the loss itself: the "
+                        "gradients would be scaled twice. Return the plain torch optimizer "
+                        "(opt.inner_optimizer); pass the scale settings to Precision(...).")
+            if inners:
+                wrapper = TorchLossScaleOptimizer(inners, self._loss_scale)
+                if isinstance(self._loss_scale, NoLossScale):
+                    wrapper._follow_policies((self.policy_map.default, *(p for _, p in self.policy_map.overrides)))
+                self.optimizer = wrapper
+                if self._pending_state is not None:
+                    self.optimizer.load_scaler_state_dict(self._pending_state)
+                    self._pending_state = None
+            return super().connect(model, optimizers, lr_schedulers)
+
+        # -- backward and step --------------------------------------------------------
+        def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
+            if self.optimizer is not None:
+                tensor = self.optimizer.scale_loss(tensor)
+            return super().pre_backward(tensor, module)
+
+        def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+            if self.optimizer is None:
+                return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+            inner = _unwrap(optimizer)
+            if isinstance(inner, torch.optim.LBFGS):
+                raise TypeError("Received torch.optim.LBFGS with mixedpolicy.lightning.Precision: it "
+                                "re-evaluates the closure inside its step, which the plugin's check of "
+                                "the gradients cannot follow. Use a first-order optimizer.")
+            closure_result = closure()
+            # automatic optimization whose training_step returned None: no backward, no step
+            skip_backward = closure_result is None and getattr(model, "automatic_optimization", True)
+            with self.optimizer.acting_on(inner):
+                if not skip_backward and not self.optimizer._unscaled:
+                    self.optimizer.unscale_()  # clipping and on_before_optimizer_step see true gradients
+                self._after_closure(model, optimizer)
+                if skip_backward:
+                    self.optimizer._after_step()
+                    return closure_result
+                self.optimizer.step(**kwargs)
+            return closure_result
+
+        def clip_gradients(self, optimizer: Any, clip_val: Any = 0.0, gradient_clip_algorithm: Any = None) -> None:
+            if self.optimizer is not None and clip_val and clip_val > 0 and not self.optimizer._unscaled:
+                with self.optimizer.acting_on(_unwrap(optimizer)):
+                    self.optimizer.unscale_()  # manual optimization: clip true gradients, not scaled ones
+            kwargs = {} if gradient_clip_algorithm is None else {"gradient_clip_algorithm": gradient_clip_algorithm}
+            super().clip_gradients(optimizer, clip_val=clip_val, **kwargs)
+
+        # -- checkpoints ----------------------------------------------------------------
+        def state_dict(self) -> dict:
+            if self.optimizer is None:
+                return {}
+            return self.optimizer.state_dict()["loss_scale"]
+
+        def load_state_dict(self, state_dict: dict) -> None:
+            if not state_dict:
+                return
+            if self.optimizer is None:  # restored before the optimizers are connected
+                self._pending_state = dict(state_dict)
+                return
+            self.optimizer.load_scaler_state_dict(state_dict)
+
+    Precision.__module__, Precision.__qualname__ = "mixedpolicy.lightning", "Precision"
+    _built[key] = Precision
+    return Precision
+
+
+def callback_class(pl: Any) -> type:
+    """The ``Callback`` subclass for the Lightning package `pl` (built once)."""
+    key = ("callback", pl.__name__)
+    if key in _built:
+        return _built[key]
+
+    class LossScaleCallback(pl.Callback):  # type: ignore[misc, name-defined]
+        """Logs the loss scale, the skipped steps and whether the last step was skipped through
+        ``pl_module.log_dict`` every `every_n_steps` training batches: of the mixedpolicy
+        `Precision` plugin, else of each mixedpolicy `LossScaleOptimizer` among the Trainer's
+        optimizers (reading them syncs with the device once per log)."""
+
+        def __init__(self, every_n_steps: int = 50, prefix: str = "loss_scale/"):
+            super().__init__()
+            if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
+                raise ValueError(f"Received every_n_steps={every_n_steps!r}; expected a whole number >= 1.")
+            if not isinstance(prefix, str):
+                raise TypeError(f"Received prefix={prefix!r:.60}; expected a string such as 'loss_scale/'.")
+            self.every_n_steps, self.prefix = every_n_steps, prefix
+
+        def _sources(self, trainer: Any) -> list:
+            plugin = getattr(getattr(trainer, "strategy", None), "precision_plugin", None)
+            if isinstance(getattr(plugin, "optimizer", None), TorchLossScaleOptimizer):
+                return [plugin.optimizer]
+            return [o for o in (_unwrap(o) for o in getattr(trainer, "optimizers", []) or [])
+                    if isinstance(o, TorchLossScaleOptimizer)]
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if batch_idx % self.every_n_steps:
+                return
+            sources = self._sources(trainer)
+            values: dict = {}
+            for i, source in enumerate(sources):
+                prefix = self.prefix if len(sources) == 1 else f"{self.prefix}{i}/"
+                values.update({k: float(v) for k, v in metrics(source, prefix).items()})
+            if values:
+                pl_module.log_dict(values)
+
+    LossScaleCallback.__module__, LossScaleCallback.__qualname__ = "mixedpolicy.lightning", "LossScaleCallback"
+    _built[key] = LossScaleCallback
+    return LossScaleCallback

@@ -1,0 +1,49 @@
+"""Lightning: ``mixedpolicy.lightning.Precision``, a precision plugin, and ``LossScaleCallback``.
+
+``Trainer(plugins=[mixedpolicy.lightning.Precision("16-mixed", {"head": "float32"})],
+callbacks=[mixedpolicy.lightning.LossScaleCallback()])``. Both are subclasses of the Lightning
+package in use: ``pytorch_lightning`` or ``lightning.pytorch``, whichever is imported already,
+else the first of the two that is installed. Importing this module imports torch; reading
+``Precision`` or ``LossScaleCallback`` imports Lightning.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any
+
+_PACKAGES = ("pytorch_lightning", "lightning.pytorch")
+
+
+def lightning_package() -> Any:
+    """The Lightning package the plugin and the callback subclass (see the module docstring).
+
+    Raises:
+      ImportError: neither ``pytorch_lightning`` nor ``lightning`` is installed.
+    """
+    for name in _PACKAGES:
+        if name in sys.modules:
+            return sys.modules[name]
+    for name in _PACKAGES:
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError:
+            continue
+    raise ImportError("mixedpolicy.lightning needs Lightning, which is not installed; install it "
+                      "with pip install pytorch-lightning (or lightning).")
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Precision":
+        from mixedpolicy.backends.torch.lightning import precision_class
+
+        return precision_class(lightning_package())
+    if name == "LossScaleCallback":
+        from mixedpolicy.backends.torch.lightning import callback_class
+
+        return callback_class(lightning_package())
+    raise AttributeError(f"module 'mixedpolicy.lightning' has no attribute {name!r}")
+
+
+__all__ = ["LossScaleCallback", "Precision", "lightning_package"]

@@ -1,0 +1,180 @@
+"""mixedpolicy inside a real Lightning Trainer: the precision plugin against Lightning's own
+MixedPrecision on the same seeded module, automatic and manual optimization, the callback,
+a LossScaleOptimizer returned from configure_optimizers, and checkpoints."""
+
+import logging
+import warnings
+
+import pytest
+
+from conftest import require_module
+
+torch = require_module("torch")
+pl = pytest.importorskip("pytorch_lightning")
+import mixedpolicy as mp  # noqa: E402
+import mixedpolicy.lightning as mpl  # noqa: E402
+
+POISON = 3  # the training step whose loss is made infinite
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    for name in ("pytorch_lightning", "lightning.pytorch", "lightning_fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+class Net(pl.LightningModule):
+    def __init__(self, manual=False, optimizer=None, poison=POISON):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.ReLU())
+        self.head = torch.nn.Linear(32, 4)
+        self.automatic_optimization = not manual
+        self.make_optimizer = optimizer or (lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
+        self.poison = poison
+        self.losses, self.scales = [], []
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+    def _loss(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self(x).float(), y)
+        self.losses.append(float(loss))
+        return loss * float("inf") if batch_idx == self.poison else loss
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch, batch_idx)
+        if self.automatic_optimization:
+            return loss
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+
+    def configure_optimizers(self):
+        return self.make_optimizer(self.parameters())
+
+
+def _data(n=8):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n * 8, 16, generator=g)
+    y = torch.randint(0, 4, (n * 8,), generator=g)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+
+
+class Record(pl.Callback):
+    """The scale after every step, read from whichever plugin scales."""
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        plugin = trainer.precision_plugin
+        if getattr(plugin, "scaler", None) is not None:
+            module.scales.append(float(plugin.scaler.get_scale()))
+        elif getattr(plugin, "optimizer", None) is not None:
+            module.scales.append(float(plugin.optimizer.loss_scale))
+
+
+def _fit(module, steps=8, **trainer_kw):
+    trainer_kw.setdefault("callbacks", [])
+    trainer_kw["callbacks"] = [*trainer_kw["callbacks"], Record()]
+    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, **trainer_kw)
+    trainer.fit(module, _data(steps))
+    return trainer
+
+
+def _weights(module):
+    return torch.cat([p.detach().float().flatten() for p in module.parameters()])
+
+
+@pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual"])
+def test_16_mixed_matches_lightnings_own_plugin_losses_skips_and_scale(manual):
+    theirs = Net(manual)
+    # (Trainer(precision="16-mixed") turns itself into bf16-mixed on a CPU: the plugin by hand)
+    _fit(theirs, plugins=[pl.plugins.precision.MixedPrecision("16-mixed", "cpu")])
+    ours = Net(manual)
+    trainer = _fit(ours, plugins=[mpl.Precision("16-mixed", initial_scale=2.0**16)])  # GradScaler's start
+    plugin = trainer.precision_plugin
+    assert isinstance(plugin, pl.plugins.precision.Precision) and trainer.precision == "16-mixed"
+    assert ours.scales == theirs.scales and ours.scales[POISON] == ours.scales[0] / 2
+    assert plugin.optimizer.num_skipped_steps == 1
+    # the same steps taken: float16 compute in two orders of operations, so close, not equal
+    torch.testing.assert_close(torch.tensor(ours.losses), torch.tensor(theirs.losses), rtol=2e-2, atol=2e-2)
+    assert torch.isfinite(_weights(ours)).all()
+    table = mp.describe(ours)
+    assert {row.compute_dtype for row in table if row.path == "head"} == {"float16"}
+
+
+@pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual"])
+def test_bf16_mixed_matches_lightnings_own_plugin_and_skips_what_it_would_apply(manual):
+    theirs = Net(manual, poison=None)
+    _fit(theirs, precision="bf16-mixed")
+    ours = Net(manual, poison=None)
+    trainer = _fit(ours, plugins=[mpl.Precision("bf16-mixed")])
+    assert trainer.precision == "bf16-mixed" and trainer.precision_plugin.loss_scaling.startswith("no scaling")
+    torch.testing.assert_close(torch.tensor(ours.losses), torch.tensor(theirs.losses), rtol=3e-2, atol=3e-2)
+    # an infinite loss: Lightning's bf16 plugin applies the step (the weights turn NaN); ours skips it
+    theirs, ours = Net(manual), Net(manual)
+    _fit(theirs, precision="bf16-mixed")
+    trainer = _fit(ours, plugins=[mpl.Precision("bf16-mixed")])
+    assert not torch.isfinite(_weights(theirs)).all()
+    assert torch.isfinite(_weights(ours)).all() and trainer.precision_plugin.optimizer.num_skipped_steps == 1
+
+
+def test_a_policy_map_on_the_trainer_reaches_the_layers_it_names_and_the_callback_logs():
+    module = Net()
+    callback = mpl.LossScaleCallback(every_n_steps=1)
+    assert isinstance(callback, pl.Callback)
+    trainer = _fit(module, plugins=[mpl.Precision(mp.PolicyMap("mixed_float16", {"head": "float32"}))],
+                   callbacks=[callback])
+    rows = {row.path: row for row in mp.describe(module)}
+    assert rows["head"].compute_dtype == "float32" and rows["body.0"].compute_dtype == "float16"
+    assert rows["body.1"].compute_dtype == "float32"  # the built-in norm rule
+    logged = trainer.callback_metrics
+    assert float(logged["loss_scale/skipped_steps"]) == 1.0 and float(logged["loss_scale/loss_scale"]) == 2.0**14
+
+
+def test_the_scale_is_saved_in_the_trainers_checkpoint_and_resumed(tmp_path):
+    module = Net()
+    trainer = _fit(module, plugins=[mpl.Precision("16-mixed", dynamic_growth_steps=2)])
+    scale = float(trainer.precision_plugin.optimizer.loss_scale)
+    path = tmp_path / "run.ckpt"
+    trainer.save_checkpoint(path)
+    resumed = Net(poison=None)
+    trainer = pl.Trainer(max_steps=9, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         plugins=[mpl.Precision("16-mixed", dynamic_growth_steps=2)])
+    trainer.fit(resumed, _data(9), ckpt_path=path)
+    plugin = trainer.precision_plugin
+    assert plugin.optimizer.num_skipped_steps == 1  # the skip of the first run came along
+    assert float(plugin.optimizer.loss_scale) in (scale, scale * 2)  # one more step, growth every 2
+
+
+def test_a_loss_scale_optimizer_from_configure_optimizers():
+    # under a policy that needs no scale it trains in Lightning's own loop (step(closure))
+    module = Net(optimizer=lambda ps: mp.LossScaleOptimizer(torch.optim.SGD(ps, lr=0.1), policy="float32"))
+    _fit(module)
+    assert torch.isfinite(_weights(module)).all()  # the infinite step was skipped
+    # under float16 scaling, Lightning's own backward is not a scaled one: refused, with the fix
+    module = Net(optimizer=lambda ps: mp.LossScaleOptimizer(torch.optim.SGD(ps, lr=0.1), policy="mixed_float16"))
+    with pytest.raises(RuntimeError, match="no loss was scaled.*mixedpolicy.lightning.Precision"):
+        _fit(module)
+    # and together with the plugin, which scales itself: refused before any step
+    module = Net(optimizer=lambda ps: mp.LossScaleOptimizer(torch.optim.SGD(ps, lr=0.1)))
+    with pytest.raises(TypeError, match="scales the loss itself.*plain torch optimizer"):
+        _fit(module, plugins=[mpl.Precision("16-mixed")])
+
+
+def test_bad_input_to_the_plugin_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match="ambiguous"):
+        mpl.Precision("bf16")
+    with pytest.raises(TypeError, match="loss_scale of type"):
+        mpl.Precision("16-mixed", loss_scale=2.0)
+    with pytest.raises(TypeError, match="together with"):
+        mpl.Precision("16-mixed", loss_scale=mp.StaticLossScale(8.0), initial_scale=4.0)
+    with pytest.raises(ValueError, match="every_n_steps=0"):
+        mpl.LossScaleCallback(every_n_steps=0)
+    assert mpl.Precision(32).precision == "32-true" and mpl.Precision("bf16-true").precision == "bf16-true"
