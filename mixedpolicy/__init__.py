@@ -34,7 +34,8 @@ _EXTRAS = {"torch": "torch", "jax": "jax", "jaxlib": "jax", "optax": "jax", "fla
 def __getattr__(name: str):
     # mp.distributed, mp.jax, mp.tensorflow and mp.keras load on first use (each imports
     # its framework); a missing one names the extra that installs it
-    if name in ("distributed", "jax", "tensorflow", "keras", "codecs", "lightning"):
+    if name in ("distributed", "jax", "tensorflow", "keras", "codecs", "lightning",
+                "huggingface"):
         import importlib
 
         try:

@@ -63,6 +63,10 @@ ENTRIES: list[Entry] = [
     Entry("numpy", "numpy", arrays=f"{_B}.numpy.arrays:NumpyArrays"),
 ]
 
+#: Lightning's two packages (their Callback classes differ), and what builds our callback for one
+LIGHTNING_CALLBACKS = (("pytorch_lightning", f"{_B}.torch.lightning:callback_class"),
+                       ("lightning.pytorch", f"{_B}.torch.lightning:callback_class"))
+
 _lock = threading.Lock()
 _loaded: dict[str, Any] = {}
 # Weak keys: classes made per object (torch.fx GraphModule) are not kept alive.
@@ -219,6 +223,14 @@ def cast_tree(tree: Any, dtype: str) -> Any:
 def _function(target: str) -> Any:
     module, _, name = target.partition(":")
     return getattr(importlib.import_module(module), name)
+
+
+def lightning_callback_class() -> Any:
+    """The loss-scale callback class of the Lightning package already imported, or None."""
+    for gate, target in LIGHTNING_CALLBACKS:
+        if gate in sys.modules:
+            return _function(target)(sys.modules[gate])
+    return None
 
 
 def global_policy_changed(policy: Any) -> None:

@@ -13,7 +13,17 @@ import importlib
 import sys
 from typing import Any
 
-_PACKAGES = ("pytorch_lightning", "lightning.pytorch")
+from mixedpolicy._registry import LIGHTNING_CALLBACKS
+
+_PACKAGES = tuple(gate for gate, _ in LIGHTNING_CALLBACKS)
+
+
+def imported_package() -> Any:
+    """The Lightning package already imported in this process, or None."""
+    for name in _PACKAGES:
+        if name in sys.modules:
+            return sys.modules[name]
+    return None
 
 
 def lightning_package() -> Any:
@@ -22,9 +32,9 @@ def lightning_package() -> Any:
     Raises:
       ImportError: neither ``pytorch_lightning`` nor ``lightning`` is installed.
     """
-    for name in _PACKAGES:
-        if name in sys.modules:
-            return sys.modules[name]
+    imported = imported_package()
+    if imported is not None:
+        return imported
     for name in _PACKAGES:
         try:
             return importlib.import_module(name)
@@ -46,4 +56,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'mixedpolicy.lightning' has no attribute {name!r}")
 
 
-__all__ = ["LossScaleCallback", "Precision", "lightning_package"]
+__all__ = ["LossScaleCallback", "Precision", "imported_package", "lightning_package"]

@@ -5,10 +5,11 @@ wrapper's state (``LossScaleState``, or an ``nnx.Optimizer`` holding one) into a
 of Python numbers: ``loss_scale``, ``skipped_steps``, ``last_step_skipped``. Reading them
 syncs with the device: call it at logging intervals, not every step of a fast loop.
 
-`LightningLossScaleCallback` is a Lightning-style callback (duck-typed: Lightning need not
-be installed to import it): at the end of every `every_n_steps`-th training batch it logs the
-metrics of each of the module's optimizers through ``pl_module.log_dict``. The Keras callback
-is `mixedpolicy.keras.LossScaleCallback`.
+`LightningLossScaleCallback` is a Lightning-style callback for loops that only call its hooks
+(duck-typed: Lightning need not be installed to import it): at the end of every
+`every_n_steps`-th training batch it logs the metrics of each of the module's optimizers through
+``pl_module.log_dict``. In a Lightning ``Trainer``, use `mixedpolicy.lightning.LossScaleCallback`,
+a subclass of Lightning's ``Callback``. The Keras callback is `mixedpolicy.keras.LossScaleCallback`.
 """
 
 from __future__ import annotations
@@ -49,10 +50,19 @@ def metrics(source: Any, prefix: str = "") -> dict:
 class LightningLossScaleCallback:
     """Logs `metrics` of the module's optimizers every `every_n_steps` training batches.
 
-    Pass it to ``Trainer(callbacks=[...])``; it uses only ``trainer.optimizers`` and
-    ``pl_module.log_dict``, so it also fits Lightning-like loops that call
+    Pass it to ``Trainer(callbacks=[...])``: where Lightning is imported, the object made is
+    `mixedpolicy.lightning.LossScaleCallback` (a subclass of this class and of Lightning's
+    ``Callback``); elsewhere it uses only ``trainer.optimizers`` and ``pl_module.log_dict``,
+    so it fits Lightning-like loops that call
     ``on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)``.
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        if cls is LightningLossScaleCallback:  # in a process that runs Lightning: its real Callback
+            from mixedpolicy._registry import lightning_callback_class
+
+            cls = lightning_callback_class() or cls
+        return super().__new__(cls)
 
     def __init__(self, every_n_steps: int = 50, prefix: str = "loss_scale/"):
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:

@@ -88,7 +88,8 @@ GROUND = {"mixedpolicy._dtypes", "mixedpolicy._scale_checks", "mixedpolicy._impo
 
 #: public modules that name a framework's engine: on the top floor with the backends
 TOP_FACADES = {"mixedpolicy.__main__", "mixedpolicy.distributed", "mixedpolicy.jax", "mixedpolicy.tensorflow",
-               "mixedpolicy.keras", "mixedpolicy.lightning"}
+               "mixedpolicy.keras", "mixedpolicy.lightning",
+               "mixedpolicy.huggingface"}
 
 
 def _floor(module: str) -> int:

@@ -21,6 +21,9 @@ from mixedpolicy.bench.spec import (BASELINES, FRAMEWORKS, MODELS, POLICIES, PUR
                                     user_frameworks)
 
 
+_BANDWIDTH = "1GB/s"  # the replica comparison's modelled link, unless --bandwidth says otherwise
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mixedpolicy bench",
@@ -65,13 +68,13 @@ def parser() -> argparse.ArgumentParser:
                    help="instead of the framework comparison: the mlp trained data-parallel on N JAX "
                         "replicas (host devices) under each policy and each --reduce dtype, with bytes "
                         "per step (default: off)")
-    p.add_argument("--reduce", default=",".join(replicas.REDUCE_DEFAULT),
+    p.add_argument("--reduce", default=None,
                    help="with --replicas: the reduce dtypes to compare (float32, bfloat16, float16, "
                         "float8_e5m2, float8_e4m3fn, table-1/2/4/8), and the study's per-layer "
-                        "'fastest' and adaptive 'adaprec' (default: %(default)s)")
-    p.add_argument("--bandwidth", default="1GB/s",
+                        f"'fastest' and adaptive 'adaprec' (default: {','.join(replicas.REDUCE_DEFAULT)})")
+    p.add_argument("--bandwidth", default=None,
                    help="with --replicas: the link the communication time is modelled at, and "
-                        "adaprec's cost of a byte (default: %(default)s)")
+                        f"adaprec's cost of a byte (default: {_BANDWIDTH})")
     return p
 
 
@@ -114,12 +117,21 @@ def _check_out(out: str) -> None:
 
 
 def _check_replicas(args: argparse.Namespace, frameworks: tuple, model: str) -> tuple:
-    """The --reduce dtypes where --replicas is on, after checking both."""
+    """The --reduce dtypes where --replicas is on, after checking both; --reduce and --bandwidth
+    without --replicas would change nothing, so they are refused."""
     if args.replicas < 0 or args.replicas > 64:
         raise ValueError(f"Received --replicas {args.replicas}; expected a whole number from 1 to 64 "
                          f"(or 0, the default: the framework comparison).")
     if not args.replicas:
+        given = [f"--{name} {value}" for name, value in (("reduce", args.reduce), ("bandwidth", args.bandwidth))
+                 if value is not None]
+        if given:
+            raise ValueError(f"Received {' and '.join(given)} without --replicas: they set the replica "
+                             f"comparison's reduce dtypes and link, and the framework comparison has no "
+                             f"replicas. Add --replicas N (e.g. --replicas 4), or drop them.")
         return ()
+    args.reduce = args.reduce if args.reduce is not None else ",".join(replicas.REDUCE_DEFAULT)
+    args.bandwidth = args.bandwidth if args.bandwidth is not None else _BANDWIDTH
     if model != "mlp" or args.device != "cpu" or args.data != "digits":
         raise ValueError(f"Received --replicas with --model {model} --device {args.device} --data "
                          f"{args.data}; the replica comparison trains the mlp on digits on JAX host "

@@ -40,6 +40,9 @@ FIELDS = {"framework", "policy", "model", "batch_size", "steps", "step_time_s", 
     (["--seed", "-1"], r"--seed -1; expected a whole number from 0"),
     (["--compile", "yes"], r"--compile 'yes', which is not valid; expected any of: off, on"),
     (["--replicas", "2", "--data", "synthetic"], r"--data synthetic; the replica comparison trains the mlp on digits"),
+    # options that would change nothing are refused, with the fix
+    (["--reduce", "bfloat16"], r"--reduce bfloat16 without --replicas.*Add --replicas N"),
+    (["--bandwidth", "10GB/s"], r"--bandwidth 10GB/s without --replicas"),
 ])
 def test_bad_options_stop_before_any_run(args, message, capsys, tmp_path, monkeypatch):
     monkeypatch.setattr("mixedpolicy.bench.cli.has_nvidia_gpu", lambda: False)  # also on a GPU machine

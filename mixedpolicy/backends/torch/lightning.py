@@ -22,7 +22,8 @@ import torch
 from mixedpolicy.backends.torch.optimizer import TorchLossScaleOptimizer
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, summary
 from mixedpolicy.policy_map import PolicyMap, as_policy_map
-from mixedpolicy.telemetry import metrics
+from mixedpolicy.scope import global_policy
+from mixedpolicy.telemetry import LightningLossScaleCallback, metrics
 
 _log = logging.getLogger("mixedpolicy")
 
@@ -88,10 +89,9 @@ def precision_class(pl: Any) -> type:
                      min_scale: Any = None, max_scale: Any = None, loss_scale: LossScale | None = None):
             super().__init__()
             self.policy_map = as_policy_map(policy, overrides)
-            if self.policy_map.default is None:
-                from mixedpolicy.scope import global_policy
-
-                self.policy_map = PolicyMap(global_policy(), self.policy_map.overrides)
+            if self.policy_map.default is None:  # the global policy now, as a script would read it
+                self.policy_map = PolicyMap(global_policy(), dict(self.policy_map.overrides),
+                                            builtin_rules=self.policy_map.builtin_rules)
             settings = {k: v for k, v in (("loss_scale", initial_scale), ("dynamic_growth_steps", dynamic_growth_steps),
                                           ("growth_factor", growth_factor), ("backoff_factor", backoff_factor),
                                           ("min_scale", min_scale), ("max_scale", max_scale)) if v is not None}
@@ -193,37 +193,24 @@ def callback_class(pl: Any) -> type:
     if key in _built:
         return _built[key]
 
-    class LossScaleCallback(pl.Callback):  # type: ignore[misc, name-defined]
+    class LossScaleCallback(pl.Callback, LightningLossScaleCallback):  # type: ignore[misc, name-defined]
         """Logs the loss scale, the skipped steps and whether the last step was skipped through
         ``pl_module.log_dict`` every `every_n_steps` training batches: of the mixedpolicy
         `Precision` plugin, else of each mixedpolicy `LossScaleOptimizer` among the Trainer's
         optimizers (reading them syncs with the device once per log)."""
 
         def __init__(self, every_n_steps: int = 50, prefix: str = "loss_scale/"):
-            super().__init__()
-            if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
-                raise ValueError(f"Received every_n_steps={every_n_steps!r}; expected a whole number >= 1.")
-            if not isinstance(prefix, str):
-                raise TypeError(f"Received prefix={prefix!r:.60}; expected a string such as 'loss_scale/'.")
-            self.every_n_steps, self.prefix = every_n_steps, prefix
-
-        def _sources(self, trainer: Any) -> list:
-            plugin = getattr(getattr(trainer, "strategy", None), "precision_plugin", None)
-            if isinstance(getattr(plugin, "optimizer", None), TorchLossScaleOptimizer):
-                return [plugin.optimizer]
-            return [o for o in (_unwrap(o) for o in getattr(trainer, "optimizers", []) or [])
-                    if isinstance(o, TorchLossScaleOptimizer)]
+            pl.Callback.__init__(self)
+            LightningLossScaleCallback.__init__(self, every_n_steps, prefix)
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            if batch_idx % self.every_n_steps:
-                return
-            sources = self._sources(trainer)
-            values: dict = {}
-            for i, source in enumerate(sources):
-                prefix = self.prefix if len(sources) == 1 else f"{self.prefix}{i}/"
-                values.update({k: float(v) for k, v in metrics(source, prefix).items()})
-            if values:
-                pl_module.log_dict(values)
+            plugin = getattr(getattr(trainer, "strategy", None), "precision_plugin", None)
+            if not isinstance(getattr(plugin, "optimizer", None), TorchLossScaleOptimizer):
+                # no mixedpolicy plugin: each LossScaleOptimizer among the Trainer's optimizers
+                return LightningLossScaleCallback.on_train_batch_end(self, trainer, pl_module, outputs, batch,
+                                                                     batch_idx)
+            if batch_idx % self.every_n_steps == 0:
+                pl_module.log_dict({k: float(v) for k, v in metrics(plugin.optimizer, self.prefix).items()})
 
     LossScaleCallback.__module__, LossScaleCallback.__qualname__ = "mixedpolicy.lightning", "LossScaleCallback"
     _built[key] = LossScaleCallback

@@ -200,6 +200,8 @@ class TorchModels(ModelAdapter):
         return range_stats(model, loss_fn, batches, scales, activations)
 
     def describe(self, model: torch.nn.Module) -> list:
+        if _is_ddp(model):  # the wrapped module's own paths: the keys apply_policy(ddp, ...) matches
+            model = model.module
         rows = []
         for path, module in model.named_modules():
             state = getattr(module, _STATE, None)

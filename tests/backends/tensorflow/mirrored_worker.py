@@ -111,7 +111,8 @@ def halves_grads():
 
 
 policy = mp.Policy("mixed_bfloat16", reduce_dtype="bfloat16")
-ours, opt = train_once(lambda: mp.LossScaleOptimizer(keras.optimizers.SGD(1.0), policy=policy), policy)
+ours, opt = train_once(lambda: mp.LossScaleOptimizer(keras.optimizers.SGD(1.0), policy=policy,
+                                                     skip_nonfinite=False), policy)
 assert opt.loss_scaling.startswith("pass-through") and opt._reduce_policy is not None
 plain_model, _ = train_once(lambda: keras.optimizers.SGD(1.0), policy)
 g = halves_grads()

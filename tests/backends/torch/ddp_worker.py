@@ -130,7 +130,14 @@ def run(rank, world, port):
     assert state.reduce_dtypes["0.weight"] == "float8_e5m2" and state.reduce_dtypes["2.weight"] == "float32"
     mp.apply_policy(ddp, mp.Policy("mixed_bfloat16", reduce_dtype="float16"))  # again: the same hook
     assert set(state.reduce_dtypes.values()) == {"float16"}
-    assert "reduce" in str(mp.describe(ddp)) and mp.describe(ddp)[2].reduce_dtype == "float16"
+    assert "reduce" in str(mp.describe(ddp)) and mp.describe(ddp)[1].reduce_dtype == "float16"
+    # every path describe prints is a key that reaches that layer (the wrapped module's own paths)
+    rows = mp.describe(ddp)
+    assert rows[0].path == "" and rows[1].path == "0", [r.path for r in rows]
+    for row in rows[1:]:
+        mp.apply_policy(ddp, "mixed_bfloat16", {row.path: "float32"})
+        assert {r.path: r.source for r in mp.describe(ddp)}[row.path] == f"map key {row.path!r}"
+    mp.apply_policy(ddp, mp.Policy("mixed_bfloat16", reduce_dtype="float16"))
     torch.manual_seed(rank + 1)
     ddp(torch.randn(4, 8)).float().sum().backward()
     assert state.buckets == 1

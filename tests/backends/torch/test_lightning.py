@@ -178,3 +178,10 @@ def test_bad_input_to_the_plugin_is_refused_with_the_fix():
     with pytest.raises(ValueError, match="every_n_steps=0"):
         mpl.LossScaleCallback(every_n_steps=0)
     assert mpl.Precision(32).precision == "32-true" and mpl.Precision("bf16-true").precision == "bf16-true"
+
+
+def test_the_core_callback_is_lightnings_own_where_lightning_runs():
+    callback = mp.LightningLossScaleCallback(every_n_steps=1)
+    assert isinstance(callback, pl.Callback) and isinstance(callback, mp.LightningLossScaleCallback)
+    trainer = _fit(Net(), plugins=[mpl.Precision("16-mixed")], callbacks=[callback])
+    assert float(trainer.callback_metrics["loss_scale/skipped_steps"]) == 1.0

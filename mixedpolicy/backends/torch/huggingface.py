@@ -1,0 +1,147 @@
+"""The Hugging Face ``Trainer`` under a mixedpolicy policy: a subclass that takes ``policy=``.
+
+`trainer_class(transformers)` builds, once, a subclass of ``transformers.Trainer``:
+
+- the policy (or `PolicyMap`) goes on the model before anything else sees it;
+- the optimizer the Trainer makes (or the one given in ``optimizers=``) is wrapped in a
+  `LossScaleOptimizer` that follows the policy, and handed to Accelerate as its scaler: the
+  Accelerator's ``backward`` scales the loss with it, the accelerated optimizer's ``step`` asks
+  it to step, so ``optimizer_step_was_skipped`` is true on a skipped step and the LR scheduler
+  waits, as it does for Accelerate's own ``GradScaler``;
+- gradients are unscaled before the Trainer clips them or reads their norm.
+
+The policy decides the compute dtype, so ``TrainingArguments(fp16=True)`` / ``bf16=True`` are
+refused (they would wrap the whole forward in an autocast of their own).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mixedpolicy.backends.torch.optimizer import TorchLossScaleOptimizer
+from mixedpolicy.policy_map import PolicyMap, as_policy_map
+from mixedpolicy.scope import global_policy
+
+_built: dict = {}
+
+
+class AccelerateScaler:
+    """What Accelerate asks of its ``scaler``, answered by a torch `LossScaleOptimizer`."""
+
+    def __init__(self, optimizer: TorchLossScaleOptimizer):
+        self.optimizer = optimizer
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.optimizer.scale_loss(loss)
+
+    def unscale_(self, optimizer: Any = None) -> None:
+        if not self.optimizer._unscaled:
+            self.optimizer.unscale_()
+
+    def step(self, optimizer: Any, closure: Any = None) -> Any:
+        """Steps through `optimizer.step` (Accelerate's patched one, which records that a step
+        was taken) only when the step is applied; a skipped step goes round it."""
+        self.unscale_()
+        found_inf = self.optimizer._found_inf
+        if found_inf is not None and bool(found_inf):  # GradScaler reads this flag here too
+            return type(self.optimizer).step(self.optimizer)  # skipped: counted, the scale backs off
+        return optimizer.step(closure) if closure is not None else optimizer.step()
+
+    def update(self, new_scale: Any = None) -> None:
+        if new_scale is not None:
+            raise TypeError("Received update(new_scale=...): the mixedpolicy scale moves by its own "
+                            "rule. Set initial_scale= on the Trainer instead.")
+
+    def get_scale(self) -> float:
+        return float(self.optimizer.loss_scale)
+
+    def is_enabled(self) -> bool:
+        return True
+
+    def state_dict(self) -> dict:
+        return self.optimizer.scaler_state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_scaler_state_dict(state)
+
+
+def trainer_class(transformers: Any) -> type:
+    """The ``transformers.Trainer`` subclass (built once per process)."""
+    if "trainer" in _built:
+        return _built["trainer"]
+
+    class Trainer(transformers.Trainer):  # type: ignore[misc, name-defined]
+        """``transformers.Trainer`` training under a mixedpolicy policy, with loss scaling where
+        it computes in float16 and a non-finite step skipped under every policy.
+
+        Takes what ``transformers.Trainer`` takes, plus ``policy`` (a `Policy`, its name or a
+        `PolicyMap`; None: the global policy), ``overrides`` (per-layer, as for `PolicyMap`) and
+        the scale settings of `LossScaleOptimizer` (``initial_scale``, ``dynamic_growth_steps``,
+        ``loss_scale``...) in ``scale_settings``. Leave ``fp16`` and ``bf16`` off in
+        ``TrainingArguments``: the policy decides the dtypes.
+
+        Raises:
+          ValueError: ``fp16=True`` or ``bf16=True`` in the arguments; a bad policy.
+        """
+
+        def __init__(self, model: Any = None, args: Any = None, *rest: Any, policy: Any = None,
+                     overrides: Any = None, scale_settings: dict | None = None, **kwargs: Any):
+            policy_map = as_policy_map(policy, overrides)
+            default = policy_map.default or global_policy()
+            if args is not None and (getattr(args, "fp16", False) or getattr(args, "bf16", False)):
+                raise ValueError(
+                    f"Received TrainingArguments(fp16={args.fp16}, bf16={args.bf16}) with a mixedpolicy "
+                    f"policy ({default.name}): both would put the whole forward under "
+                    f"an autocast of their own and override the per-layer policy. Set fp16=False and "
+                    f"bf16=False; the policy decides the dtypes (policy='mixed_float16' scales the "
+                    f"loss as fp16=True would).")
+            if scale_settings is not None and not isinstance(scale_settings, dict):
+                raise TypeError(f"Received scale_settings of type {type(scale_settings).__name__}; "
+                                f"expected a dict such as {{'initial_scale': 2**16}}.")
+            self.policy_map = policy_map
+            self.scale_settings = dict(scale_settings or {})
+            if model is not None:
+                from mixedpolicy.api import apply_policy
+
+                model = apply_policy(model, policy_map)
+            super().__init__(model, args, *rest, **kwargs)
+
+        def create_optimizer(self, model: Any = None) -> Any:
+            optimizer = super().create_optimizer(model) if model is not None else super().create_optimizer()
+            if not isinstance(optimizer, TorchLossScaleOptimizer):
+                from mixedpolicy.api import LossScaleOptimizer
+
+                settings = dict(self.scale_settings)
+                if "loss_scale" not in settings:  # the policy decides, its default the global one
+                    settings["policy"] = self.policy_map if self.policy_map.default else PolicyMap(
+                        global_policy(), dict(self.policy_map.overrides), builtin_rules=self.policy_map.builtin_rules)
+                optimizer = LossScaleOptimizer(optimizer, **settings)
+            self.optimizer = optimizer
+            self.accelerator.scaler = AccelerateScaler(optimizer)
+            return optimizer
+
+        @property
+        def loss_scale_optimizer(self) -> TorchLossScaleOptimizer | None:
+            """The `LossScaleOptimizer` this Trainer steps (None before training made one)."""
+            scaler = self.accelerator.scaler
+            return scaler.optimizer if isinstance(scaler, AccelerateScaler) else None
+
+        def _unscale(self) -> None:
+            scaler = self.accelerator.scaler
+            if isinstance(scaler, AccelerateScaler):
+                scaler.unscale_()
+
+        def _clip_grad_norm(self, model: Any) -> Any:
+            self._unscale()  # clip the true gradients, not the scaled ones
+            return super()._clip_grad_norm(model)
+
+        def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
+            if grad_norm is None:
+                self._unscale()  # the logged norm is the true one
+            return super()._get_grad_norm(model, grad_norm=grad_norm)
+
+    Trainer.__module__, Trainer.__qualname__ = "mixedpolicy.huggingface", "Trainer"
+    _built["trainer"] = Trainer
+    return Trainer
