@@ -45,7 +45,7 @@ def train(policy, epochs=15, seed=0):
     x, y = load_digits(return_X_y=True)
     x_train, x_test, y_train, y_test = train_test_split(x / 16.0, y, test_size=0.25, random_state=seed)
     model = mp.apply_policy(MLP(seed), policy)
-    opt = mp.LossScaleOptimizer(keras.optimizers.Adam(3e-3), policy=policy)  # a pass-through unless float16
+    opt = mp.LossScaleOptimizer(keras.optimizers.Adam(3e-3), policy=policy)  # scales only under float16
 
     @tf.function(jit_compile=True)
     def step(x, y):

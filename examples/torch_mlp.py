@@ -27,7 +27,7 @@ def train(policy, epochs=15, seed=0):
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
     mp.apply_policy(model, policy)
     loss_fn = mp.apply_policy(torch.nn.CrossEntropyLoss(), policy)  # losses in float32
-    # follows the policy on the model: scales under mixed_float16, else a pass-through
+    # follows the policy on the model: scales under mixed_float16, else only skips non-finite steps
     opt = mp.LossScaleOptimizer(torch.optim.Adam(model.parameters(), lr=3e-3))
     for _ in range(epochs):
         order = torch.randperm(len(x_train))
