@@ -153,7 +153,7 @@ class Policy:
     output_dtype: str
     reduce_dtype: str
 
-    def __init__(self, name: str | None = "float32", *, compute_dtype: Any = None,
+    def __init__(self, name: str | int | None = "float32", *, compute_dtype: Any = None,
                  variable_dtype: Any = None, output_dtype: Any = None, reduce_dtype: Any = None):
         reduce = None
         if isinstance(name, Policy):

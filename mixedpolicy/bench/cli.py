@@ -61,6 +61,9 @@ def parser() -> argparse.ArgumentParser:
                    help="each timed block has as many steps as make it last this long "
                         "(default: %(default)s)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=1, metavar="N",
+                   help="intra-op threads per worker on a CPU, pinned in every framework and BLAS "
+                        "(0: each framework's own default, one per core; default: %(default)s)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (torch; default: %(default)s)")
     p.add_argument("--out", default="bench-results", help="output folder (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="weights, split and batch order (default: 0)")
@@ -88,6 +91,10 @@ def _check_positive(args: argparse.Namespace) -> None:
     if not 0 <= args.min_block_time <= 60:
         raise ValueError(f"Received --min-block-time {args.min_block_time}; expected seconds from 0 "
                          f"to 60 (0 times the common schedule's blocks whatever their length).")
+    cores = os.cpu_count() or 1
+    if not 0 <= args.threads <= cores:
+        raise ValueError(f"Received --threads {args.threads}; expected a whole number from 1 to this "
+                         f"machine's {cores} cores, or 0 for each framework's own default.")
     if not 0 <= args.seed < 2**31:
         raise ValueError(f"Received --seed {args.seed}; expected a whole number from 0 to 2**31 - 1 "
                          f"(every framework's seeded generators take it).")
@@ -181,7 +188,8 @@ def _load_digits(seed: int) -> tuple:
 
 def run_one(spec: RunSpec) -> dict:
     proc = subprocess.run([sys.executable, "-m", "mixedpolicy.bench.worker", json.dumps(spec._asdict())],
-                          env=runners.environment(spec.framework, spec.device), capture_output=True, text=True)
+                          env=runners.environment(spec.framework, spec.device, spec.threads), capture_output=True,
+                          text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"The {spec.framework} run under {spec.policy} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -228,12 +236,13 @@ def main(argv: list[str] | None = None) -> int:
         data_path = os.path.abspath(os.path.join(args.out, "digits_split.npz"))
         data.save(data_path, split)
     specs = [RunSpec(f, p, model, args.batch_size, args.steps, args.repeats, args.warmup, args.device,
-                     os.path.abspath(weights_path), args.seed, args.min_block_time, data_path, args.data, c)
+                     os.path.abspath(weights_path), args.seed, args.min_block_time, data_path, args.data, c,
+                     args.threads)
              for f in frameworks for c in compiles for p in policies]
     print(f"mixedpolicy bench: {model} ({_sizes(cfg)}) on {args.data}, batch {args.batch_size}, {args.warmup} warm-up + "
           f"{args.steps} training steps, {args.repeats} timed pairs of blocks of at least {args.min_block_time} s, "
           f"{len(specs)} runs (one process each)", flush=True)
-    runs, start = [], time.perf_counter()
+    runs, start, load_at_start = [], time.perf_counter(), report.load_average()
     with progress.Runs(len(specs)) as shown:
         for i, spec in enumerate(specs, 1):
             name = f"{spec.framework}{' compiled' if spec.compile else ''} {spec.policy}"
@@ -248,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
             accuracy = "-" if record["accuracy"] is None else f"{record['accuracy']:.3f}"
             shown.done(i, name, f"{record['step_time_s']['median'] * 1e3:.2f} ms/step, accuracy {accuracy}, "
                                 f"overhead {record['overhead_vs_native']:.3f} ({time.perf_counter() - t0:.0f} s)")
-    results = {"environment": {**report.environment(args, frameworks), "model_config": cfg}, "runs": runs}
+    results = {"environment": {**report.environment(args, frameworks), "load_average_at_start": load_at_start,
+                               "model_config": cfg}, "runs": runs}
     paths = report.write(results, args.out, with_plots)
     print()
     progress.print_table(report.table(runs), runs)

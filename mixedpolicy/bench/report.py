@@ -26,6 +26,14 @@ def _cpu() -> str:
     return platform.processor() or platform.machine()
 
 
+def load_average() -> list | None:
+    """The machine's 1, 5 and 15 minute load averages (None where the OS has none)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
 def environment(args: Any, frameworks: list[str]) -> dict:
     versions = {}
     for name in _PACKAGES:
@@ -47,6 +55,10 @@ def environment(args: Any, frameworks: list[str]) -> dict:
                  "synthetic: seeded random inputs and labels in the model's shape (speed and memory "
                  "only; no accuracy)"),
         "compile": args.compile,
+        "threads": ({"intra_op_per_worker": args.threads, "pinned_through": "OMP/MKL/OPENBLAS_NUM_THREADS, "
+                     "TF_NUM_INTRAOP_THREADS (inter-op 1), XLA --xla_cpu_multi_thread_eigen=false at 1"}
+                    if args.threads else "each framework's default (not pinned)"),
+        "load_average_at_end": load_average(),
         "peak_memory": "device memory allocated (CUDA), else the worker process's peak RSS",
     }
 

@@ -38,6 +38,7 @@ class RunSpec(NamedTuple):
     data: str = ""      # path of the shared digits split (.npz, see data.save); "" makes it here
     dataset: str = "digits"  # or "synthetic" (made in the worker from the seed, see data.synthetic)
     compile: bool = False    # torch.compile / Keras jit_compile=True / tf.function(jit_compile=True)
+    threads: int = 1         # intra-op threads of the worker on a CPU (0: the frameworks' own defaults)
 
 
 def run_label(run: dict) -> str:

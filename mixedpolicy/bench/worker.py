@@ -174,7 +174,23 @@ def run(spec: RunSpec) -> dict:
         "native_recipe": native.recipe,
         "overhead_vs_native": statistics.median(ratios),
         "overhead_ratios": ratios,
+        "threads": _threads_in_force(),
     }
+
+
+def _threads_in_force() -> dict:
+    """The intra-op thread counts the worker's frameworks report (read, not assumed)."""
+    found: dict = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        found["torch"] = torch.get_num_threads()
+    tf = sys.modules.get("tensorflow")
+    if tf is not None:
+        found["tensorflow"] = tf.config.threading.get_intra_op_parallelism_threads() or os.environ.get(
+            "TF_NUM_INTRAOP_THREADS")
+    if "jax" in sys.modules:
+        found["xla_flags"] = os.environ.get("XLA_FLAGS", "")
+    return found
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -43,6 +43,7 @@ FIELDS = {"framework", "policy", "model", "batch_size", "steps", "step_time_s", 
     # options that would change nothing are refused, with the fix
     (["--reduce", "bfloat16"], r"--reduce bfloat16 without --replicas.*Add --replicas N"),
     (["--bandwidth", "10GB/s"], r"--bandwidth 10GB/s without --replicas"),
+    (["--threads", "-1"], r"--threads -1; expected a whole number from 1 to this machine's \d+ cores, or 0"),
 ])
 def test_bad_options_stop_before_any_run(args, message, capsys, tmp_path, monkeypatch):
     monkeypatch.setattr("mixedpolicy.bench.cli.has_nvidia_gpu", lambda: False)  # also on a GPU machine
@@ -188,7 +189,10 @@ def test_a_small_run_writes_every_output_with_every_field(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[2/2] torch mixed_float16" in proc.stdout and "overhead vs native" in proc.stdout
     results = json.loads((out / "results.json").read_text())
-    assert {"versions", "device", "tf32", "date"} <= set(results["environment"])
+    assert {"versions", "device", "tf32", "date", "threads", "load_average_at_start",
+            "load_average_at_end", "cpu"} <= set(results["environment"])
+    assert results["environment"]["threads"]["intra_op_per_worker"] == 1
+    assert all(r["threads"]["torch"] == 1 for r in results["runs"])  # read in the worker, not assumed
     assert [(r["framework"], r["policy"]) for r in results["runs"]] == [("torch", "float32"),
                                                                         ("torch", "mixed_float16")]
     for run in results["runs"]:
@@ -325,6 +329,16 @@ def _built(framework: str, weights) -> dict:
                               text=True, env=_worker_env(framework, "cpu"), timeout=900)
         assert proc.returncode == 0, f"{framework}:\n{proc.stderr[-3000:]}"
     return dict(np.load(out))
+
+
+def test_workers_run_with_pinned_threads_and_say_so():
+    """One intra-op thread per CPU worker by default, through every framework's own setting."""
+    env = _worker_env("jax", "cpu")
+    assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == env["TF_NUM_INTRAOP_THREADS"] == "1"
+    assert "--xla_cpu_multi_thread_eigen=false" in env["XLA_FLAGS"]
+    assert "OMP_NUM_THREADS" not in _worker_env("torch", "cpu", 0) or \
+        _worker_env("torch", "cpu", 0)["OMP_NUM_THREADS"] == __import__("os").environ.get("OMP_NUM_THREADS")
+    assert _worker_env("torch", "cpu", 2)["OMP_NUM_THREADS"] == "2"
 
 
 @pytest.mark.slow

@@ -50,11 +50,27 @@ def load(framework: str) -> ModuleType:
     return importlib.import_module(runner(framework).module)
 
 
-def environment(framework: str, device: str) -> dict:
-    """The environment of a worker process running `framework` on `device`."""
+#: the variables through which each framework (and the BLAS beneath) reads its thread counts
+_THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "TF_NUM_INTRAOP_THREADS")
+
+
+def environment(framework: str, device: str, threads: int = 1) -> dict:
+    """The environment of a worker process running `framework` on `device`.
+
+    On a CPU its intra-op threads are pinned to `threads` (0 leaves each framework's default):
+    torch's OpenMP pool, the BLAS libraries', TensorFlow's pools and XLA's Eigen pool would
+    otherwise each start one thread per core and fight every other process on a small
+    machine (a torch step ran 20x slower beside one busy core).
+    """
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     if device == "cpu":  # on a GPU machine too: JAX and Keras would otherwise take the GPU
         env.update(JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="")
+    if device == "cpu" and threads:
+        env.update({name: str(threads) for name in _THREAD_VARIABLES}, TF_NUM_INTEROP_THREADS="1")
+        if threads == 1:  # XLA:CPU's Eigen pool: one thread
+            flags = env.get("XLA_FLAGS", "")
+            if "xla_cpu_multi_thread_eigen" not in flags:
+                env["XLA_FLAGS"] = (flags + " --xla_cpu_multi_thread_eigen=false").strip()
     backend = runner(framework).keras_backend
     if backend:
         env["KERAS_BACKEND"] = backend
