@@ -248,3 +248,54 @@ def test_a_checkpoint_of_a_pass_through_loads_into_a_scaling_wrapper_and_back():
     again = mp.LossScaleOptimizer(torch.optim.Adam(model.parameters()))
     again.load_state_dict(scaling.state_dict())  # back to a policy that needs no scale
     assert again.loss_scaling.startswith(PASS) and float(again.loss_scale) == 1.0
+
+
+# -- one loop, every policy ------------------------------------------------------------
+@pytest.mark.parametrize("policy", ["float32", "32-true", "mixed_bfloat16", "bf16-mixed", "mixed_float16",
+                                    "16-mixed", "bfloat16", "p=f32,c=bf16,o=f32"])
+def test_one_torch_loop_behaves_alike_under_every_policy_string(policy):
+    """The same loop trains under every policy; what one policy refuses, every one refuses."""
+    torch = require_module("torch")
+    model = mp.apply_policy(_torch_model(torch), policy)
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = torch.randn(8, 4, generator=torch.Generator().manual_seed(0)), torch.randn(8, 2)
+    for step in range(4):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x).float(), y) * (float("inf") if step == 1 else 1.0)
+        opt.scale_loss(loss).backward()
+        opt.unscale_()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        with pytest.raises(RuntimeError, match="already called"):
+            opt.unscale_()
+        opt.step()
+    assert opt.num_skipped_steps == 1 and all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    # half master weights the policy does not store: refused under every policy, up front
+    if mp.Policy(policy).variable_dtype == "float32":
+        half = _torch_model(torch).half()
+        with pytest.raises(ValueError, match="master weights"):
+            mp.LossScaleOptimizer(torch.optim.SGD(half.parameters(), lr=0.1), policy=policy)
+        with pytest.raises(ValueError, match="master weights"):
+            opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2, dtype=torch.float16))]})
+    # a loop that forgets scale_loss: refused where the loss is scaled, harmless (scale 1) elsewhere
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x).float(), y).backward()
+    if mp.Policy(policy).needs_loss_scaling:
+        with pytest.raises(RuntimeError, match="no loss was scaled"):
+            opt.step()
+    else:
+        opt.step()
+
+
+def test_a_scaling_checkpoint_loads_into_a_wrapper_that_scales_nothing_and_says_so(caplog):
+    torch = require_module("torch")
+    import logging
+
+    model = _torch_model(torch)
+    scaling = mp.LossScaleOptimizer(torch.optim.Adam(model.parameters()), policy="mixed_float16")
+    scaling.scale_loss(model(torch.ones(1, 4)).sum() * float("inf")).backward()
+    scaling.step()
+    plain = mp.LossScaleOptimizer(torch.optim.Adam(model.parameters()), policy="mixed_bfloat16")
+    with caplog.at_level(logging.WARNING, logger="mixedpolicy"):
+        plain.load_state_dict(scaling.state_dict())
+    assert "loss scale is 16384" in caplog.text and "the scale is dropped" in caplog.text
+    assert plain.loss_scaling.startswith("no scaling") and plain.num_skipped_steps == 1

@@ -16,9 +16,8 @@ exactly `DynamicLossScale.adjust`.
 
 from __future__ import annotations
 
-import contextlib
 from collections import OrderedDict
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -27,6 +26,7 @@ from mixedpolicy.backends.torch.arrays import PARAMETER_POLICY
 from mixedpolicy.backends.torch.checks import (check_capturable, check_half_master_weights, grads_by_device_and_dtype,
                                                unscaled_step_error)
 from mixedpolicy.backends.torch.closure import check_closure_optimizers, closure_step, reevaluates_closure
+from mixedpolicy.backends.torch.inner import InnerView
 from mixedpolicy.backends.torch.state import Checkpoints
 from mixedpolicy.scope import global_policy
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, is_pass_through, summary
@@ -39,7 +39,7 @@ def _global_hooks() -> bool:
     return bool(optimizer._global_optimizer_pre_hooks or optimizer._global_optimizer_post_hooks)
 
 
-class TorchLossScaleOptimizer(Checkpoints, torch.optim.Optimizer):
+class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
     """Wraps one or several ``torch.optim.Optimizer`` with one shared loss scale.
 
     With several optimizers, one overflow anywhere skips every one of them.
@@ -81,59 +81,6 @@ class TorchLossScaleOptimizer(Checkpoints, torch.optim.Optimizer):
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-
-    def add_param_group(self, param_group: dict) -> None:
-        """Adds a parameter group to the inner optimizer (with one inner optimizer only).
-
-        Raises:
-          TypeError: the wrapper holds several optimizers (add the group to one of them).
-          ValueError: the group's parameters are half-precision master weights.
-        """
-        if len(self._inners) != 1:
-            raise TypeError(
-                f"Received add_param_group on a LossScaleOptimizer over {len(self._inners)} "
-                f"optimizers; it cannot tell which one should own the group. Call it on that "
-                f"optimizer: wrapper.inner_optimizers[i].add_param_group(group).")
-        if isinstance(param_group, dict):
-            params = param_group.get("params")
-            params = [params] if isinstance(params, torch.Tensor) else list(params or [])
-            check_half_master_weights({"params": params}, self._scale_settings, self._variable_dtypes)
-        self._inners[0].add_param_group(param_group)
-
-    def _follow_policies(self, policies: tuple) -> None:
-        """A pass-through chosen by `policies` refuses what the scaling wrapper refuses: half
-        master weights, unless a policy followed stores variables in that dtype (a pure one)."""
-        dtypes = frozenset(p.variable_dtype for p in policies)
-        for group in self.param_groups:
-            check_half_master_weights(group, self._scale_settings, dtypes)
-        self._variable_dtypes = dtypes
-    # -- the inner optimizer's view -------------------------------------------
-    @property
-    def inner_optimizers(self) -> list:
-        return list(self._inners)
-
-    @property
-    def inner_optimizer(self) -> torch.optim.Optimizer:
-        return self._inners[0]
-
-    @property
-    def param_groups(self) -> list:
-        if len(self._inners) == 1:
-            return self._inners[0].param_groups
-        return [g for opt in self._inners for g in opt.param_groups]
-
-    @property
-    def state(self) -> Any:
-        if len(self._inners) == 1:
-            return self._inners[0].state
-        merged: dict = {}
-        for opt in self._inners:
-            merged.update(opt.state)
-        return merged
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for opt in self._inners:
-            opt.zero_grad(set_to_none=set_to_none)
 
     # -- scale ----------------------------------------------------------------
     def _ensure_scale(self, device: torch.device) -> torch.Tensor:
@@ -202,24 +149,6 @@ class TorchLossScaleOptimizer(Checkpoints, torch.optim.Optimizer):
         raise unscaled_step_error(what, float(self.loss_scale))
 
     # -- unscale and step -----------------------------------------------------
-    def _stepped(self) -> list:
-        """The optimizers the current step acts on: all, or the one `acting_on` names."""
-        return self._inners if self._acting_on is None else [self._acting_on]
-
-    @contextlib.contextmanager
-    def acting_on(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
-        """Within it, `unscale_` and `step` act on `optimizer` alone (one of `inner_optimizers`),
-        with the shared scale: how a trainer that steps its optimizers one by one (Lightning)
-        keeps one scale for all, as one ``torch.amp.GradScaler`` does."""
-        if not any(optimizer is o for o in self._inners):
-            raise ValueError(f"Received a {type(optimizer).__name__} that this LossScaleOptimizer "
-                             f"does not wrap; expected one of inner_optimizers.")
-        self._acting_on = optimizer
-        try:
-            yield
-        finally:
-            self._acting_on = None
-
     def _grads_by_device_and_dtype(self) -> dict:
         groups = [g for opt in self._stepped() for g in opt.param_groups]
         return grads_by_device_and_dtype(groups, half_allowed=isinstance(self._scale_settings, NoLossScale))

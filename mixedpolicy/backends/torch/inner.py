@@ -1,0 +1,90 @@
+"""What a torch LossScaleOptimizer shows of the optimizers it wraps: their parameter groups and
+state (shared, so LR schedulers work on the wrapper), new groups checked as the constructor
+checks them, and the one optimizer a step acts on when a trainer steps them one by one.
+
+A mixin of `TorchLossScaleOptimizer`, which keeps ``_inners``, ``_scale_settings``,
+``_variable_dtypes`` and ``_acting_on``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+
+from mixedpolicy.backends.torch.checks import check_half_master_weights
+
+
+class InnerView:
+    """The inner optimizers' view; the class it is mixed into keeps them in ``_inners``."""
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Adds a parameter group to the inner optimizer (with one inner optimizer only).
+
+        Raises:
+          TypeError: the wrapper holds several optimizers (add the group to one of them).
+          ValueError: the group's parameters are half-precision master weights.
+        """
+        if len(self._inners) != 1:
+            raise TypeError(
+                f"Received add_param_group on a LossScaleOptimizer over {len(self._inners)} "
+                f"optimizers; it cannot tell which one should own the group. Call it on that "
+                f"optimizer: wrapper.inner_optimizers[i].add_param_group(group).")
+        if isinstance(param_group, dict):
+            params = param_group.get("params")
+            params = [params] if isinstance(params, torch.Tensor) else list(params or [])
+            check_half_master_weights({"params": params}, self._scale_settings, self._variable_dtypes)
+        self._inners[0].add_param_group(param_group)
+
+    def _follow_policies(self, policies: tuple) -> None:
+        """A pass-through chosen by `policies` refuses what the scaling wrapper refuses: half
+        master weights, unless a policy followed stores variables in that dtype (a pure one)."""
+        dtypes = frozenset(p.variable_dtype for p in policies)
+        for group in self.param_groups:
+            check_half_master_weights(group, self._scale_settings, dtypes)
+        self._variable_dtypes = dtypes
+    @property
+    def inner_optimizers(self) -> list:
+        return list(self._inners)
+
+    @property
+    def inner_optimizer(self) -> torch.optim.Optimizer:
+        return self._inners[0]
+
+    @property
+    def param_groups(self) -> list:
+        if len(self._inners) == 1:
+            return self._inners[0].param_groups
+        return [g for opt in self._inners for g in opt.param_groups]
+
+    @property
+    def state(self) -> Any:
+        if len(self._inners) == 1:
+            return self._inners[0].state
+        merged: dict = {}
+        for opt in self._inners:
+            merged.update(opt.state)
+        return merged
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self._inners:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def _stepped(self) -> list:
+        """The optimizers the current step acts on: all, or the one `acting_on` names."""
+        return self._inners if self._acting_on is None else [self._acting_on]
+
+    @contextlib.contextmanager
+    def acting_on(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
+        """Within it, `unscale_` and `step` act on `optimizer` alone (one of `inner_optimizers`),
+        with the shared scale: how a trainer that steps its optimizers one by one (Lightning)
+        keeps one scale for all, as one ``torch.amp.GradScaler`` does."""
+        if not any(optimizer is o for o in self._inners):
+            raise ValueError(f"Received a {type(optimizer).__name__} that this LossScaleOptimizer "
+                             f"does not wrap; expected one of inner_optimizers.")
+        self._acting_on = optimizer
+        try:
+            yield
+        finally:
+            self._acting_on = None
