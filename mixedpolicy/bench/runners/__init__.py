@@ -65,13 +65,15 @@ def environment(framework: str, device: str, threads: int = 1) -> dict:
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     if device == "cpu":  # on a GPU machine too: JAX and Keras would otherwise take the GPU
         env.update(JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="")
-    if device == "cpu" and threads:
+    backend = runner(framework).keras_backend
+    # Keras on torch: a training step's backward crashes (SIGSEGV) in torch 2.13 with one OpenMP
+    # thread on an AVX2 CPU (seen 2026-11-25); its threads stay the default, as results.json says
+    if device == "cpu" and threads and backend != "torch":
         env.update({name: str(threads) for name in _THREAD_VARIABLES}, TF_NUM_INTEROP_THREADS="1")
         if threads == 1:  # XLA:CPU's Eigen pool: one thread
             flags = env.get("XLA_FLAGS", "")
             if "xla_cpu_multi_thread_eigen" not in flags:
                 env["XLA_FLAGS"] = (flags + " --xla_cpu_multi_thread_eigen=false").strip()
-    backend = runner(framework).keras_backend
     if backend:
         env["KERAS_BACKEND"] = backend
     return env
