@@ -255,7 +255,8 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
     def _after_step(self) -> None:
         self._found_inf = None
         self._unscaled = False
-        self._loss_scaled = False
+        if self._acting_on is None:  # one backward may serve several optimizers stepped one by one
+            self._loss_scaled = False
 
     _hooked_step = torch.optim.Optimizer.profile_hook_step(_step)  # the step pre/post hooks, a profiler label
     step.hooked = True  # (torch's marker: not to be wrapped again)

@@ -185,3 +185,23 @@ def test_the_core_callback_is_lightnings_own_where_lightning_runs():
     assert isinstance(callback, pl.Callback) and isinstance(callback, mp.LightningLossScaleCallback)
     trainer = _fit(Net(), plugins=[mpl.Precision("16-mixed")], callbacks=[callback])
     assert float(trainer.callback_metrics["loss_scale/skipped_steps"]) == 1.0
+
+
+def test_manual_optimization_with_two_optimizers_after_one_backward():
+    class Two(Net):
+        def training_step(self, batch, batch_idx):
+            body, head = self.optimizers()
+            body.zero_grad()
+            head.zero_grad()
+            self.manual_backward(self._loss(batch, batch_idx))
+            body.step()  # one scaled backward serves both steps, as with Lightning's GradScaler
+            head.step()
+
+        def configure_optimizers(self):
+            return [torch.optim.SGD(self.body.parameters(), lr=0.1), torch.optim.SGD(self.head.parameters(), lr=0.1)]
+
+    module = Two(manual=True)
+    trainer = _fit(module, plugins=[mpl.Precision("16-mixed")])
+    # the poisoned step: both optimizers skip, each backing the shared scale off once
+    assert trainer.precision_plugin.optimizer.num_skipped_steps == 2
+    assert torch.isfinite(_weights(module)).all()
