@@ -14,7 +14,6 @@ step whose gradients are not all finite; the scale and skip count go into the Tr
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable
 
 import torch
@@ -24,8 +23,6 @@ from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, sum
 from mixedpolicy.policy_map import PolicyMap, as_policy_map
 from mixedpolicy.scope import global_policy
 from mixedpolicy.telemetry import LightningLossScaleCallback, metrics
-
-_log = logging.getLogger("mixedpolicy")
 
 #: a policy's name -> the precision string Lightning reports for it (``trainer.precision``)
 _LIGHTNING_NAMES = {"mixed_float16": "16-mixed", "mixed_bfloat16": "bf16-mixed", "float32": "32-true",
