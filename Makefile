@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml constraints.txt
 	@echo "(pinned by constraints.txt; a few minutes the first time, nothing after that)..."
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[all,test,docs]"
+	@# keras-hub's requirements would pull tensorflow-text and the full tensorflow wheel beside
+	@# tensorflow-cpu; what it imports is installed above, so it goes in without its requirements
+	$(PY) -m pip install --quiet --no-deps -c constraints.txt keras-hub
 	touch $(STAMP)
 
 # Two pytest workers (pytest-xdist): many tests wait on a process of their own (a Keras

@@ -18,7 +18,7 @@ import time
 from mixedpolicy.bench import data, models, progress, replicas, report, runners
 from mixedpolicy.bench.spec import (BASELINES, FRAMEWORKS, MODELS, POLICIES, PURE, RunSpec, resolve_compile,
                                     resolve_frameworks, resolve_model, resolve_policies,
-                                    user_frameworks)
+                                    user_model_info)
 
 
 _BANDWIDTH = "1GB/s"  # the replica comparison's modelled link, unless --bandwidth says otherwise
@@ -53,7 +53,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=80,
                    help="training steps each side takes, after the warm-up, for the loss, accuracy, "
                         "skipped steps and scale (the same schedule on every framework; default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=64, help="(default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="samples per step (default: 64; a user's factory that brings its own batches sets theirs)")
     p.add_argument("--repeats", type=int, default=31,
                    help="timed pairs of blocks (ours, native), interleaved after the training steps; "
                         "medians are reported (default: %(default)s)")
@@ -205,13 +206,20 @@ def main(argv: list[str] | None = None) -> int:
         frameworks = resolve_frameworks(args.frameworks)
         policies = resolve_policies(args.policies)
         model = resolve_model(args.model)
+        user = None
         if models.is_user(model):
-            models.config(model, args.device, args.data)  # a user's model trains on digits
-            frameworks = user_frameworks(model, frameworks if args.frameworks else [], policies)
+            models.config(model, args.device, args.data)  # a user's model trains on digits or its own data
+            user = user_model_info(model, frameworks if args.frameworks else [], policies)
+            frameworks = user.frameworks
+        if user and user.own_data and args.batch_size is not None:
+            raise ValueError(f"Received --batch-size {args.batch_size} with --model {model}, whose factory "
+                             f"brings its own batches (their size is the batch size); drop --batch-size, or "
+                             f"change the batches the factory returns.")
+        args.batch_size = 64 if args.batch_size is None else args.batch_size
         compiles = resolve_compile(args.compile)
         _check_positive(args)
         _check_out(args.out)
-        split = _load_digits(args.seed) if args.data == "digits" else None
+        split = _load_digits(args.seed) if args.data == "digits" and not (user and user.own_data) else None
         if split is not None and args.batch_size * max(args.replicas, 1) > len(split[0]):
             raise ValueError(f"Received --batch-size {args.batch_size} on {max(args.replicas, 1)} "
                              f"replica(s), more than the {len(split[0])} training samples; choose at "
@@ -229,8 +237,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
     os.makedirs(args.out, exist_ok=True)
     weights_path = os.path.join(args.out, f"initial_weights_{model if not models.is_user(model) else 'user'}.npz")
-    cfg = models.config(model, args.device, args.data)
-    models.save_weights(weights_path, models.init_weights(model, cfg, args.seed))
+    cfg = {} if user and user.own_data else models.config(model, args.device, args.data)
+    models.save_weights(weights_path, user.weights if user else models.init_weights(model, cfg, args.seed))
     data_path = ""
     if split is not None:
         data_path = os.path.abspath(os.path.join(args.out, "digits_split.npz"))
@@ -239,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
                      os.path.abspath(weights_path), args.seed, args.min_block_time, data_path, args.data, c,
                      args.threads)
              for f in frameworks for c in compiles for p in policies]
-    print(f"mixedpolicy bench: {model} ({_sizes(cfg)}) on {args.data}, batch {args.batch_size}, {args.warmup} warm-up + "
+    fed = ("its own batches" if user and user.own_data else f"{args.data}, batch {args.batch_size}")
+    print(f"mixedpolicy bench: {model}{f' ({_sizes(cfg)})' if cfg else ''} on {fed}, {args.warmup} warm-up + "
           f"{args.steps} training steps, {args.repeats} timed pairs of blocks of at least {args.min_block_time} s, "
           f"{len(specs)} runs (one process each)", flush=True)
     runs, start, load_at_start = [], time.perf_counter(), report.load_average()

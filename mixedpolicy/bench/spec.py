@@ -118,14 +118,13 @@ def resolve_compile(value: str) -> list[bool]:
 
 
 def resolve_model(value: str) -> str:
-    """A built-in model's name, or a user's ``MODULE:FACTORY`` whose factory loads."""
+    """A built-in model's name, or a user's ``MODULE:FACTORY`` (its module is imported later,
+    by `user_model_info`, once the Keras backend it builds on is known)."""
     if ":" in value:
-        from mixedpolicy.bench.user_model import load_factory
-
-        try:
-            load_factory(value)
-        except ImportError as err:
-            raise ValueError(str(err)) from None
+        module, _, factory = value.rpartition(":")
+        if not module or not factory.isidentifier():
+            raise ValueError(f"Received --model {value!r}; expected one of: {', '.join(MODELS)}, or "
+                             f"MODULE:FACTORY, e.g. mypackage.models:make_model or models.py:make_model.")
         return value
     if value not in MODELS:
         raise ValueError(f"Received --model {value!r}; expected one of: {', '.join(MODELS)}, or your own "
@@ -133,55 +132,108 @@ def resolve_model(value: str) -> str:
     return value
 
 
+class UserModelInfo(NamedTuple):
+    """What the bench learnt from a user's factory before any run."""
+
+    frameworks: list     # where it runs
+    weights: dict        # the initial weights every worker loads (a Keras model's first build)
+    own_data: bool       # the factory brings its batches (else: digits' features to 10 logits)
+
+
 def user_frameworks(model: str, chosen: list[str], policies: list[str] = (), flag: str = "--frameworks") -> list[str]:
-    """The frameworks a user's model runs on: inferred from what its factory returns (a
-    torch.nn.Module: torch; a Flax NNX module: jax; a Keras model: Keras on the backend it
-    was built with). A Flax NNX factory must take Flax's ``dtype`` (and, for pure policies,
-    ``param_dtype``) keyword arguments: the hand-written side is built with them.
+    """The frameworks a user's model runs on (see `user_model_info`)."""
+    return user_model_info(model, chosen, policies, flag).frameworks
+
+
+def user_model_info(model: str, chosen: list[str], policies: list[str] = (),
+                    flag: str = "--frameworks") -> UserModelInfo:
+    """Calls a user's factory once and checks what it returns, before any run.
+
+    The framework is inferred from the model (a torch.nn.Module: torch; a Flax NNX module:
+    jax; a Keras model: every Keras backend installed, or those `chosen` names: the module is
+    imported on the first of them, so a factory module that imports Keras at its top builds on
+    the backend asked for). A bare model must map digits' (2, 64) features to (2, 10) logits;
+    a dict's model is run on its first batch and its loss must be a finite number. A Flax NNX
+    factory must take Flax's ``dtype`` (and, for pure policies, ``param_dtype``) keyword
+    arguments: the hand-written side is built with them.
 
     Raises:
-      ValueError: the factory returns none of these, --frameworks names another framework,
-        or an NNX factory cannot build the hand-written side of one of `policies`.
+      ValueError: the factory cannot be loaded, raises, returns none of these or breaks the
+        contract; --frameworks names another framework; an NNX factory cannot build the
+        hand-written side of one of `policies`.
     """
     import os
     import sys
 
-    from mixedpolicy.bench.user_model import load_factory
+    from mixedpolicy.bench import user_model
 
-    backends = {runner(f).keras_backend for f in chosen} - {""}
-    if len(backends) == 1 and "keras" not in sys.modules:  # a Keras model, built on the backend asked for
-        os.environ["KERAS_BACKEND"] = backends.pop()
-    factory = load_factory(model)
+    backends = [runner(f).keras_backend for f in chosen if runner(f).keras_backend]
+    if backends and "keras" not in sys.modules:  # a Keras model, built on the backend asked for
+        os.environ["KERAS_BACKEND"] = backends[0]
+    try:
+        factory = user_model.load_factory(model)
+    except ImportError as err:
+        raise ValueError(str(err)) from None
     try:
         built = factory()
     except Exception as err:  # the user's code: whatever it raises, said with the fix
         raise ValueError(f"Received --model {model}, whose factory raised {type(err).__name__}: {err}; it must "
                          f"build the model when called with no arguments.") from None
-    mro = [c.__module__ for c in type(built).__mro__]
+    setup = user_model.unpack(built, model)
+    mro = [c.__module__ for c in type(setup.model).__mro__]
     if any(m.startswith("keras") for m in mro):
-        import keras
-
-        inferred = f"keras-{keras.backend.backend()}"
+        inferred = [f for f in FRAMEWORKS if runner(f).framework.startswith("keras-")]
+        inferred = [f for f in inferred if f in chosen] if chosen else [
+            f for f in inferred if all(importlib.util.find_spec(p) for p in runner(f).packages)]
+        name = "Keras"
     elif any(m.startswith("torch") for m in mro):
-        inferred = "torch"
+        inferred, name = ["torch"], "torch"
     elif any(m.startswith("flax.nnx") for m in mro):
-        inferred = "jax"
+        inferred, name = ["jax"], "jax"
     else:
-        raise ValueError(f"Received --model {model}, whose factory returns a {type(built).__name__}; the "
-                         f"bench runs a user's torch.nn.Module, Flax NNX module or Keras 3 model (a Flax "
-                         f"linen module has no state of its own to train: wrap it with nnx.bridge or "
-                         f"write it with flax.nnx).")
-    wrong = [f for f in chosen if f != inferred]
-    if wrong:
-        raise ValueError(f"Received {flag} {','.join(chosen)} for --model {model}, a {inferred} model; "
-                         f"leave {flag} out or pass {inferred}.")
-    _check_logits(model, built, inferred)
-    if inferred == "jax":
+        raise ValueError(f"Received --model {model}, whose factory returns a {type(setup.model).__name__}; the "
+                         f"bench runs a user's torch.nn.Module, Flax NNX module or Keras 3 model, alone or as "
+                         f"a dict's 'model' (a Flax linen module has no state of its own to train: wrap it "
+                         f"with nnx.bridge or write it with flax.nnx).")
+    wrong = [f for f in chosen if f not in inferred]
+    if wrong or not inferred:
+        valid = "one or more of keras-jax, keras-torch, keras-tensorflow" if name == "Keras" else inferred[0]
+        raise ValueError(f"Received {flag} {','.join(chosen)} for --model {model}, a {name} model; "
+                         f"leave {flag} out or pass {valid}.")
+    if setup.batches is None:
+        _check_logits(model, setup.model, inferred[0])
+    else:
+        _check_own_data(model, setup, inferred[0])
+    if inferred == ["jax"]:
         from mixedpolicy.bench.runners.nnx_user import user_native_kwargs
 
         for policy in policies:
             user_native_kwargs(factory, "float32" if policy == "tf32" else policy)
-    return [inferred]
+    weights = {}
+    if name == "Keras":  # every backend starts from this build's weights
+        from mixedpolicy.bench.runners.keras import user_weights
+
+        weights = user_weights(setup.model)
+    return UserModelInfo(inferred, weights, setup.batches is not None)
+
+
+def _check_own_data(model: str, setup, framework: str) -> None:
+    """A dict's model on its first batch, through the loss the bench will train with: it must
+    run and give a finite number."""
+    import math
+
+    from mixedpolicy.bench.runners import load
+
+    try:
+        value = load(framework).check_user(setup)
+    except Exception as err:  # the user's model or loss: whatever it raises, said with the contract
+        raise ValueError(f"Received --model {model}, whose model and loss fail on its first batch: "
+                         f"{type(err).__name__}: {err}. The bench calls the model on a batch's inputs (a "
+                         f"dict by name, a tuple positionally, else as one argument; a Keras model takes "
+                         f"any of them as one argument) and then loss(outputs, targets).") from None
+    if not math.isfinite(value):
+        raise ValueError(f"Received --model {model}, whose loss on its first batch is {value}; the bench "
+                         f"trains from a finite loss (check the model's initial weights and the targets).")
 
 
 def _check_logits(model: str, built, framework: str) -> None:

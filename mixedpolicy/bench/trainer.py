@@ -18,6 +18,9 @@ class Trainer(abc.ABC):
     #: the native side's recipe in words ("torch.autocast(torch.float16) + GradScaler"), for
     #: the report; empty on ours
     recipe: str = ""
+    #: a user's own (inputs, targets) batches where its factory brought them; None: the
+    #: bench's data set
+    user_batches: list | None = None
 
     @abc.abstractmethod
     def step(self, x: np.ndarray, y: np.ndarray) -> None:

@@ -21,7 +21,7 @@ import sys
 import time
 import numpy as np
 
-from mixedpolicy.bench import models, runners
+from mixedpolicy.bench import models, runners, user_model
 from mixedpolicy.bench.data import batch_order, digits, load, synthetic
 from mixedpolicy.bench.spec import RunSpec
 from mixedpolicy.bench.trainer import Trainer
@@ -85,6 +85,35 @@ class _Feed:
         return [(self.x[i], self.y[i]) for i in rows]
 
 
+class _Cycle:
+    """One trainer's walk through a user's own batches, in order, from the first again at the end."""
+
+    def __init__(self, batches: list):
+        self.batches, self.cursor = batches, 0
+
+    def take(self, n: int) -> list:
+        rows = [self.batches[(self.cursor + i) % len(self.batches)] for i in range(n)]
+        self.cursor += n
+        return rows
+
+
+def _numpy(value) -> np.ndarray:
+    return value.detach().cpu().numpy() if hasattr(value, "detach") else np.asarray(value)
+
+
+def batch_accuracy(trainer: Trainer, batches: list) -> float | None:
+    """The share of a user's own targets that the logits' argmax hits, over its batches; None
+    where the targets are not class indices of the logits' leading shape (a loss of its own)."""
+    hits = total = 0
+    for x, y in batches:
+        logits, y = trainer.predict(x), _numpy(y)
+        if not np.issubdtype(y.dtype, np.integer) or logits.shape[:-1] != y.shape:
+            return None
+        hits += int(np.sum(np.argmax(logits, -1) == y))
+        total += y.size
+    return hits / max(total, 1)
+
+
 def _timed(trainer: Trainer, batches: list) -> float:
     """Seconds for `trainer` to take these steps, the device synchronised before each read."""
     trainer.sync()
@@ -120,9 +149,18 @@ def run(spec: RunSpec) -> dict:
     stay small against it. The overhead is the median of the pairs' ratios.
     """
     runner = runners.load(spec.framework)
-    x_train, y_train, x_test, y_test = data(spec, runner)
     ours, native = build(spec, runner)
-    feeds = {t: _Feed(x_train, y_train, spec.batch_size, spec.seed) for t in (ours, native)}
+    own = ours.user_batches  # a user's factory brought its own batches: cycled through, in order
+    if own is None:
+        x_train, y_train, x_test, y_test = data(spec, runner)
+        feeds = {t: _Feed(x_train, y_train, spec.batch_size, spec.seed) for t in (ours, native)}
+        batch_size = spec.batch_size
+    else:
+        feeds = {t: _Cycle(own) for t in (ours, native)}
+        batch_size = user_model.batch_size(own[0][0])
+
+    def score(trainer: Trainer) -> float | None:
+        return accuracy(spec, trainer, x_test, y_test) if own is None else batch_accuracy(trainer, own)
 
     def advance(trainer: Trainer, n: int) -> float:
         return _timed(trainer, feeds[trainer].take(n)) / n if n else 0.0
@@ -138,8 +176,8 @@ def run(spec: RunSpec) -> dict:
     quality = {
         "final_loss": losses[-1][1],
         "loss_curve": losses,
-        "accuracy": accuracy(spec, ours, x_test, y_test),
-        "native_accuracy": accuracy(spec, native, x_test, y_test),
+        "accuracy": score(ours),
+        "native_accuracy": score(native),
         "skipped_steps": ours.skipped_steps(),
         "final_loss_scale": ours.loss_scale(),
     }
@@ -162,13 +200,13 @@ def run(spec: RunSpec) -> dict:
     return {
         "framework": spec.framework, "policy": spec.policy, "model": spec.model,
         "data": spec.dataset, "compile": spec.compile,
-        "batch_size": spec.batch_size, "steps": spec.steps, "repeats": spec.repeats,
+        "batch_size": batch_size, "own_data": own is not None, "steps": spec.steps, "repeats": spec.repeats,
         "timed_steps_per_block": n,
         "step_time_s": {"median": median, "min": min(t_ours), "max": max(t_ours)},
         "native_step_time_s": {"median": statistics.median(t_native), "min": min(t_native),
                                "max": max(t_native)},
-        "throughput_samples_per_s": spec.batch_size / median,
-        **({"throughput_tokens_per_s": spec.batch_size * tokens / median} if spec.model == "gpt2" else {}),
+        "throughput_samples_per_s": batch_size / median,
+        **({"throughput_tokens_per_s": batch_size * tokens / median} if spec.model == "gpt2" else {}),
         "peak_memory_bytes": int(peak),
         **quality,
         "native_recipe": native.recipe,

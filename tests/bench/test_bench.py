@@ -1,5 +1,6 @@
 """`mixedpolicy bench`: option checks before any run, and a run's record and outputs."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -499,7 +500,8 @@ def test_a_user_model_is_checked_before_any_run(tmp_path, capsys):
     pytest.importorskip("torch")
     out = str(tmp_path / "out")
     assert bench(["--model", f"{USER_MODELS}:nope", "--out", out]) == 2
-    assert "has no callable 'nope'; its callables: keras_mlp, linen_mlp, nnx_mlp" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "has no callable 'nope'; its callables: dict_whose_model_fails" in err and "keras_mlp" in err, err
     assert bench(["--model", f"{USER_MODELS}:not_a_model", "--out", out]) == 2
     assert ("returns a int; the bench runs a user's torch.nn.Module, Flax NNX module or Keras 3 model"
             in capsys.readouterr().err)
@@ -514,6 +516,19 @@ def test_a_user_model_is_checked_before_any_run(tmp_path, capsys):
             in capsys.readouterr().err)
     assert bench(["--model", f"{USER_MODELS}:torch_seven_classes", "--out", out]) == 2
     assert "maps a (2, 64) batch to shape (2, 7); the bench trains it on digits and expects (2, 10)" in \
+        capsys.readouterr().err
+    # the dict contract: what is wrong with the dict, and the fix
+    for factory, message in (
+            ("dict_without_batches", "with neither of 'batch' and 'batches'; give one"),
+            ("dict_with_a_bad_pair", "whose batch 0 is a tuple of length 3; expected an (inputs, targets) pair"),
+            ("dict_with_unknown_keys", "with the keys 'optimizer'; expected only 'model', 'batch', 'batches', 'loss'"),
+            ("dict_whose_model_fails", "whose model and loss fail on its first batch: RuntimeError")):
+        assert bench(["--model", f"{USER_MODELS}:{factory}", "--out", out]) == 2
+        err = capsys.readouterr().err
+        assert message in err, err
+    assert bench(["--model", f"{USER_MODELS}:dict_with_a_bad_pair", "--batch-size", "8", "--out", out]) == 2
+    assert bench(["--model", f"{USER_MODELS}:hf_gpt2", "--batch-size", "8", "--out", out]) == 2
+    assert "whose factory brings its own batches (their size is the batch size); drop --batch-size" in \
         capsys.readouterr().err
     if not spec.missing_packages("jax"):
         assert bench(["--model", f"{USER_MODELS}:linen_mlp", "--out", out]) == 2
@@ -556,6 +571,47 @@ def test_a_user_model_runs_against_the_frameworks_own_from_the_same_weights(tmp_
     assert all(np.isfinite(r["final_loss"]) and r["skipped_steps"] == 0 for r in runs)
     assert runs[-1]["native_recipe"] == {"torch": "torch.autocast(torch.float16) + GradScaler", "jax": "float32",
                                          "keras-torch": "Keras dtype policy 'float32'"}[framework]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("factory, frameworks, policies", [
+    # a Hugging Face model on torch: dict inputs of token ids, the default loss on its .logits
+    ("hf_gpt2", "torch", "float32,16-mixed"),
+    # a Flax NNX model taking two inputs, with a loss of its own (no accuracy: float targets)
+    ("nnx_regression", "jax", "float32,mixed_bfloat16"),
+    # a keras-hub model on every Keras backend, from one build's weights
+    ("keras_hub_classifier", "keras-jax,keras-torch,keras-tensorflow", "float32"),
+])
+def test_a_user_model_with_its_own_batches_and_loss(tmp_path, factory, frameworks, policies):
+    names = frameworks.split(",")
+    needs = {"hf_gpt2": "transformers", "keras_hub_classifier": "keras_hub"}.get(factory)
+    if any(spec.missing_packages(f) for f in names) or (needs and importlib.util.find_spec(needs) is None):
+        pytest.skip(f"needs {frameworks} and {needs}")
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"} | {"JAX_NUMPY_DTYPE_PROMOTION": "standard"}
+    flags = ["--frameworks", frameworks] if factory != "nnx_regression" else []  # inferred: jax
+    proc = subprocess.run([sys.executable, "-m", "mixedpolicy", "bench", "--model", f"{USER_MODELS}:{factory}",
+                           "--policies", policies, "--steps", "3", "--repeats", "2", "--warmup", "1",
+                           "--min-block-time", "0", "--out", str(out), *flags],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "on its own batches" in proc.stdout
+    results = json.loads((out / "results.json").read_text())
+    runs = results["runs"]
+    assert [(r["framework"], r["policy"]) for r in runs] == [(f, p) for f in names for p in policies.split(",")
+                                                           for p in [spec.resolve_policies(p)[0]]]
+    size = {"hf_gpt2": 8, "nnx_regression": 16, "keras_hub_classifier": 8}[factory]
+    assert all(r["own_data"] and r["batch_size"] == size and np.isfinite(r["final_loss"]) for r in runs)
+    assert not (out / "digits_split.npz").exists()
+    if factory == "nnx_regression":
+        assert all(r["accuracy"] is None for r in runs)  # float targets: no classes to hit
+    else:
+        assert all(0 <= r["accuracy"] <= 1 for r in runs)
+        # ours and native start from the same build: the same float32 accuracy
+        assert all(r["accuracy"] == r["native_accuracy"] for r in runs if r["policy"] == "float32")
+    # the same weights and batches: the first loss agrees on every framework and policy
+    first = [r["loss_curve"][0][1] for r in runs]
+    np.testing.assert_allclose(first, first[0], rtol=2e-2)
 
 
 def test_on_a_narrow_terminal_the_table_splits_into_whole_columns_that_fit(monkeypatch, capsys):

@@ -11,8 +11,10 @@ from flax import nnx
 import mixedpolicy as mp
 from mixedpolicy.bench.models import (BN_EPSILON, BN_MOMENTUM, LN_EPSILON, MOMENTUM, learning_rate,
                                       resnet_blocks, stem_stride)
-from mixedpolicy.bench.runners import nnx_user
+from mixedpolicy.bench import user_model
+from mixedpolicy.bench.runners import nnx_steps, nnx_user
 from mixedpolicy.bench.trainer import Trainer, pin_tf32
+from mixedpolicy.bench.user_model import UserSetup
 
 _COMPUTE, _PURE = nnx_user.COMPUTE, nnx_user.PURE
 _NORMS = (nnx.LayerNorm, nnx.BatchNorm, nnx.GroupNorm, nnx.RMSNorm)
@@ -193,14 +195,15 @@ _MODELS = {"mlp": MLP, "cnn": CNN, "transformer": Transformer, "resnet": ResNet,
 
 
 def _loss(model, x, y):
-    logits = model(x).astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    return nnx_steps.cross_entropy(model(x), y)
 
 
 class _Nnx(Trainer):
-    def __init__(self, model):
+    def __init__(self, model, setup: UserSetup | None = None):
         self.model = model
         self._loss = None
+        self.steps_of = nnx_steps.steps(setup.loss) if setup and setup.loss else nnx_steps.steps()
+        self.user_batches = setup.batches if setup else None  # a user's own data, or None: digits
 
     def sync(self) -> None:
         jax.block_until_ready(self._loss)
@@ -208,36 +211,21 @@ class _Nnx(Trainer):
     def last_loss(self) -> float:
         return float(self._loss)
 
-    def predict(self, x: np.ndarray) -> np.ndarray:
+    def predict(self, x) -> np.ndarray:
         self.model.eval()
-        logits = np.asarray(_predict(self.model, jnp.asarray(x)), np.float32)
+        logits = np.asarray(self.steps_of.predict(self.model, user_model.tree_map(jnp.asarray, x)), np.float32)
         self.model.train()
         return logits
 
 
-@nnx.jit
-def _predict(model, x):
-    return model(x).astype(jnp.float32)
-
-
-@nnx.jit
-def _ours_step(model, optimizer, x, y):
-    def scaled(model):
-        loss = _loss(model, x, y)
-        return optimizer.tx.scale_loss(loss, optimizer.opt_state), loss
-    grads, loss = nnx.grad(scaled, has_aux=True)(model)
-    optimizer.update(model, grads)
-    return loss
-
-
 class Ours(_Nnx):
-    def __init__(self, net: nnx.Module, policy: str, lr: float):
-        super().__init__(mp.apply_policy(net, policy))
+    def __init__(self, net: nnx.Module, policy: str, lr: float, setup: UserSetup | None = None):
+        super().__init__(mp.apply_policy(net, policy), setup)
         sgd = optax.sgd(lr, momentum=MOMENTUM)
         # one training loop for every policy: a pass-through where the policy needs no scaling
         self.optimizer = nnx.Optimizer(self.model, mp.LossScaleOptimizer(sgd, policy=policy), wrt=nnx.Param)
         self._scaled = mp.Policy(policy).needs_loss_scaling
-        self._step = nnx.cached_partial(_ours_step, self.model, self.optimizer)
+        self._step = nnx.cached_partial(self.steps_of.ours, self.model, self.optimizer)
 
     def step(self, x, y) -> None:
         self._loss = self._step(x, y)
@@ -251,48 +239,18 @@ class Ours(_Nnx):
         return float(state.loss_scale.get_value()) if self._scaled else None
 
 
-@nnx.jit
-def _native_step(model, optimizer, x, y, scale, counter):
-    """jmp's recipe: scale, unscale, all_finite, update, then select the new or the old
-    parameters and optimizer state (jmp's select_tree); the scale's arrays carried by hand."""
-    scaled_loss, grads = nnx.value_and_grad(lambda m: _loss(m, x, y) * scale)(model)
-    loss = scaled_loss / scale
-    grads = jax.tree_util.tree_map(lambda g: g / scale, grads)
-    finite = jnp.all(jnp.stack([jnp.isfinite(g).all() for g in jax.tree_util.tree_leaves(grads)]))
-
-    def snapshot():  # the values now (nnx.state holds the variables, which update() changes)
-        return jax.tree_util.tree_map(lambda v: v, (nnx.state(model, nnx.Param), nnx.state(optimizer)))
-
-    before = snapshot()
-    optimizer.update(model, grads)
-    after = snapshot()
-    chosen = jax.tree_util.tree_map(lambda new, old: jnp.where(finite, new, old), after, before)
-    nnx.update(model, chosen[0])
-    nnx.update(optimizer, chosen[1])
-    grow = finite & (counter + 1 >= 2000)
-    scale = jnp.where(grow, scale * 2, jnp.where(finite, scale, jnp.maximum(scale / 2, 1.0)))
-    counter = jnp.where(finite & ~grow, counter + 1, jnp.zeros_like(counter))
-    return loss, scale, counter
-
-
-@nnx.jit
-def _plain_step(model, optimizer, x, y):
-    loss, grads = nnx.value_and_grad(_loss)(model, x, y)
-    optimizer.update(model, grads)
-    return loss
-
-
 class Native(_Nnx):
     """Flax's own dtype arguments (the compute dtype; a pure policy's parameters in the half
     dtype too, norm layers' kept float32), jmp-style dynamic loss scaling where float16
     computes."""
 
-    def __init__(self, net: nnx.Module, policy: str, lr: float):
-        super().__init__(net)
+    def __init__(self, net: nnx.Module, policy: str, lr: float, setup: UserSetup | None = None):
+        super().__init__(net, setup)
         self.optimizer = nnx.Optimizer(self.model, optax.sgd(lr, momentum=MOMENTUM), wrt=nnx.Param)
         self.scaled = mp.Policy(policy).needs_loss_scaling
         self.scale, self.counter = jnp.asarray(2.0**15, jnp.float32), jnp.zeros((), jnp.int32)
-        self._step = nnx.cached_partial(_native_step if self.scaled else _plain_step, self.model, self.optimizer)
+        step = self.steps_of.native if self.scaled else self.steps_of.plain
+        self._step = nnx.cached_partial(step, self.model, self.optimizer)
         dtype = jnp.dtype(_COMPUTE[policy]).name
         self.recipe = ("float32" if policy == "float32" else
                        f"Flax dtype={dtype}" + (f", param_dtype={dtype}" if policy in _PURE else "")
@@ -326,14 +284,25 @@ def trainers(model: str, cfg: dict, policy: str, weights: dict, device: str, com
              tf32: bool = False):
     """(ours, native); both steps are always compiled (nnx.jit), whatever `compile` says."""
     pin_tf32("jax", device, tf32)
-    ours, native = nnx_user.build(model, policy) if ":" in model else _built_in(model, cfg, weights, policy)
+    if ":" in model:
+        setup, native = nnx_user.build(model, policy)
+        return (Ours(setup.model, policy, learning_rate(model), setup),
+                Native(native, policy, learning_rate(model), setup))
+    ours, native = _built_in(model, cfg, weights, policy)
     return Ours(ours, policy, learning_rate(model)), Native(native, policy, learning_rate(model))
 
 
 def network(model: str, cfg: dict, weights: dict, device: str) -> nnx.Module:
     """The bench model in float32, no policy (what `mixedpolicy inspect` looks at)."""
-    return nnx_user.build(model, "float32")[0] if ":" in model else _MODELS[model](weights, cfg)
+    return nnx_user.build(model, "float32")[0].model if ":" in model else _MODELS[model](weights, cfg)
 
 
 def loss(net: nnx.Module, x: np.ndarray, y: np.ndarray):
     return _loss(net, jnp.asarray(x), jnp.asarray(y))
+
+
+def check_user(setup: UserSetup) -> float:
+    """The loss of a user's model on its first batch: what the bench checks before any run."""
+    x, y = setup.batches[0]
+    objective = setup.loss or nnx_steps.cross_entropy
+    return float(objective(user_model.call(setup.model, user_model.tree_map(jnp.asarray, x)), y))

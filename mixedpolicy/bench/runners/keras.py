@@ -11,7 +11,13 @@ import numpy as np
 import mixedpolicy as mp
 from mixedpolicy.bench.models import (BN_EPSILON, BN_MOMENTUM, LN_EPSILON, MOMENTUM, learning_rate,
                                       resnet_blocks, stem_stride)
+from mixedpolicy.bench import user_model
 from mixedpolicy.bench.trainer import Trainer, pin_tf32
+from mixedpolicy.bench.user_model import UserSetup
+
+#: A user's Keras model's weights in the shared weights file: ``keras.0``, ``keras.1``... in the
+#: order of ``model.weights`` (see `user_weights`).
+USER_PREFIX = "keras."
 
 
 
@@ -120,14 +126,19 @@ def _resnet(cfg: dict) -> keras.Model:
     return keras.Model(inputs, x)
 
 
-def _model(model: str, cfg: dict) -> keras.Model:
-    if ":" in model:  # a user's MODULE:FACTORY
-        from mixedpolicy.bench.user_model import load_factory
+def _user(model: str) -> UserSetup:
+    """A user's MODULE:FACTORY, built (the model, and its own batches and loss if it brings them)."""
+    setup = user_model.build(model)
+    if not isinstance(setup.model, keras.Model):
+        raise TypeError(f"{model} returned a {type(setup.model).__name__}; expected a Keras model.")
+    return setup
 
-        net = load_factory(model)()
-        if not isinstance(net, keras.Model):
-            raise TypeError(f"{model} returned a {type(net).__name__}; expected a Keras model.")
-        return net
+
+def _model(model: str, cfg: dict) -> keras.Model:
+    return _user(model).model if ":" in model else _built_in(model, cfg)
+
+
+def _built_in(model: str, cfg: dict) -> keras.Model:
     if model == "mlp":
         sizes = cfg["sizes"]
         inputs = keras.Input((sizes[0],))
@@ -162,8 +173,17 @@ def _model(model: str, cfg: dict) -> keras.Model:
 
 def load(net: keras.Model, w: dict) -> keras.Model:
     """Sets the shared initial weights, layer by layer (by name); every weight must find its layer.
-    (A user's model has none: its factory initialised it.)"""
+    A user's model takes the weights its first build had (`user_weights`), in Keras's order."""
     if not w:
+        return net
+    if all(key.startswith(USER_PREFIX) for key in w):
+        given = [w[f"{USER_PREFIX}{i}"] for i in range(len(w))]
+        shapes = [tuple(v.shape) for v in net.weights]
+        if [g.shape for g in given] != shapes:
+            raise RuntimeError(f"The user's Keras model has weights of shapes {shapes} on Keras's "
+                               f"{keras.backend.backend()} backend, where its first build had "
+                               f"{[g.shape for g in given]}; its factory must build the same model on every backend.")
+        net.set_weights(given)
         return net
     left = dict(w)
     names = {_name(key.rsplit(".", 1)[0]): key.rsplit(".", 1)[0] for key in w}  # Keras name -> ours
@@ -192,14 +212,25 @@ def load(net: keras.Model, w: dict) -> keras.Model:
     return net
 
 
-def _loss():
+def _loss(setup: UserSetup | None = None):
+    """The compiled loss: cross entropy of the logits on class targets, or a user's own
+    ``loss(outputs, targets)`` (Keras calls a loss with the targets first)."""
+    if setup is not None and setup.loss is not None:
+        user_loss = setup.loss
+        return lambda y_true, y_pred: user_loss(y_pred, y_true)
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
+def user_weights(net: keras.Model) -> dict:
+    """A user's Keras model's weights, named for the weights file every Keras backend loads."""
+    return {f"{USER_PREFIX}{i}": np.asarray(v) for i, v in enumerate(net.get_weights())}
+
+
 class _Keras(Trainer):
-    def __init__(self, model: keras.Model):
+    def __init__(self, model: keras.Model, setup: UserSetup | None = None):
         self.model = model
         self._loss = None
+        self.user_batches = setup.batches if setup else None  # a user's own data, or None: digits
 
     def step(self, x, y) -> None:
         self._loss = self.model.train_on_batch(x, y, return_dict=True)["loss"]
@@ -207,8 +238,9 @@ class _Keras(Trainer):
     def last_loss(self) -> float:
         return float(self._loss)
 
-    def predict(self, x: np.ndarray) -> np.ndarray:
-        return keras.ops.convert_to_numpy(keras.ops.cast(self.model(x, training=False), "float32"))
+    def predict(self, x) -> np.ndarray:
+        logits = user_model.logits_of(self.model(x, training=False))
+        return keras.ops.convert_to_numpy(keras.ops.cast(logits, "float32"))
 
     def skipped_steps(self) -> int:
         return getattr(self.model.optimizer, "num_skipped_steps", 0)
@@ -220,25 +252,28 @@ class _Keras(Trainer):
 def trainers(model: str, cfg: dict, policy: str, weights: dict, device: str, compile: bool = False,
              tf32: bool = False):
     """(ours, native); `compile` asks Keras for jit_compile=True, else Keras's own default
-    ("auto": XLA on JAX and TensorFlow where the model allows, eager on torch)."""
+    ("auto": XLA on JAX and TensorFlow where the model allows, eager on torch). A user's
+    factory is called for each side, under each side's global policy."""
     pin_tf32(keras.backend.backend(), device, tf32)
     jit = True if compile else "auto"
+    user = ":" in model
     mp.set_global_policy(policy)  # ours: the one line a Keras script adds
-    ours = mp.apply_policy(load(_model(model, cfg), weights), policy)
+    setup = _user(model) if user else None
+    ours = mp.apply_policy(load(setup.model if user else _built_in(model, cfg), weights), policy)
     start = ours.get_weights()  # a user's factory initialises at random: native starts from these
-    ours.compile(keras.optimizers.SGD(learning_rate(model), momentum=MOMENTUM), _loss(), jit_compile=jit)  # wraps under float16
+    ours.compile(keras.optimizers.SGD(learning_rate(model), momentum=MOMENTUM), _loss(setup), jit_compile=jit)  # wraps under float16
     mp.set_global_policy(None)
     keras.config.set_dtype_policy(policy)  # Keras's own
-    native = load(_model(model, cfg), weights)
+    native = load(_user(model).model if user else _built_in(model, cfg), weights)
     native.set_weights(start)
     sgd = keras.optimizers.SGD(learning_rate(model), momentum=MOMENTUM)
     # Keras's compile wraps mixed_float16 by itself; pure float16 is wrapped here, as ours is
     scaled = mp.Policy(policy).needs_loss_scaling
-    native.compile(keras.optimizers.LossScaleOptimizer(sgd) if scaled else sgd, _loss(), jit_compile=jit)
+    native.compile(keras.optimizers.LossScaleOptimizer(sgd) if scaled else sgd, _loss(setup), jit_compile=jit)
     keras.config.set_dtype_policy("float32")
-    native_side = _Keras(native)
+    native_side = _Keras(native, setup)
     native_side.recipe = f"Keras dtype policy {policy!r}" + (" + keras LossScaleOptimizer" if scaled else "")
-    return _Keras(ours), native_side
+    return _Keras(ours, setup), native_side
 
 
 def network(model: str, cfg: dict, weights: dict, device: str) -> keras.Model:
@@ -248,3 +283,9 @@ def network(model: str, cfg: dict, weights: dict, device: str) -> keras.Model:
 
 def loss(net: keras.Model, x: np.ndarray, y: np.ndarray):
     return _loss()(y, keras.ops.cast(net(x, training=True), "float32"))
+
+
+def check_user(setup: UserSetup) -> float:
+    """The loss of a user's model on its first batch: what the bench checks before any run."""
+    x, y = setup.batches[0]
+    return float(keras.ops.convert_to_numpy(_loss(setup)(y, setup.model(x, training=False))))

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mixedpolicy.bench.user_model import UserSetup
+
 COMPUTE = {"float32": jnp.float32, "mixed_bfloat16": jnp.bfloat16, "mixed_float16": jnp.float16,
            "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 PURE = ("bfloat16", "float16")
@@ -48,16 +50,16 @@ def user_native_kwargs(factory, policy: str) -> dict:
     return kwargs
 
 
-def build(model: str, policy: str) -> tuple[nnx.Module, nnx.Module]:
-    """(ours, native) of a user's Flax NNX ``MODULE:FACTORY``, native starting from ours's
-    weights."""
-    from mixedpolicy.bench.user_model import load_factory
+def build(model: str, policy: str) -> tuple[UserSetup, nnx.Module]:
+    """(ours, native) of a user's Flax NNX ``MODULE:FACTORY``: ours as the factory gave it (with
+    its own batches and loss, if it brings them), native built with Flax's dtype arguments and
+    starting from ours's weights."""
+    from mixedpolicy.bench.user_model import build as build_user, load_factory
 
-    factory = load_factory(model)
-    kwargs = user_native_kwargs(factory, policy)
-    ours, native = factory(), factory(**kwargs)
-    for net in (ours, native):
+    kwargs = user_native_kwargs(load_factory(model), policy)
+    ours, native = build_user(model), build_user(model, **kwargs).model
+    for net in (ours.model, native):
         if not isinstance(net, nnx.Module):
             raise TypeError(f"{model} returned a {type(net).__name__}; expected a Flax NNX module.")
-    _copy_state(ours, native)
+    _copy_state(ours.model, native)
     return ours, native

@@ -10,7 +10,9 @@ import torch
 import mixedpolicy as mp
 from mixedpolicy.bench.models import (BN_EPSILON, BN_MOMENTUM, LN_EPSILON, MOMENTUM, learning_rate,
                                       resnet_blocks, stem_stride)
+from mixedpolicy.bench import user_model
 from mixedpolicy.bench.trainer import Trainer, pin_tf32
+from mixedpolicy.bench.user_model import UserSetup
 
 _HALF = {"mixed_bfloat16": torch.bfloat16, "mixed_float16": torch.float16}
 _PURE = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -158,13 +160,18 @@ class ResNet(torch.nn.Module):
 
 
 def _model(model: str, cfg: dict, w: dict, device: str) -> torch.nn.Module:
-    if ":" in model:  # a user's MODULE:FACTORY
-        from mixedpolicy.bench.user_model import load_factory
+    return _user(model).model.to(device) if ":" in model else _built_in(model, cfg, w, device)
 
-        net = load_factory(model)()
-        if not isinstance(net, torch.nn.Module):
-            raise TypeError(f"{model} returned a {type(net).__name__}; expected a torch.nn.Module.")
-        return net.to(device)
+
+def _user(model: str) -> UserSetup:
+    """A user's MODULE:FACTORY, built (the model, and its own batches and loss if it brings them)."""
+    setup = user_model.build(model)
+    if not isinstance(setup.model, torch.nn.Module):
+        raise TypeError(f"{model} returned a {type(setup.model).__name__}; expected a torch.nn.Module.")
+    return setup
+
+
+def _built_in(model: str, cfg: dict, w: dict, device: str) -> torch.nn.Module:
     if model == "mlp":
         layers = []
         for i in range(len(cfg["sizes"]) - 1):
@@ -188,20 +195,42 @@ def prepare(model: str, x: np.ndarray) -> np.ndarray:
 
 def _cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Mean cross entropy in float32 over every (sample or token) position."""
-    return torch.nn.functional.cross_entropy(logits.float().flatten(0, -2), y.flatten())
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, -2), y.flatten().long())
+
+
+def _default_loss(outputs, y: torch.Tensor) -> torch.Tensor:
+    return _cross_entropy(user_model.logits_of(outputs), y)
+
+
+def _on_device(tree, device: str, floats: torch.dtype | None = None):
+    """A batch's arrays (numpy or torch, in dicts, tuples, lists) as tensors on `device`; the
+    floating ones in `floats` where given (a pure policy's module takes its inputs so)."""
+    def move(leaf):
+        if isinstance(leaf, np.ndarray):
+            leaf = torch.from_numpy(leaf)
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        leaf = leaf.to(device, non_blocking=True)
+        return leaf.to(floats) if floats is not None and leaf.is_floating_point() else leaf
+    return user_model.tree_map(move, tree)
 
 
 class _Torch(Trainer):
-    def __init__(self, model: torch.nn.Module, device: str):
+    def __init__(self, model: torch.nn.Module, device: str, setup: UserSetup | None = None):
         self.model, self.device = model, device
         self._loss = None
         self.pure = None
+        self.objective = (setup.loss if setup and setup.loss else _default_loss)
+        self.user_batches = setup.batches if setup else None  # a user's own data, or None: digits
 
-    def _input(self, x: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(x).to(self.device, non_blocking=True)
+    def _input(self, x):
+        return _on_device(x, self.device, self.pure)
 
     def _batch(self, x, y):
-        return self._input(x), torch.from_numpy(y).long().to(self.device, non_blocking=True)
+        return self._input(x), _on_device(y, self.device)
+
+    def _forward(self, x):
+        return user_model.call(self.model, x)
 
     def sync(self) -> None:
         if self.device.startswith("cuda"):
@@ -210,10 +239,10 @@ class _Torch(Trainer):
     def last_loss(self) -> float:
         return float(self._loss)
 
-    def predict(self, x: np.ndarray) -> np.ndarray:
+    def predict(self, x) -> np.ndarray:
         self.model.eval()
         with torch.no_grad():
-            logits = self.model(self._input(x)).float().cpu().numpy()
+            logits = user_model.logits_of(self._forward(self._input(x))).float().cpu().numpy()
         self.model.train()
         return logits
 
@@ -222,8 +251,8 @@ class _Torch(Trainer):
 
 
 class Ours(_Torch):
-    def __init__(self, net: torch.nn.Module, policy: str, device: str, lr: float):
-        super().__init__(mp.apply_policy(net, policy), device)
+    def __init__(self, net: torch.nn.Module, policy: str, device: str, lr: float, setup: UserSetup | None = None):
+        super().__init__(mp.apply_policy(net, policy), device, setup)
         sgd = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=MOMENTUM)
         # one training loop for every policy: a pass-through where the policy needs no scaling;
         # float16 weights take none (the optimizer refuses to scale for them, and says so)
@@ -235,7 +264,7 @@ class Ours(_Torch):
 
     def step(self, x, y) -> None:
         x, y = self._batch(x, y)
-        loss = _cross_entropy(self.model(x), y)
+        loss = self.objective(self._forward(x), y)
         self.opt.scale_loss(loss).backward()
         self.opt.step()
         self.opt.zero_grad()
@@ -253,9 +282,9 @@ class Native(_Torch):
     the half dtype (``module.to(dtype)``, Lightning's "bf16-true"/"16-true"), inputs cast to
     it, no scaler (GradScaler refuses float16 gradients)."""
 
-    def __init__(self, net: torch.nn.Module, policy: str, device: str, lr: float):
+    def __init__(self, net: torch.nn.Module, policy: str, device: str, lr: float, setup: UserSetup | None = None):
         pure = _PURE.get(policy)
-        super().__init__(net.to(pure) if pure else net, device)
+        super().__init__(net.to(pure) if pure else net, device, setup)
         self.pure = pure
         self.dtype = _HALF.get(policy)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=MOMENTUM)
@@ -264,16 +293,12 @@ class Native(_Torch):
                        "float32, no autocast" if self.dtype is None else
                        f"torch.autocast(torch.{policy[6:]})" + (" + GradScaler" if self.scaler.is_enabled() else ""))
 
-    def _input(self, x: np.ndarray) -> torch.Tensor:
-        x = super()._input(x)
-        return x.to(self.pure) if self.pure and x.is_floating_point() else x
-
     def step(self, x, y) -> None:
         x, y = self._batch(x, y)
         with torch.autocast(self.device.split(":")[0], dtype=self.dtype or torch.float32,
                             enabled=self.dtype is not None):
-            out = self.model(x)
-        loss = _cross_entropy(out, y)
+            out = self._forward(x)
+        loss = self.objective(out, y)
         self.scaler.scale(loss).backward()
         self.scaler.step(self.opt)
         self.scaler.update()
@@ -284,12 +309,13 @@ class Native(_Torch):
 def trainers(model: str, cfg: dict, policy: str, weights: dict, device: str, compile: bool = False,
              tf32: bool = False):
     """(ours, native); `compile` runs both models through torch.compile (the optimizer steps
-    stay eager on both sides)."""
+    stay eager on both sides). A user's factory is called once: native is a copy of its model."""
     pin_tf32("torch", device, tf32)
-    net = _model(model, cfg, weights, device)
+    setup = _user(model) if ":" in model else None
+    net = setup.model.to(device) if setup else _built_in(model, cfg, weights, device)
     twin = copy.deepcopy(net)  # the same initial weights on both sides (a user's model too)
-    ours = Ours(net, policy, device, learning_rate(model))
-    native = Native(twin, policy, device, learning_rate(model))
+    ours = Ours(net, policy, device, learning_rate(model), setup)
+    native = Native(twin, policy, device, learning_rate(model), setup)
     if compile:
         for side in (ours, native):
             side.model = torch.compile(side.model)
@@ -304,3 +330,12 @@ def network(model: str, cfg: dict, weights: dict, device: str) -> torch.nn.Modul
 def loss(net: torch.nn.Module, x: np.ndarray, y: np.ndarray) -> torch.Tensor:
     device = next(net.parameters()).device
     return _cross_entropy(net(torch.from_numpy(x).to(device)), torch.from_numpy(y).long().to(device))
+
+
+def check_user(setup: UserSetup) -> float:
+    """The loss of a user's model on its first batch (no gradient): what the bench checks
+    before any run."""
+    device = str(next(iter(setup.model.parameters()), torch.empty(0)).device)
+    x, y = (_on_device(part, device) for part in setup.batches[0])
+    with torch.no_grad():
+        return float((setup.loss or _default_loss)(user_model.call(setup.model, x), y))
