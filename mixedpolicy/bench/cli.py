@@ -40,9 +40,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="mlp",
                    help=f"one of: {', '.join(MODELS)}, or your own MODULE:FACTORY (a module path or a .py "
                         f"file, and a function of no arguments that returns a fresh torch.nn.Module, Flax NNX "
-                        f"module or Keras model taking a batch of digits' 64 float32 features to 10 logits; "
-                        f"the framework is inferred from it; an NNX factory also takes Flax's dtype= and "
-                        f"param_dtype= for the hand-written side; default: %(default)s)")
+                        f"module or Keras model taking a batch of digits' 64 float32 features to 10 logits, "
+                        f"or a dict with 'model', 'batch' (one (inputs, targets) pair) or 'batches' (an "
+                        f"iterable of them) and optionally 'loss' (loss(outputs, targets)); the framework is "
+                        f"inferred from the model, every Keras backend for a Keras model; an NNX factory also "
+                        f"takes Flax's dtype= and param_dtype= for the hand-written side; see "
+                        f"docs/benchmarks.md; default: %(default)s)")
     p.add_argument("--data", default="digits", choices=("digits", "synthetic"),
                    help="digits (scikit-learn's, the quality task) or synthetic (seeded random inputs and "
                         "labels at the model's real size, for speed and memory only; default: %(default)s)")

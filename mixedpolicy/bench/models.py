@@ -97,7 +97,8 @@ def config(model: str, device: str, data: str = "digits") -> dict:
     if is_user(model):  # a user's model takes digits' 64 features to 10 logits
         if data != "digits":
             raise ValueError(f"Received --data {data} with the user model {model}; a user's model "
-                             f"trains on digits (64 features in, 10 logits out).")
+                             f"trains on digits (64 features in, 10 logits out) or on the batches its "
+                             f"factory returns (see docs/benchmarks.md, 'Your own model'): drop --data.")
         return {"classes": 10}
     if model not in MODELS:
         raise ValueError(f"Received model {model!r}; expected one of: {', '.join(MODELS)}.")

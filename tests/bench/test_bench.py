@@ -630,3 +630,23 @@ def test_on_a_narrow_terminal_the_table_splits_into_whole_columns_that_fit(monke
     assert len(lines) > 2 and all(len(line) <= 60 for line in lines)
     assert sum(line.startswith("framework  policy") for line in lines) >= 2  # every part repeats the key
     assert any("overhead vs native" in line for line in lines)
+
+
+def test_a_factory_module_that_imports_keras_at_its_top_builds_on_the_backend_asked_for(tmp_path):
+    """The module is imported after --frameworks is read, so `import keras` at its top takes the
+    backend asked for (whatever KERAS_BACKEND the shell has), and the model is checked there."""
+    if spec.missing_packages("keras-jax"):
+        pytest.skip("needs keras and jax")
+    factory = tmp_path / "top_level_keras.py"
+    factory.write_text("import keras\n\nBACKEND = keras.backend.backend()\n\n\ndef make():\n"
+                       "    return keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])\n")
+    code = (f"import keras_backend_probe\n"  # nothing of Keras imported before the factory module
+            f"from mixedpolicy.bench.spec import user_model_info\n"
+            f"info = user_model_info({str(factory) + ':make'!r}, ['keras-jax'])\n"
+            f"import keras\n"
+            f"print(info.frameworks, keras.backend.backend(), sorted(info.weights)[:2])")
+    (tmp_path / "keras_backend_probe.py").write_text("import sys\nassert 'keras' not in sys.modules\n")
+    env = dict(os.environ, KERAS_BACKEND="tensorflow", PYTHONPATH=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[-2] == "['keras-jax'] jax ['keras.0', 'keras.1']", proc.stdout
