@@ -1,46 +1,77 @@
-"""The bench's figures, written beside results.json (matplotlib, no display needed).
+"""The bench's figures, written beside results.json (matplotlib, no display needed), each meant
+to be read in a few seconds:
 
-- overhead.png: ours / native per framework and policy, the median with the pair ratios'
-  interquartile range as an error bar, 1.0 marked;
+- overhead.png: ours / native per framework and policy, a point at the median with whiskers
+  at its 95% interval, 1.0 marked; the axis spans the medians and the intervals of the rows
+  that are not noisy, so one wild row cannot flatten the rest; a noisy row is grey and
+  labelled, and a point beyond the axis sits on its edge with its value written;
+- speedup.png: the speed-up over float32 the same way (ours under float32 / ours, measured
+  in the same process), on a log axis;
 - step_time.png: ours and native median step times side by side (log scale);
-- speedup.png: each policy's step time against the same framework's float32 run;
-- loss_curves.png: one panel per framework, a colour per policy, ours solid and native
-  dashed, the y-axis the training loss at the steps the quality phase recorded.
+- loss_<framework>.png: one small multiple per policy, ours solid and native dashed.
 """
 
 from __future__ import annotations
 
 import os
-import statistics
 
+from mixedpolicy.bench.report import loss_figure, noisy, ratio
 from mixedpolicy.bench.spec import run_label as label
+
+#: the widest an axis of ratios is allowed: beyond it, points are clipped to its edge
+_CLIP = {"overhead": (0.5, 2.0), "speedup": (0.05, 20.0)}
 
 
 def _groups(runs: list) -> tuple[list, list]:
     return list(dict.fromkeys(label(r) for r in runs)), list(dict.fromkeys(r["policy"] for r in runs))
 
 
-def _bars(ax, runs: list, value, error=None) -> None:
+def _points(ax, runs: list, kind: str, colors, log: bool = False) -> None:
+    """One point per run at its median ratio, whiskers at its 95% interval; noisy runs grey."""
     frameworks, policies = _groups(runs)
     width = 0.8 / len(policies)
+    # the axis spans every median and the whiskers of the rows that are not noisy, within _CLIP
+    values = [v for r in runs for v in (_span(r, kind) if not noisy(r, kind) else [ratio(r, kind)[0]])
+              if v is not None] or [1.0]
+    low, high = min(min(values), 0.97), max(max(values), 1.03)
+    pad = (high / low) ** 0.08 if log else (high - low) * 0.08
+    low, high = (low / pad, high * pad) if log else (low - pad, high + pad)
+    low, high = max(low, _CLIP[kind][0]), min(high, _CLIP[kind][1])
     for j, policy in enumerate(policies):
-        xs, ys, errs = [], [], []
         for i, framework in enumerate(frameworks):
             for r in runs:
-                if label(r) == framework and r["policy"] == policy and value(r) is not None:
-                    xs.append(i + j * width)
-                    ys.append(value(r))
-                    errs.append(error(r) if error else (0, 0))
-        yerr = [[e[0] for e in errs], [e[1] for e in errs]] if error else None
-        ax.bar(xs, ys, width, yerr=yerr, capsize=3, label=policy)
+                value, ci = ratio(r, kind)
+                if label(r) != framework or r["policy"] != policy or value is None:
+                    continue
+                x, grey = i + j * width, noisy(r, kind)
+                color = "0.6" if grey else colors(j)
+                shown = min(max(value, low), high)
+                if ci is not None:
+                    lo, hi = max(value - ci, low), min(value + ci, high)
+                    ax.plot([x, x], [lo, hi], color=color, linewidth=1.5)
+                ax.plot([x], [shown], "o", color=color, markersize=6)
+                if grey or shown != value:
+                    note = ("noisy " if grey else "") + (f"{value:.2f}" if shown != value else "")
+                    ax.annotate(note.strip(), (x, shown), textcoords="offset points", xytext=(4, 4),
+                                fontsize=7, color="0.35")
+    ax.set_ylim(low, high)
+    if log:
+        ax.set_yscale("log")
+    ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([i + width * (len(policies) - 1) / 2 for i in range(len(frameworks))], frameworks,
                   rotation=15, ha="right")
+    ax.set_xlim(-0.5, len(frameworks) - 0.5 + width * (len(policies) - 1))
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], marker="o", linestyle="", color=colors(j), label=p) for j, p in enumerate(policies)]
+    if any(noisy(r, kind) for r in runs):
+        handles.append(Line2D([], [], marker="o", linestyle="", color="0.6", label="noisy (any policy)"))
+    ax.legend(handles=handles, fontsize=8)
 
 
-def _iqr(r: dict) -> tuple:
-    ratios = r.get("overhead_ratios") or [r["overhead_vs_native"]]
-    q = statistics.quantiles(ratios, n=4) if len(ratios) >= 4 else (min(ratios), 0, max(ratios))
-    return max(r["overhead_vs_native"] - q[0], 0), max(q[2] - r["overhead_vs_native"], 0)
+def _span(run: dict, kind: str) -> list:
+    value, ci = ratio(run, kind)
+    return [] if value is None else [value] if ci is None else [value - ci, value + ci]
 
 
 def write_all(results: dict, out: str) -> list[str]:
@@ -51,6 +82,7 @@ def write_all(results: dict, out: str) -> list[str]:
 
     runs, env = results["runs"], results["environment"]
     frameworks, policies = _groups(runs)
+    colors = plt.get_cmap("tab10")
     paths = []
 
     def save(fig, name: str) -> None:
@@ -61,16 +93,20 @@ def write_all(results: dict, out: str) -> list[str]:
         paths.append(path)
 
     fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(frameworks)), 4))
-    _bars(ax, runs, lambda r: r["overhead_vs_native"], _iqr)
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_ylabel("ours / native step time (median; bar: IQR)")
-    ax.set_title(f"{env['model']}: mixedpolicy's overhead against the framework's own AMP")
-    ax.legend(fontsize=8)
+    _points(ax, runs, "overhead", colors)
+    ax.set_ylabel("ours / native step time\n(median, whiskers: 95% interval)")
+    ax.set_title(f"{env['model']}: overhead against the framework's own AMP", fontsize=10)
     save(fig, "overhead.png")
+
+    if any(ratio(r, "speedup")[0] is not None for r in runs):
+        fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(frameworks)), 4))
+        _points(ax, runs, "speedup", colors, log=True)
+        ax.set_ylabel("ours under float32 / ours\n(same process; < 1 is slower)")
+        ax.set_title(f"{env['model']}: speed-up over float32 on this device", fontsize=10)
+        save(fig, "speedup.png")
 
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(frameworks)), 4))
     width = 0.8 / len(policies)
-    colors = plt.get_cmap("tab10")
     for j, policy in enumerate(policies):
         for i, framework in enumerate(frameworks):
             for r in runs:
@@ -88,28 +124,21 @@ def write_all(results: dict, out: str) -> list[str]:
     ax.legend(fontsize=7, ncol=2)
     save(fig, "step_time.png")
 
-    if any(r.get("speedup_vs_float32") is not None for r in runs):
-        fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(frameworks)), 4))
-        _bars(ax, runs, lambda r: r.get("speedup_vs_float32"))
-        ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.set_ylabel("float32 step time / this policy's")
-        ax.set_title(f"{env['model']}: speed-up over float32 (this device; < 1 is slower)")
-        ax.legend(fontsize=8)
-        save(fig, "speedup.png")
-
-    fig, axes = plt.subplots(1, len(frameworks), figsize=(4 * len(frameworks), 3.5), squeeze=False, sharey=True)
-    for ax, framework in zip(axes[0], frameworks):
-        for j, policy in enumerate(policies):
-            for r in runs:
-                if label(r) == framework and r["policy"] == policy and r["loss_curve"]:
-                    steps = [p[0] for p in r["loss_curve"]]
-                    ax.plot(steps, [p[1] for p in r["loss_curve"]], color=colors(j), label=f"{policy} ours")
-                    if len(r["loss_curve"][0]) > 2:
-                        ax.plot(steps, [p[2] for p in r["loss_curve"]], color=colors(j), linestyle="--",
-                                label=f"{policy} native")
-        ax.set_title(framework)
-        ax.set_xlabel("training step")
-    axes[0][0].set_ylabel("training loss (batch at the recorded step)")
-    axes[0][-1].legend(fontsize=7)
-    save(fig, "loss_curves.png")
+    for framework in frameworks:
+        mine = [r for r in runs if label(r) == framework and r.get("loss_curve")]
+        if not mine:
+            continue
+        fig, axes = plt.subplots(1, len(mine), figsize=(3.2 * len(mine), 3), squeeze=False)
+        for ax, r in zip(axes[0], mine):
+            steps = [p[0] for p in r["loss_curve"]]
+            ax.plot(steps, [p[1] for p in r["loss_curve"]], color="C0", label="ours")
+            if len(r["loss_curve"][0]) > 2:
+                ax.plot(steps, [p[2] for p in r["loss_curve"]], color="C1", linestyle="--", label="native")
+            gap = r.get("max_loss_gap_vs_native")
+            ax.set_title(r["policy"] + ("" if gap is None else f" (largest gap {100 * gap:.1f}%)"), fontsize=9)
+            ax.set_xlabel("training step")
+        axes[0][0].set_ylabel("training loss")
+        axes[0][0].legend(fontsize=7)
+        fig.suptitle(f"{env['model']} on {framework}: ours and native", fontsize=10)
+        save(fig, loss_figure(framework))
     return paths

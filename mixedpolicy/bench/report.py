@@ -7,6 +7,8 @@ import importlib.metadata
 import json
 import os
 import platform
+import math
+import statistics
 from typing import Any
 
 from mixedpolicy.bench.spec import run_label as label
@@ -63,15 +65,23 @@ def environment(args: Any, frameworks: list[str]) -> dict:
     }
 
 
-def speedups(runs: list[dict]) -> None:
-    """Adds to each run its speed-up over the float32 and the tf32 runs of the same framework
-    and compile setting, where the bench ran them (step-time medians, ours against ours)."""
+def loss_figure(framework: str) -> str:
+    """The file of a framework's loss curves ("torch (compiled)": loss_torch_compiled.png)."""
+    return "loss_" + "_".join(framework.replace("(", "").replace(")", "").split()) + ".png"
+
+
+def quality(runs: list[dict]) -> None:
+    """Adds to each run its quality in one number each: the largest gap of its loss curve to
+    native's (relative), and its accuracy against the float32 run of the same framework and
+    compile setting (same weights, same batches: deterministic, so two processes may be
+    compared here; speed is never compared across processes)."""
     for run in runs:
-        for base in ("float32", "tf32"):
-            ref = [r for r in runs if r["policy"] == base and r["framework"] == run["framework"]
-                   and r.get("compile") == run.get("compile")]
-            run[f"speedup_vs_{base}"] = (ref[0]["step_time_s"]["median"] / run["step_time_s"]["median"]
-                                         if ref else None)
+        gaps = [abs(p[1] - p[2]) / max(abs(p[2]), 1e-12) for p in run.get("loss_curve") or () if len(p) > 2]
+        run["max_loss_gap_vs_native"] = max(gaps) if gaps else None
+        ref = [r for r in runs if r["policy"] == "float32" and r["framework"] == run["framework"]
+               and r.get("compile") == run.get("compile")]
+        both = ref and ref[0].get("accuracy") is not None and run.get("accuracy") is not None
+        run["accuracy_gap_vs_float32"] = run["accuracy"] - ref[0]["accuracy"] if both else None
 
 
 def _throughput(run: dict) -> str:
@@ -80,15 +90,41 @@ def _throughput(run: dict) -> str:
     return f"{run['throughput_samples_per_s']:.0f}/s"
 
 
-#: an interquartile range of the pair ratios wider than this says the host was too noisy
-#: to tell a few percent of overhead
-WIDE_SPREAD = 0.10
+#: a ratio whose median's 95% interval reaches further than this (relative, either side) is
+#: flagged noisy: the overhead cannot then tell a few percent, the speed-up a few more
+NOISE = {"overhead": 0.03, "speedup": 0.05}
+
+
+def median_ci(ratios: list[float]) -> float | None:
+    """The half width of an approximate 95% confidence interval of the median of `ratios`
+    (McGill's notch: 1.57 x IQR / sqrt(n)); None with fewer than 4 ratios (too few to tell)."""
+    if len(ratios) < 4:
+        return None
+    q = statistics.quantiles(ratios, n=4)
+    return 1.57 * (q[2] - q[0]) / math.sqrt(len(ratios))
+
+
+_RATIOS = {"overhead": ("overhead_vs_native", "overhead_ratios"),
+           "speedup": ("speedup_vs_float32", "speedup_ratios")}
+
+
+def ratio(run: dict, kind: str) -> tuple[float | None, float | None]:
+    """(median, half width of its 95% interval) of a run's "overhead" (ours / native) or
+    "speedup" (ours under float32 / ours), both measured block by block in its process."""
+    value_key, ratios_key = _RATIOS[kind]
+    value = run.get(value_key)
+    if value is None:
+        return None, None
+    return value, run.get(f"{kind}_ci", median_ci(run.get(ratios_key) or []))
+
+
+def noisy(run: dict, kind: str) -> bool:
+    value, ci = ratio(run, kind)
+    return value is not None and (ci is None or ci > NOISE[kind] * value)
 
 
 def spread(run: dict) -> float:
     """The interquartile range of the run's (ours / native) pair ratios."""
-    import statistics
-
     ratios = run.get("overhead_ratios") or [run["overhead_vs_native"]]
     if len(ratios) < 4:
         return max(ratios) - min(ratios)
@@ -96,42 +132,71 @@ def spread(run: dict) -> float:
     return q[2] - q[0]
 
 
+def noise(run: dict) -> str:
+    """The table's flag: which of the run's ratios cannot tell a few percent."""
+    flagged = [name for kind, name in (("overhead", "overhead"), ("speedup", "speed-up")) if noisy(run, kind)]
+    return "NOISY " + "+".join(flagged) if flagged else ""
+
+
 def wide(runs: list[dict]) -> list[str]:
-    """A warning per run whose pair ratios spread too wide to conclude."""
-    return [f"warning: {label(r)} {r['policy']}: the pair ratios' interquartile range is "
-            f"{spread(r):.3f} (> {WIDE_SPREAD}); the host was too noisy to tell an overhead of a few "
-            f"percent: rerun on an idle machine or with more --repeats." for r in runs if spread(r) > WIDE_SPREAD]
+    """A warning per run whose ratios are too noisy to conclude."""
+    out = []
+    for r in runs:
+        said = []
+        for kind, name in (("overhead", "overhead"), ("speedup", "speed-up over float32")):
+            if noisy(r, kind):
+                value, ci = ratio(r, kind)
+                said.append(f"{name} {value:.3f} " + ("(too few repeats for an interval)" if ci is None else
+                                                      f"+-{ci:.3f} (wider than +-{NOISE[kind]:.0%})"))
+        if said:
+            out.append(f"warning: {label(r)} {r['policy']}: {', '.join(said)}: too noisy to tell a few "
+                       f"percent; rerun on an idle machine, with more --repeats or a longer --min-block-time.")
+    return out
 
 
-def _ratio(value) -> str:
-    return "-" if value is None else f"{value:.2f}x"
+def _ratio(run: dict, kind: str, digits: int, unit: str = "") -> str:
+    value, ci = ratio(run, kind)
+    if value is None:
+        return "-"
+    return f"{value:.{digits}f}{unit}" + ("" if ci is None else f" +-{ci:.{digits}f}")
 
 
-#: (header, cell) of every column; a column that says nothing in these runs (no compiled
-#: run, no tf32 baseline) is left out of the table.
+def _bytes_per_parameter(run: dict) -> str:
+    mem = run.get("memory") or {}
+    ours, native = mem.get("ours"), mem.get("native")
+    if not ours:
+        return "-"
+    return f"{ours['bytes_per_parameter']:.1f}" + (f" ({native['bytes_per_parameter']:.1f})" if native else "")
+
+
+def _percent(value) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+#: (header, cell) of every column; a column that says nothing in these runs is left out.
 _COLUMNS = (
     ("framework", label),
     ("policy", lambda r: r["policy"]),
     ("step ms", lambda r: f"{r['step_time_s']['median'] * 1e3:.2f}"),
     ("throughput", _throughput),
+    ("vs float32", lambda r: _ratio(r, "speedup", 2, "x")),
+    ("overhead vs native", lambda r: _ratio(r, "overhead", 3)),
+    ("noise", noise),
     ("peak MB", lambda r: f"{r['peak_memory_bytes'] / 2**20:.0f}"),
-    ("vs float32", lambda r: _ratio(r.get("speedup_vs_float32"))),
-    ("vs tf32", lambda r: _ratio(r.get("speedup_vs_tf32"))),
-    ("final loss", lambda r: f"{r['final_loss']:.4f}"),
+    ("B/param (native)", _bytes_per_parameter),
+    ("loss gap", lambda r: _percent(r.get("max_loss_gap_vs_native"))),
     ("accuracy", lambda r: "-" if r["accuracy"] is None else f"{r['accuracy']:.3f}"),
+    ("vs f32 acc", lambda r: "-" if r.get("accuracy_gap_vs_float32") is None
+     else f"{r['accuracy_gap_vs_float32']:+.3f}"),
     ("skipped", lambda r: str(r["skipped_steps"])),
     ("final scale", lambda r: "-" if r["final_loss_scale"] is None else f"{r['final_loss_scale']:g}"),
-    ("timed block", lambda r: str(r["timed_steps_per_block"])),
-    ("overhead vs native", lambda r: f"{r['overhead_vs_native']:.3f}"),
-    ("IQR", lambda r: f"{spread(r):.3f}"),
 )
 
 
 def columns(runs: list[dict]) -> list:
-    speedups(runs)
-    return [(h, cell) for h, cell in _COLUMNS
-            if not (h == "vs float32" and all(r.get("speedup_vs_float32") is None for r in runs))
-            and not (h == "vs tf32" and all(r.get("speedup_vs_tf32") is None for r in runs))]
+    quality(runs)
+    return [(h, cell) for h, cell in _COLUMNS if any(cell(r) not in ("-", "") for r in runs)
+            or h in ("framework", "policy", "overhead vs native")]
 
 
 def table(runs: list[dict]) -> str:
@@ -164,12 +229,20 @@ def markdown(results: dict) -> str:
               "schedule on every framework. Then ours and the same model and policy written with "
               "the framework's own tools are timed in pairs of blocks of `timed block` steps, "
               "interleaved in the same process: step times are medians over the blocks (ours), "
-              "`overhead vs native` the median of the pairs' ratios; `vs float32` (`vs tf32`) is the "
-              "float32 (tf32) run's step time over this one's, same framework. On CPUs without bf16/fp16 hardware, half "
-              "precision is slower than float32: that is the hardware; the overhead ratio is the "
-              "figure that measures mixedpolicy there.", "",
+              "`overhead vs native` the median of the pairs' ratios; `vs float32` is ours under "
+              "float32 (same weights, same batches) over ours under the policy, timed in the same "
+              "blocks of the same process (float32's own row is the A/A check: ours against ours). "
+              "Each ratio carries the half width of its median's 95% interval (1.57 x IQR / sqrt(n)); "
+              "`noise` flags a ratio whose interval is wider than +-3%: it cannot tell a few percent. "
+              "`loss gap`: the largest gap of ours's loss curve to native's; `vs f32 acc`: accuracy "
+              "against the float32 run; `B/param`: bytes per parameter of weights, gradients and "
+              "optimizer state, counted from the live arrays, ours (native). On CPUs without bf16/fp16 "
+              "hardware, half precision is slower than float32: that is the hardware; the overhead "
+              "ratio is the figure that measures mixedpolicy there.", "",
               "![overhead against native](overhead.png)", "", "![step times, ours and native](step_time.png)", "",
-              "![speed-up over float32](speedup.png)", "", "![loss curves](loss_curves.png)", ""]
+              "![speed-up over float32](speedup.png)", ""]
+    lines += [f"![loss curves, {f}]({loss_figure(f)})" for f in
+              dict.fromkeys(label(r) for r in results["runs"] if r.get("loss_curve"))] + [""]
     return "\n".join(lines)
 
 
@@ -189,23 +262,25 @@ def can_plot() -> bool:
 def csv_rows(runs: list[dict]) -> list[list]:
     """One row per run: its headline numbers, for spreadsheets."""
     header = ["framework", "compile", "policy", "model", "data", "batch_size", "step_ms", "native_step_ms",
-              "throughput_per_s", "peak_memory_mb", "speedup_vs_float32", "speedup_vs_tf32", "final_loss",
-              "accuracy", "skipped_steps", "final_loss_scale", "overhead_vs_native", "overhead_iqr"]
+              "throughput_per_s", "peak_memory_mb", "bytes_per_parameter", "speedup_vs_float32", "speedup_ci",
+              "final_loss", "max_loss_gap_vs_native", "accuracy", "accuracy_gap_vs_float32", "skipped_steps",
+              "final_loss_scale", "overhead_vs_native", "overhead_ci", "noise"]
     rows = [header]
     for r in runs:
         rows.append([r["framework"], r.get("compile", False), r["policy"], r["model"], r.get("data", "digits"),
                      r["batch_size"], r["step_time_s"]["median"] * 1e3, r["native_step_time_s"]["median"] * 1e3,
                      r.get("throughput_tokens_per_s", r["throughput_samples_per_s"]),
-                     r["peak_memory_bytes"] / 2**20, r.get("speedup_vs_float32"), r.get("speedup_vs_tf32"),
-                     r["final_loss"], r["accuracy"], r["skipped_steps"], r["final_loss_scale"],
-                     r["overhead_vs_native"], spread(r)])
+                     r["peak_memory_bytes"] / 2**20, ((r.get("memory") or {}).get("ours") or {}).get(
+                         "bytes_per_parameter"), *ratio(r, "speedup"), r["final_loss"],
+                     r.get("max_loss_gap_vs_native"), r["accuracy"], r.get("accuracy_gap_vs_float32"),
+                     r["skipped_steps"], r["final_loss_scale"], *ratio(r, "overhead"), noise(r)])
     return rows
 
 
 def write(results: dict, out: str, with_plots: bool = True) -> list[str]:
     import csv
 
-    speedups(results["runs"])
+    quality(results["runs"])
     csv_path = os.path.join(out, "results.csv")
     with open(csv_path, "w", newline="") as f:
         csv.writer(f).writerows(csv_rows(results["runs"]))

@@ -8,6 +8,7 @@ is never loaded a second time by a runner.
 from __future__ import annotations
 
 import abc
+import re
 
 import numpy as np
 
@@ -50,6 +51,35 @@ class Trainer(abc.ABC):
 
     def peak_memory_bytes(self) -> int | None:  # device memory where the framework reports it
         return None
+
+    def memory(self) -> dict | None:
+        """What training holds per parameter, counted from the live arrays (see `memory`)."""
+        return None
+
+
+def itemsize(dtype) -> int:
+    """Bytes per element of a dtype or its name ("float32", "bfloat16", "int8", "bool"...)."""
+    name = str(getattr(dtype, "name", dtype)).rsplit(".", 1)[-1]
+    if name == "bool":
+        return 1
+    digits = re.search(r"(\d+)", name)
+    if not digits:
+        raise ValueError(f"Received the dtype {dtype!r}; expected a sized one such as float32 or int8.")
+    return max(int(digits.group(1)) // 8, 1)
+
+
+def memory(parameters: list, weights: list, state: list) -> dict:
+    """Bytes of training state, from (shape, dtype) pairs: `parameters` (the trainable ones;
+    one gradient each, in its dtype, as every framework makes them), `weights` (every
+    variable of the model: parameters, batch statistics) and `state` (the optimizer's, its
+    loss scale included)."""
+    def size(pairs):
+        return sum(int(np.prod(shape, dtype=np.int64)) * itemsize(dtype) for shape, dtype in pairs)
+
+    count = sum(int(np.prod(shape, dtype=np.int64)) for shape, _ in parameters)
+    out = {"parameters": count, "weights": size(weights), "gradients": size(parameters), "optimizer_state": size(state)}
+    out["bytes_per_parameter"] = (out["weights"] + out["gradients"] + out["optimizer_state"]) / max(count, 1)
+    return out
 
 
 def pin_tf32(backend: str, device: str, allow: bool = False) -> None:

@@ -22,9 +22,10 @@ import time
 import numpy as np
 
 from mixedpolicy.bench import models, runners, user_model
+from mixedpolicy.bench.report import median_ci
 from mixedpolicy.bench.data import batch_order, digits, load, synthetic
 from mixedpolicy.bench.spec import RunSpec
-from mixedpolicy.bench.trainer import Trainer
+from mixedpolicy.bench.trainer import Trainer, pin_tf32
 
 
 #: A synthetic training set holds this many batches (the batch order cycles through them).
@@ -48,13 +49,14 @@ def data(spec: RunSpec, runner, cfg: dict | None = None) -> tuple:
             prepare(spec.model, x_test), y_test)
 
 
-def build(spec: RunSpec, runner) -> tuple:
-    """(ours, native): the two trainers of the run, from the shared initial weights. The
-    "tf32" baseline is the float32 policy with TF32 math allowed."""
+def build(spec: RunSpec, runner, policy: str | None = None) -> tuple:
+    """(ours, native): the two trainers of the run (under `policy`, else the run's), from the
+    shared initial weights. The "tf32" baseline is the float32 policy with TF32 math allowed."""
     cfg = models.config(spec.model, spec.device, spec.dataset)
-    policy = "float32" if spec.policy == "tf32" else spec.policy
-    return runner.trainers(spec.model, cfg, policy, models.load_weights(spec.weights), spec.device,
-                           compile=spec.compile, tf32=spec.policy == "tf32")
+    policy = policy or spec.policy
+    return runner.trainers(spec.model, cfg, "float32" if policy == "tf32" else policy,
+                           models.load_weights(spec.weights), spec.device, compile=spec.compile,
+                           tf32=policy == "tf32")
 
 
 def accuracy(spec: RunSpec, trainer: Trainer, x: np.ndarray, y: np.ndarray) -> float | None:
@@ -150,6 +152,7 @@ def run(spec: RunSpec) -> dict:
     """
     runner = runners.load(spec.framework)
     ours, native = build(spec, runner)
+    reference = None  # ours under float32, built for the timing phase
     own = ours.user_batches  # a user's factory brought its own batches: cycled through, in order
     if own is None:
         x_train, y_train, x_test, y_test = data(spec, runner)
@@ -163,6 +166,8 @@ def run(spec: RunSpec) -> dict:
         return accuracy(spec, trainer, x_test, y_test) if own is None else batch_accuracy(trainer, own)
 
     def advance(trainer: Trainer, n: int) -> float:
+        if spec.policy == "tf32":  # TF32 is a global switch: on for ours and native, off for the reference
+            pin_tf32(runners.runner(spec.framework).backend, spec.device, trainer is not reference)
         return _timed(trainer, feeds[trainer].take(n)) / n if n else 0.0
 
     for trainer in (ours, native):
@@ -182,16 +187,21 @@ def run(spec: RunSpec) -> dict:
         "final_loss_scale": ours.loss_scale(),
     }
 
+    # the speed-up over float32: ours under float32 (an A/A twin under float32 itself), from the
+    # same weights, timed in the same blocks; it trains only here, so quality is unaffected
+    reference = build(spec, runner, "float32")[0]
+    pin_tf32(runners.runner(spec.framework).backend, spec.device, spec.policy == "tf32")
+    feeds[reference] = _Cycle(own) if own is not None else _Feed(x_train, y_train, spec.batch_size, spec.seed)
+    advance(reference, max(spec.warmup, 1))
     n = block_steps(lambda n: min(advance(ours, n), advance(native, n)) * n, spec.min_block_s)
-    t_ours, t_native = [], []
-    for r in range(spec.repeats):
-        if r % 2 == 0:
-            a, b = advance(ours, n), advance(native, n)
-        else:
-            b, a = advance(native, n), advance(ours, n)
-        t_ours.append(a)
-        t_native.append(b)
+    times: dict = {ours: [], native: [], reference: []}
+    for r in range(spec.repeats):  # the order turns every repeat, so drifts hit each side alike
+        order = (ours, native, reference) if r % 2 == 0 else (reference, native, ours)
+        for trainer in order:
+            times[trainer].append(advance(trainer, n))
+    t_ours, t_native = times[ours], times[native]
     ratios = [a / b for a, b in zip(t_ours, t_native)]
+    speedups = [f / a for a, f in zip(t_ours, times[reference])]
     median = statistics.median(t_ours)
     peak = ours.peak_memory_bytes()
     if peak is None:  # on the CPU: the process's peak resident memory (both trainers)
@@ -212,6 +222,12 @@ def run(spec: RunSpec) -> dict:
         "native_recipe": native.recipe,
         "overhead_vs_native": statistics.median(ratios),
         "overhead_ratios": ratios,
+        "overhead_ci": median_ci(ratios),
+        # ours under float32 over ours under the policy, block by block in this process
+        "speedup_vs_float32": statistics.median(speedups),
+        "speedup_ratios": speedups,
+        "speedup_ci": median_ci(speedups),
+        "memory": {"ours": ours.memory(), "native": native.memory()},
         "threads": _threads_in_force(),
     }
 

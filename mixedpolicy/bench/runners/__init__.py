@@ -20,6 +20,11 @@ class Runner(NamedTuple):
     module: str               # the runner module
     keras_backend: str = ""   # KERAS_BACKEND of its worker process, where Keras runs
 
+    @property
+    def backend(self) -> str:
+        """The framework that computes: torch, jax or tensorflow (Keras's backend)."""
+        return self.keras_backend or self.framework
+
 
 RUNNERS = (
     Runner("torch", ("torch",), "mixedpolicy.bench.runners.torch"),

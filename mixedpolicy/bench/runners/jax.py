@@ -13,7 +13,7 @@ from mixedpolicy.bench.models import (BN_EPSILON, BN_MOMENTUM, LN_EPSILON, MOMEN
                                       resnet_blocks, stem_stride)
 from mixedpolicy.bench import user_model
 from mixedpolicy.bench.runners import nnx_steps, nnx_user
-from mixedpolicy.bench.trainer import Trainer, pin_tf32
+from mixedpolicy.bench.trainer import Trainer, memory, pin_tf32
 from mixedpolicy.bench.user_model import UserSetup
 
 _COMPUTE, _PURE = nnx_user.COMPUTE, nnx_user.PURE
@@ -210,6 +210,12 @@ class _Nnx(Trainer):
 
     def last_loss(self) -> float:
         return float(self._loss)
+
+    def memory(self) -> dict:
+        def pairs(tree):
+            return [(a.shape, a.dtype) for a in jax.tree_util.tree_leaves(tree) if hasattr(a, "dtype")]
+        return memory(pairs(nnx.state(self.model, nnx.Param)), pairs(nnx.state(self.model)),
+                      pairs(nnx.state(self.optimizer)) + pairs((getattr(self, "scale", None), getattr(self, "counter", None))))
 
     def predict(self, x) -> np.ndarray:
         self.model.eval()

@@ -12,7 +12,7 @@ import mixedpolicy as mp
 from mixedpolicy.bench.models import (BN_EPSILON, BN_MOMENTUM, LN_EPSILON, MOMENTUM, learning_rate,
                                       resnet_blocks, stem_stride)
 from mixedpolicy.bench import user_model
-from mixedpolicy.bench.trainer import Trainer, pin_tf32
+from mixedpolicy.bench.trainer import Trainer, memory, pin_tf32
 from mixedpolicy.bench.user_model import UserSetup
 
 #: A user's Keras model's weights in the shared weights file: ``keras.0``, ``keras.1``... in the
@@ -241,6 +241,12 @@ class _Keras(Trainer):
     def predict(self, x) -> np.ndarray:
         logits = user_model.logits_of(self.model(x, training=False))
         return keras.ops.convert_to_numpy(keras.ops.cast(logits, "float32"))
+
+    def memory(self) -> dict:
+        def pairs(variables):
+            return [(tuple(v.shape), v.dtype) for v in variables]
+        return memory(pairs(self.model.trainable_weights), pairs(self.model.weights),
+                      pairs(self.model.optimizer.variables))
 
     def skipped_steps(self) -> int:
         return getattr(self.model.optimizer, "num_skipped_steps", 0)

@@ -10,7 +10,7 @@ import tensorflow as tf
 import mixedpolicy as mp
 from mixedpolicy.bench.models import (BN_EPSILON, BN_MOMENTUM, LN_EPSILON, MOMENTUM, learning_rate,
                                       resnet_blocks, stem_stride)
-from mixedpolicy.bench.trainer import Trainer, pin_tf32
+from mixedpolicy.bench.trainer import Trainer, memory, pin_tf32
 
 if keras.backend.backend() != "tensorflow":  # its optimizers are Keras's, on TensorFlow tensors
     raise ImportError(f"The tensorflow bench runner needs Keras on its TensorFlow backend, but this "
@@ -249,6 +249,11 @@ class _Tf(Trainer):
 
     def predict(self, x: np.ndarray) -> np.ndarray:
         return tf.cast(self.model(tf.constant(x)), tf.float32).numpy()
+
+    def memory(self) -> dict:
+        def pairs(variables):
+            return [(tuple(v.shape), v.dtype) for v in variables]
+        return memory(pairs(self.model.trainable_variables), pairs(self.model.variables), pairs(self.opt.variables))
 
     def skipped_steps(self) -> int:
         return getattr(self.opt, "num_skipped_steps", 0)

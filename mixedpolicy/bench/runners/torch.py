@@ -11,7 +11,7 @@ import mixedpolicy as mp
 from mixedpolicy.bench.models import (BN_EPSILON, BN_MOMENTUM, LN_EPSILON, MOMENTUM, learning_rate,
                                       resnet_blocks, stem_stride)
 from mixedpolicy.bench import user_model
-from mixedpolicy.bench.trainer import Trainer, pin_tf32
+from mixedpolicy.bench.trainer import Trainer, memory, pin_tf32
 from mixedpolicy.bench.user_model import UserSetup
 
 _HALF = {"mixed_bfloat16": torch.bfloat16, "mixed_float16": torch.float16}
@@ -248,6 +248,15 @@ class _Torch(Trainer):
 
     def peak_memory_bytes(self):
         return torch.cuda.max_memory_allocated() if self.device.startswith("cuda") else None
+
+    def memory(self) -> dict:
+        tensors: list = []
+        user_model.tree_map(lambda t: tensors.append(t) if isinstance(t, torch.Tensor) else None,
+                            self.opt.state_dict())  # ours: the loss scale's tensors too
+        pairs = [(t.shape, t.dtype) for t in tensors]
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        return memory([(p.shape, p.dtype) for p in params],
+                      [(t.shape, t.dtype) for t in (*self.model.parameters(), *self.model.buffers())], pairs)
 
 
 class Ours(_Torch):
