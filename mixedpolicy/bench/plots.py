@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import os
 
-from mixedpolicy.bench.report import loss_figure, noisy, ratio
-from mixedpolicy.bench.spec import run_label as label
+from mixedpolicy.bench.ratios import noisy, ratio
+from mixedpolicy.bench.spec import loss_figure, run_label as label
 
 #: the widest an axis of ratios is allowed: beyond it, points are clipped to its edge
 _CLIP = {"overhead": (0.5, 2.0), "speedup": (0.05, 20.0)}

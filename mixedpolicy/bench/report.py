@@ -7,11 +7,11 @@ import importlib.metadata
 import json
 import os
 import platform
-import math
 import statistics
 from typing import Any
 
-from mixedpolicy.bench.spec import run_label as label
+from mixedpolicy.bench.ratios import NOISE, noisy, ratio
+from mixedpolicy.bench.spec import loss_figure, run_label as label
 
 _PACKAGES = ("mixedpolicy", "numpy", "torch", "jax", "jaxlib", "flax", "optax", "tensorflow-cpu",
              "tensorflow", "keras", "scikit-learn")
@@ -65,11 +65,6 @@ def environment(args: Any, frameworks: list[str]) -> dict:
     }
 
 
-def loss_figure(framework: str) -> str:
-    """The file of a framework's loss curves ("torch (compiled)": loss_torch_compiled.png)."""
-    return "loss_" + "_".join(framework.replace("(", "").replace(")", "").split()) + ".png"
-
-
 def quality(runs: list[dict]) -> None:
     """Adds to each run its quality in one number each: the largest gap of its loss curve to
     native's (relative), and its accuracy against the float32 run of the same framework and
@@ -88,39 +83,6 @@ def _throughput(run: dict) -> str:
     if "throughput_tokens_per_s" in run:
         return f"{run['throughput_tokens_per_s']:.0f} tok/s"
     return f"{run['throughput_samples_per_s']:.0f}/s"
-
-
-#: a ratio whose median's 95% interval reaches further than this (relative, either side) is
-#: flagged noisy: the overhead cannot then tell a few percent, the speed-up a few more
-NOISE = {"overhead": 0.03, "speedup": 0.05}
-
-
-def median_ci(ratios: list[float]) -> float | None:
-    """The half width of an approximate 95% confidence interval of the median of `ratios`
-    (McGill's notch: 1.57 x IQR / sqrt(n)); None with fewer than 4 ratios (too few to tell)."""
-    if len(ratios) < 4:
-        return None
-    q = statistics.quantiles(ratios, n=4)
-    return 1.57 * (q[2] - q[0]) / math.sqrt(len(ratios))
-
-
-_RATIOS = {"overhead": ("overhead_vs_native", "overhead_ratios"),
-           "speedup": ("speedup_vs_float32", "speedup_ratios")}
-
-
-def ratio(run: dict, kind: str) -> tuple[float | None, float | None]:
-    """(median, half width of its 95% interval) of a run's "overhead" (ours / native) or
-    "speedup" (ours under float32 / ours), both measured block by block in its process."""
-    value_key, ratios_key = _RATIOS[kind]
-    value = run.get(value_key)
-    if value is None:
-        return None, None
-    return value, run.get(f"{kind}_ci", median_ci(run.get(ratios_key) or []))
-
-
-def noisy(run: dict, kind: str) -> bool:
-    value, ci = ratio(run, kind)
-    return value is not None and (ci is None or ci > NOISE[kind] * value)
 
 
 def spread(run: dict) -> float:

@@ -46,6 +46,11 @@ def run_label(run: dict) -> str:
     return run["framework"] + (" (compiled)" if run.get("compile") else "")
 
 
+def loss_figure(framework: str) -> str:
+    """The file of a run label's loss curves ("torch (compiled)": loss_torch_compiled.png)."""
+    return "loss_" + "_".join(framework.replace("(", "").replace(")", "").split()) + ".png"
+
+
 def missing_packages(framework: str) -> list[str]:
     """The packages `framework`'s runner needs that are not installed (none is imported)."""
     return [p for p in runner(framework).packages if importlib.util.find_spec(p) is None]

@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from mixedpolicy.bench import models, runners, user_model
-from mixedpolicy.bench.report import median_ci
+from mixedpolicy.bench.ratios import median_ci
 from mixedpolicy.bench.data import batch_order, digits, load, synthetic
 from mixedpolicy.bench.spec import RunSpec
 from mixedpolicy.bench.trainer import Trainer, pin_tf32

@@ -19,7 +19,8 @@ from mixedpolicy.bench.data import batch_order
 
 FIELDS = {"framework", "policy", "model", "batch_size", "steps", "step_time_s", "throughput_samples_per_s",
           "peak_memory_bytes", "final_loss", "accuracy", "skipped_steps", "final_loss_scale",
-          "overhead_vs_native"}
+          "overhead_vs_native", "overhead_ci", "speedup_vs_float32", "speedup_ratios", "speedup_ci", "memory",
+          "max_loss_gap_vs_native", "accuracy_gap_vs_float32"}
 
 
 @pytest.mark.parametrize("args, message", [
@@ -149,25 +150,33 @@ def test_a_run_trains_both_sides_alike_then_times_them_in_interleaved_long_enoug
     from mixedpolicy.bench import worker
 
     log, clock = [], [0.0]
-    fake = type("runner", (), {"trainers": staticmethod(lambda *a, **options: (
-        type("Ours", (_Recording, worker.Trainer), {})("ours", log, clock, 0.002),
-        type("Native", (_Recording, worker.Trainer), {})("native", log, clock, 0.001)))})
+
+    def trainers(model, cfg, policy, *args, **options):  # the reference: ours under float32
+        ours = "ours" if policy == "mixed_bfloat16" else "reference"
+        return (type("Ours", (_Recording, worker.Trainer), {})(ours, log, clock, 0.002 if ours == "ours" else 0.003),
+                type("Native", (_Recording, worker.Trainer), {})("native", log, clock, 0.001))
+
+    fake = type("runner", (), {"trainers": staticmethod(trainers)})
     monkeypatch.setattr(worker.runners, "load", lambda framework: fake)
     monkeypatch.setattr(worker.time, "perf_counter", lambda: clock[0])
     weights = tmp_path / "w.npz"
     models.save_weights(str(weights), models.init_weights("mlp", models.config("mlp", "cpu")))
-    record = worker.run(spec.RunSpec("torch", "float32", "mlp", 16, steps=10, repeats=5, warmup=2, device="cpu",
-                                     weights=str(weights), seed=0, min_block_s=0.05))
+    record = worker.run(spec.RunSpec("torch", "mixed_bfloat16", "mlp", 16, steps=10, repeats=5, warmup=2,
+                                     device="cpu", weights=str(weights), seed=0, min_block_s=0.05))
     ours = [b for name, *b in log if name == "ours"]
     native = [b for name, *b in log if name == "native"]
+    reference = [b for name, *b in log if name == "reference"]
     assert ours == native  # the same batches, in the same order
+    assert reference == ours[:len(reference)]  # the reference walks the same batches from the start
     n = record["timed_steps_per_block"]
     assert 50 <= n <= 53  # the faster side's block lasts at least 0.05 s (estimated, 5% to spare)
-    timed = log[-2 * 5 * n:]  # the 5 timed pairs: ours, native, native, ours, ours, ...
-    assert [timed[i][0] for i in range(0, len(timed), n)] == ["ours", "native", "native", "ours", "ours",
-                                                              "native", "native", "ours", "ours", "native"]
+    timed = log[-3 * 5 * n:]  # 5 timed triples, the order turning: ours, native, reference, reference...
+    assert [timed[i][0] for i in range(0, len(timed), n)] == ["ours", "native", "reference"] + [
+        "reference", "native", "ours", "ours", "native", "reference"] * 2
     assert record["step_time_s"]["median"] == pytest.approx(0.002)
     assert record["overhead_vs_native"] == pytest.approx(2.0) and len(record["overhead_ratios"]) == 5
+    # the speed-up over float32 comes from the same blocks: the reference's time over ours
+    assert record["speedup_vs_float32"] == pytest.approx(1.5) and record["speedup_ci"] == pytest.approx(0)
     assert record["loss_curve"][-1][0] == 2 + 10 and record["steps"] == 10 and record["repeats"] == 5
 
 
@@ -204,14 +213,17 @@ def test_a_small_run_writes_every_output_with_every_field(tmp_path):
     assert "| torch | mixed_float16 |" in (out / "report.md").read_text()
     rows = (out / "results.csv").read_text().splitlines()
     assert rows[0].startswith("framework,compile,policy") and len(rows) == 3
-    for png in ("overhead.png", "step_time.png", "speedup.png", "loss_curves.png"):
-            assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    for png in ("overhead.png", "step_time.png", "speedup.png", "loss_torch.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    for run in results["runs"]:  # counted from the live tensors: float32 weights, gradients, momentum
+        assert run["memory"]["ours"]["bytes_per_parameter"] == pytest.approx(12, abs=0.01)
+        assert run["memory"]["native"]["parameters"] == run["memory"]["ours"]["parameters"] > 0
 
 
 @pytest.mark.slow
 def test_synthetic_data_at_the_models_shape_with_a_tf32_baseline_and_speed_ups(tmp_path):
     """gpt2 on synthetic tokens: throughput in tokens, no accuracy (the labels are noise),
-    each run's speed-up over the float32 and tf32 runs (tf32 is float32 on a CPU)."""
+    each run's speed-up over float32 measured in its own process (tf32 is float32 on a CPU)."""
     from conftest import require_module
 
     require_module("torch")
@@ -221,7 +233,7 @@ def test_synthetic_data_at_the_models_shape_with_a_tf32_baseline_and_speed_ups(t
                            "--repeats", "2", "--warmup", "1", "--batch-size", "4", "--out", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "on synthetic" in proc.stdout and "tok/s" in proc.stdout and "vs tf32" in proc.stdout
+    assert "on synthetic" in proc.stdout and "tok/s" in proc.stdout and "vs float32" in proc.stdout
     results = json.loads((out / "results.json").read_text())
     assert "synthetic" in results["environment"]["data"] and not (out / "digits_split.npz").exists()
     runs = {r["policy"]: r for r in results["runs"]}
@@ -229,10 +241,10 @@ def test_synthetic_data_at_the_models_shape_with_a_tf32_baseline_and_speed_ups(t
     for run in runs.values():
         assert run["data"] == "synthetic" and run["accuracy"] is None and run["compile"] is False
         assert run["throughput_tokens_per_s"] == pytest.approx(run["throughput_samples_per_s"] * cfg["seq"])
-        assert run["speedup_vs_float32"] == pytest.approx(
-            runs["float32"]["step_time_s"]["median"] / run["step_time_s"]["median"])
-        assert run["speedup_vs_tf32"] > 0 and np.isfinite(run["final_loss"])
-    assert runs["float32"]["speedup_vs_float32"] == 1.0
+        # ours under float32 against ours, block by block in this run's process
+        ratios = run["speedup_ratios"]
+        assert len(ratios) == 2 and run["speedup_vs_float32"] == pytest.approx(float(np.median(ratios)))
+        assert "speedup_vs_tf32" not in run and np.isfinite(run["final_loss"])
     # the same weights and batches: tf32 is float32 on a CPU
     assert runs["tf32"]["final_loss"] == runs["float32"]["final_loss"]
 
@@ -254,6 +266,13 @@ def test_policies_in_every_spelling_and_the_spread_of_the_pair_ratios():
     noisy = dict(steady, overhead_ratios=[0.5, 1.0, 2.0, 0.7, 1.6])
     assert report.spread(steady) == pytest.approx(0.01, abs=0.01) and report.spread(noisy) > 0.5
     assert report.wide([steady]) == [] and "too noisy" in report.wide([noisy])[0]
+    # the flag: the median's 95% interval (1.57 IQR / sqrt(n)) wider than 3% of the overhead
+    assert report.ratio(steady, "overhead") == (1.0, pytest.approx(1.57 * 0.01 / 5**0.5, abs=0.01))
+    assert report.noise(steady) == "" and report.noise(noisy) == "NOISY overhead"
+    assert report.noise(dict(steady, overhead_ratios=[1.0, 1.0])) == "NOISY overhead"  # too few to tell
+    slow = dict(steady, speedup_vs_float32=0.3, speedup_ratios=[0.3, 0.29, 0.31, 0.3, 0.3])
+    assert report.noise(slow) == "" and report.noise(dict(slow, speedup_ratios=[0.2, 0.4, 0.3, 0.25, 0.35])) == \
+        "NOISY speed-up"
 
 
 def test_model_input_shapes_and_sizes():

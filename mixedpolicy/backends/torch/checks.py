@@ -128,6 +128,19 @@ def config_from_scaler_state(cfg: LossScale, state: Any, follows_policy: bool = 
     return cfg, state.get("num_skipped_steps")
 
 
+def params_by_device_and_dtype(param_groups: list, half_allowed: bool) -> dict | None:
+    """The groups' parameters by (device, dtype), where a step may gather their gradients so;
+    None where each step must look at every gradient (`grads_by_device_and_dtype`): a float16
+    parameter whose gradient is to be refused."""
+    found: dict = defaultdict(list)
+    for group in param_groups:
+        for p in group["params"]:
+            if p.dtype == torch.float16 and not half_allowed:
+                return None
+            found[(p.device, p.dtype)].append(p)
+    return dict(found)
+
+
 def grads_by_device_and_dtype(param_groups: list, half_allowed: bool) -> dict:
     """The gradients of the groups, by (device, dtype), as torch's foreach kernels take them.
 

@@ -20,11 +20,12 @@ from collections import OrderedDict
 from typing import Any
 
 import torch
+from torch.optim import optimizer as _torch_optimizer
 
 from mixedpolicy._adapter import OptimizerAdapter
 from mixedpolicy.backends.torch.arrays import PARAMETER_POLICY
 from mixedpolicy.backends.torch.checks import (check_capturable, check_half_master_weights, grads_by_device_and_dtype,
-                                               unscaled_step_error)
+                                               params_by_device_and_dtype, unscaled_step_error)
 from mixedpolicy.backends.torch.closure import check_closure_optimizers, closure_step, reevaluates_closure
 from mixedpolicy.backends.torch.inner import InnerView
 from mixedpolicy.backends.torch.state import Checkpoints
@@ -34,9 +35,7 @@ from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, is_
 
 def _global_hooks() -> bool:
     """Are process-wide optimizer step hooks registered (torch.optim.register_optimizer_step_*)?"""
-    from torch.optim import optimizer
-
-    return bool(optimizer._global_optimizer_pre_hooks or optimizer._global_optimizer_post_hooks)
+    return bool(_torch_optimizer._global_optimizer_pre_hooks or _torch_optimizer._global_optimizer_post_hooks)
 
 
 class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
@@ -65,6 +64,9 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
         self._scale: torch.Tensor | None = None
         self._growth_tracker: torch.Tensor | None = None
         self._found_inf: torch.Tensor | None = None  # of the current step, once checked
+        self._found_flags: dict = {}  # a found-inf flag per device, zeroed at each check ...
+        self._clean_flags: set = set()  # ... unless the last step read it as 0 (the devices here)
+        self._partition: tuple | None = None  # (groups' key, parameters by device and dtype)
         self._per_device_flags = False  # the flag sums several devices' (then it may exceed 1)
         self._unscaled = False
         self._acting_on: torch.optim.Optimizer | None = None
@@ -77,10 +79,13 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
         self.defaults = inners[0].defaults
 
     def __getstate__(self) -> dict:  # torch.optim.Optimizer keeps only defaults/state/groups
-        return dict(self.__dict__)
+        return dict(self.__dict__, _found_flags={}, _clean_flags=set(), _partition=None)  # caches
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+        self.__dict__.setdefault("_found_flags", {})
+        self.__dict__.setdefault("_clean_flags", set())
+        self.__dict__.setdefault("_partition", None)
 
     # -- scale ----------------------------------------------------------------
     def _ensure_scale(self, device: torch.device) -> torch.Tensor:
@@ -151,15 +156,39 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
     # -- unscale and step -----------------------------------------------------
     def _grads_by_device_and_dtype(self) -> dict:
         groups = [g for opt in self._stepped() for g in opt.param_groups]
-        return grads_by_device_and_dtype(groups, half_allowed=isinstance(self._scale_settings, NoLossScale))
+        half_allowed = isinstance(self._scale_settings, NoLossScale)
+        # the parameters' partition by (device, dtype) is kept while the groups stay the same
+        # (a gradient has its parameter's device and dtype); each step only gathers gradients
+        key = (half_allowed, *((id(g["params"]), len(g["params"])) for g in groups))
+        if self._partition is None or self._partition[0] != key:
+            self._partition = (key, params_by_device_and_dtype(groups, half_allowed))
+        by_params = self._partition[1]
+        if by_params is not None:
+            found = {}
+            for where, params in by_params.items():
+                grads = [p.grad for p in params if p.grad is not None]
+                if grads:
+                    found[where] = grads
+            if not any(g.is_sparse for grads in found.values() for g in grads):
+                return found
+        return grads_by_device_and_dtype(groups, half_allowed=half_allowed)
 
     def _unscale_and_check(self, inv_scale: torch.Tensor) -> torch.Tensor:
         """Multiplies every gradient by `inv_scale` and returns one found-inf flag (no sync)."""
         scale = self._ensure_scale(self._first_device())
         per_device: dict = {}
         for (device, _), grads in self._grads_by_device_and_dtype().items():
-            found = per_device.setdefault(device, torch.zeros((), dtype=torch.float32, device=device))
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale.to(device))
+            found = per_device.get(device)
+            if found is None:  # one flag per device, kept from step to step
+                found = self._found_flags.get(device)
+                if found is None:
+                    found = self._found_flags[device] = torch.zeros((), dtype=torch.float32, device=device)
+                elif device not in self._clean_flags:  # a flag the last step read as 0 needs no zeroing
+                    found.zero_()
+                self._clean_flags.discard(device)
+                per_device[device] = found
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                grads, found, inv_scale if inv_scale.device == device else inv_scale.to(device))
         self._per_device_flags = len(per_device) > 1
         if not per_device:
             raise RuntimeError(
@@ -169,7 +198,7 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
                 "checks were recorded'). Call opt.scale_loss(loss).backward() before opt.step().")
         if len(per_device) == 1:
             (flag,) = per_device.values()
-            return flag.to(scale.device, non_blocking=True)
+            return flag if flag.device == scale.device else flag.to(scale.device, non_blocking=True)
         return sum(f.to(scale.device, non_blocking=True) for f in per_device.values())
 
     def unscale_(self) -> None:
@@ -245,9 +274,14 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
         else:
             if not self._unscaled:
                 self.unscale_()
-            if not self._found_inf.item():  # the one host sync GradScaler makes too
+            skipped = bool(self._found_inf.item())  # the one host sync GradScaler makes too
+            if not skipped:
                 for opt in stepped:
                     opt.step()
+                self._clean_flags = set(self._found_flags)  # each flag read as 0: no zeroing next time
+            self._update_scale(self._found_inf, skipped)
+            self._after_step()
+            return result
         self._update_scale(self._found_inf)
         self._after_step()
         return result
@@ -261,10 +295,14 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
     _hooked_step = torch.optim.Optimizer.profile_hook_step(_step)  # the step pre/post hooks, a profiler label
     step.hooked = True  # (torch's marker: not to be wrapped again)
 
-    def _update_scale(self, found_inf: torch.Tensor) -> None:
-        # found_inf is this step's own flag (1 where skipped; a sum over devices may say 2)
+    def _update_scale(self, found_inf: torch.Tensor, skipped: bool | None = None) -> None:
+        # found_inf is this step's own flag (1 where skipped; a sum over devices may say 2);
+        # `skipped`, where the step read it on the host already: then the count needs no op
         self._last_skipped = found_inf
-        self._skipped.add_(found_inf.clamp(max=1) if self._per_device_flags else found_inf)
+        if skipped is None:
+            self._skipped.add_(found_inf.clamp(max=1) if self._per_device_flags else found_inf)
+        elif skipped:
+            self._skipped.add_(1)
         cfg = self._scale_settings
         if not isinstance(cfg, DynamicLossScale):
             return

@@ -1,0 +1,40 @@
+"""The bench's ratios (overhead against native, speed-up over float32) and how far to trust
+them: the median's approximate 95% interval, and the noise flag it sets."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+
+#: a ratio whose median's 95% interval reaches further than this (relative, either side) is
+#: flagged noisy: the overhead cannot then tell a few percent, the speed-up a few more
+NOISE = {"overhead": 0.03, "speedup": 0.05}
+
+
+def median_ci(ratios: list[float]) -> float | None:
+    """The half width of an approximate 95% confidence interval of the median of `ratios`
+    (McGill's notch: 1.57 x IQR / sqrt(n)); None with fewer than 4 ratios (too few to tell)."""
+    if len(ratios) < 4:
+        return None
+    q = statistics.quantiles(ratios, n=4)
+    return 1.57 * (q[2] - q[0]) / math.sqrt(len(ratios))
+
+
+_RATIOS = {"overhead": ("overhead_vs_native", "overhead_ratios"),
+           "speedup": ("speedup_vs_float32", "speedup_ratios")}
+
+
+def ratio(run: dict, kind: str) -> tuple[float | None, float | None]:
+    """(median, half width of its 95% interval) of a run's "overhead" (ours / native) or
+    "speedup" (ours under float32 / ours), both measured block by block in its process."""
+    value_key, ratios_key = _RATIOS[kind]
+    value = run.get(value_key)
+    if value is None:
+        return None, None
+    return value, run.get(f"{kind}_ci", median_ci(run.get(ratios_key) or []))
+
+
+def noisy(run: dict, kind: str) -> bool:
+    value, ci = ratio(run, kind)
+    return value is not None and (ci is None or ci > NOISE[kind] * value)
