@@ -1,4 +1,4 @@
-"""The outputs of `mixedpolicy bench`: results.json, report.md, step_time.png, loss_curves.png."""
+"""The outputs of `mixedpolicy bench`: results.json, results.csv, report.md and the figures (plots.py)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,34 @@ def _cpu() -> str:
     return platform.processor() or platform.machine()
 
 
+#: the CPU features that decide what half precision and fp8 cost on a CPU
+_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16")
+
+
+def cpu_features() -> list[str]:
+    """Which of `_FEATURES` the CPU has (/proc/cpuinfo's flags; empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return [name for name in _FEATURES if name in flags]
+    except OSError:
+        pass
+    return []
+
+
+def numpy_blas() -> str:
+    """The BLAS numpy was built with (its own build report)."""
+    import numpy as np
+
+    try:
+        blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
+        return f"{blas.get('name')} {blas.get('version', '')}".strip()
+    except Exception:  # an older numpy's report has another layout: say so, never fail the bench
+        return "unknown"
+
+
 def load_average() -> list | None:
     """The machine's 1, 5 and 15 minute load averages (None where the OS has none)."""
     try:
@@ -46,7 +74,8 @@ def environment(args: Any, frameworks: list[str]) -> dict:
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(), "platform": platform.platform(), "cpu": _cpu(),
-        "cpu_count": os.cpu_count(), "device": args.device, "versions": versions,
+        "cpu_count": os.cpu_count(), "cpu_features": cpu_features(), "numpy_blas": numpy_blas(),
+        "device": args.device, "versions": versions,
         "tf32": "off (pinned in every run but the tf32 baseline's, Keras's included: torch "
                 "allow_tf32=False for matmuls and cuDNN, JAX matmul precision 'highest' off the CPU, "
                 "TF enable_tensor_float_32_execution(False))",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import resource
 import statistics
 import sys
@@ -238,6 +239,8 @@ def _threads_in_force() -> dict:
     torch = sys.modules.get("torch")
     if torch is not None:
         found["torch"] = torch.get_num_threads()
+        found["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()  # torch's own report
+        found["torch_blas"] = ",".join(re.findall(r"BLAS_INFO=(\w+)", torch.__config__.show()))
     tf = sys.modules.get("tensorflow")
     if tf is not None:
         found["tensorflow"] = tf.config.threading.get_intra_op_parallelism_threads() or os.environ.get(

@@ -259,8 +259,8 @@ class _Tf(Trainer):
         return getattr(self.opt, "num_skipped_steps", 0)
 
     def loss_scale(self):
-        if getattr(self.opt, "loss_scaling", "").startswith("pass-through"):
-            return None  # no scale: the policy needs none
+        if getattr(self.opt, "loss_scaling", "").startswith(("pass-through", "no scaling")):
+            return None  # no scale: the policy needs none (the other frameworks' rows say "-" too)
         return getattr(self.opt, "loss_scale", None)
 
 
