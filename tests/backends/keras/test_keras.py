@@ -37,6 +37,11 @@ assert keras.layers.Dense(2).dtype_policy.name == "mixed_float16"
 # set after the import
 mp.set_global_policy("bf16-mixed")
 assert keras.config.dtype_policy().name == "mixed_bfloat16"
+import threading
+built = []  # a layer built in a worker thread follows it, as Keras's own setter reaches threads
+worker = threading.Thread(target=lambda: built.append(keras.layers.Dense(2).dtype_policy.name))
+worker.start(); worker.join()
+assert built == ["mixed_bfloat16"], built
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     mp.set_global_policy("p=f32,c=bf16,o=f32")
@@ -55,14 +60,33 @@ assert mp.Policy.from_keras(keras.DTypePolicy("mixed_float16")) == mp.Policy("mi
 print("ok")
 """
 
+KERAS_FIRST = _PRELUDE + """
+import threading
+import keras
+import mixedpolicy as mp  # after Keras: the global policy reaches Keras, and its threads, alike
+
+mp.set_global_policy("mixed_float16")
+built = []
+worker = threading.Thread(target=lambda: built.append((keras.layers.Dense(2).dtype_policy.name,
+                                                       keras.config.dtype_policy().name)))
+worker.start(); worker.join()
+assert built == [("mixed_float16", "mixed_float16")], built
+assert keras.layers.Dense(2).dtype_policy.name == "mixed_float16"
+mp.set_global_policy(None)
+assert keras.layers.Dense(2).dtype_policy.name == "float32"
+print("ok")
+"""
+
+
 @pytest.fixture(autouse=True)
 def _keras():
     require_module("keras")
 
 
-def test_the_global_policy_whatever_the_import_order_under_every_backend():
-    # its own process per backend: it needs Keras not imported yet
-    out = run_under_keras_backends(GLOBAL_POLICY)
+@pytest.mark.parametrize("script", [GLOBAL_POLICY, KERAS_FIRST], ids=["mixedpolicy_first", "keras_first"])
+def test_the_global_policy_whatever_the_import_order_under_every_backend(script):
+    # its own process per backend: the import order is the point
+    out = run_under_keras_backends(script)
     assert all(out[b].rstrip().endswith("ok") for b in KERAS_BACKENDS), out
 
 
