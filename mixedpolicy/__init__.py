@@ -21,7 +21,10 @@ from mixedpolicy.telemetry import LightningLossScaleCallback, metrics
 
 import logging as _logging
 
+from mixedpolicy import _registry
+
 _logging.getLogger("mixedpolicy").addHandler(_logging.NullHandler())  # the application decides
+_registry.install_import_hooks()  # after the core: the modules it loads import the core
 
 __version__ = "0.1.0"
 
@@ -31,11 +34,15 @@ _EXTRAS = {"torch": "torch", "jax": "jax", "jaxlib": "jax", "optax": "jax", "fla
            "ml_dtypes": "jax", "jmp": "jax", "tensorflow": "tensorflow", "keras": "keras"}
 
 
+#: the submodules that load on first use as attributes (mp.jax...): the facades that import
+#: a framework, and the codecs
+_LAZY_MODULES = ("distributed", "jax", "tensorflow", "keras", "codecs", "lightning", "huggingface")
+
+
 def __getattr__(name: str):
-    # mp.distributed, mp.jax, mp.tensorflow and mp.keras load on first use (each imports
-    # its framework); a missing one names the extra that installs it
-    if name in ("distributed", "jax", "tensorflow", "keras", "codecs", "lightning",
-                "huggingface"):
+    # each loads on first use (the facades import their framework); a missing framework is
+    # said with the extra that installs it
+    if name in _LAZY_MODULES:
         import importlib
 
         try:

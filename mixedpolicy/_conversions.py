@@ -1,21 +1,18 @@
 """Conversions between `Policy` and the policy objects of Keras, jmp and FSDP2.
 
 The checks that need no framework are here; the conversions themselves live in each
-framework's backend folder, reached by module name (as the registry reaches adapters), so
-this ground-floor module imports no framework.
+framework's backend folder, reached through the table of frameworks (`_registry`), so this
+ground-floor module imports no framework and names no backend module.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
+
+from mixedpolicy import _registry
 
 _KERAS_NAMES = ("float16", "bfloat16", "float32", "float64", "mixed_float16", "mixed_bfloat16")
 _FSDP_REDUCE = ("float32", "bfloat16", "float16", "float64")
-
-
-def _backend(module: str) -> Any:
-    return importlib.import_module(f"mixedpolicy.backends.{module}")
 
 
 def to_keras(policy: Any) -> Any:
@@ -30,12 +27,12 @@ def to_keras(policy: Any) -> Any:
             f"Received {policy!r}, which Keras cannot express: a Keras DTypePolicy is one "
             f"of {list(_KERAS_NAMES)} and its layers output their compute dtype. Apply the "
             f"policy with mixedpolicy.apply_policy instead, or use one of those names.")
-    return _backend("keras.layers").to_keras(policy.name)
+    return _registry.conversion("keras", "to_keras")(policy.name)
 
 
 def to_jmp(policy: Any) -> Any:
     """Returns the ``jmp.Policy`` with the same param, compute and output dtypes."""
-    return _backend("jax.arrays").to_jmp(policy)
+    return _registry.conversion("jax", "to_jmp")(policy)
 
 
 def to_fsdp(policy: Any) -> Any:
@@ -56,4 +53,4 @@ def to_fsdp(policy: Any) -> Any:
             f"FSDP2 reduce-scatters in float32, bfloat16 or float16 only. Use one of those as "
             f"reduce_dtype with FSDP2, or DistributedDataParallel with mp.distributed.register "
             f"for 8-bit and table-coded gradients.")
-    return _backend("torch.ddp").to_fsdp(policy)
+    return _registry.conversion("torch", "to_fsdp")(policy)

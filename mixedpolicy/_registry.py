@@ -31,6 +31,8 @@ class Entry(NamedTuple):
     optimizer_words: str = ""  # ... and the optimizers
     global_policy: str = ""   # "module:function" mirroring mixedpolicy's global policy
     on_import: tuple = ()     # modules to load right after the gate is imported
+    pytree_ranges: str = ""   # "module:function": gradient ranges of a pytree of parameters
+    conversions: str = ""     # the module with its policy conversions (to_keras, to_jmp, to_fsdp)
 
 _B = "mixedpolicy.backends"
 
@@ -43,13 +45,13 @@ ENTRIES: list[Entry] = [
           wrapper=f"{_B}.keras.optimizer:LossScaleOptimizer",
           model_words="a Keras 3 layer or model",
           optimizer_words="a Keras 3 optimizer (any backend; TensorFlow's optimizers are Keras's)",
-          global_policy=f"{_B}.keras.layers:sync_global_policy",
+          global_policy=f"{_B}.keras.layers:sync_global_policy", conversions=f"{_B}.keras.layers",
           # the Keras LossScaleOptimizer is registered (a saved model loads after `import
           # mixedpolicy`) and Keras's global policies are tracked from the start
           on_import=(f"{_B}.keras.optimizer", f"{_B}.keras.layers")),
     Entry("torch", "torch", arrays=f"{_B}.torch.arrays:TorchArrays",
           models=f"{_B}.torch.modules:TorchModels", optimizers=f"{_B}.torch.optimizer:TorchOptimizers",
-          wrapper=f"{_B}.torch.optimizer:TorchLossScaleOptimizer",
+          wrapper=f"{_B}.torch.optimizer:TorchLossScaleOptimizer", conversions=f"{_B}.torch.ddp",
           model_words="a torch.nn.Module", optimizer_words="a torch.optim.Optimizer (or a list of them)"),
     Entry("tensorflow", "tensorflow", arrays=f"{_B}.tensorflow.arrays:TensorFlowArrays",
           models=f"{_B}.tensorflow.modules:TensorFlowModules", model_words="a tf.Module"),
@@ -59,7 +61,10 @@ ENTRIES: list[Entry] = [
     Entry("optax", "optax", optimizers=f"{_B}.jax.optax:OptaxOptimizers",
           wrapper=f"{_B}.jax.optax:LossScaleTransformation",
           optimizer_words="an optax GradientTransformation"),
-    Entry("jax", "jax", arrays=f"{_B}.jax.arrays:JaxArrays"),
+    Entry("jax", "jax", arrays=f"{_B}.jax.arrays:JaxArrays",
+          # the loss scales become JAX pytrees (as jmp's are) as soon as JAX is imported
+          on_import=(f"{_B}.jax.pytrees",), pytree_ranges=f"{_B}.jax.ranges:pytree_stats",
+          conversions=f"{_B}.jax.arrays"),
     Entry("numpy", "numpy", arrays=f"{_B}.numpy.arrays:NumpyArrays"),
 ]
 
@@ -123,18 +128,19 @@ def array_ops(name: str) -> ArrayOps:
     return _load(e.arrays)
 
 
-def _classify(obj: Any) -> tuple[Any, str | None]:
+def _classify(obj: Any) -> tuple[Any, str | None, str | None]:
+    """(adapter, role, the claiming entry's name) of `obj`; Nones where no entry claims it."""
     cls = type(obj)
     hit = None if isinstance(obj, _UNCACHED) else _by_type.get(cls)
     if hit is None:
-        hit = (None, None)
+        hit = (None, None, None)
         for e in _live():
             if e.arrays and _load(e.arrays).is_array(obj):
-                hit = (_load(e.arrays), "array")
+                hit = (_load(e.arrays), "array", e.name)
             elif e.models and _load(e.models).is_model(obj):
-                hit = (_load(e.models), "model")
+                hit = (_load(e.models), "model", e.name)
             elif e.optimizers and _load(e.optimizers).is_optimizer(obj):
-                hit = (_load(e.optimizers), "optimizer")
+                hit = (_load(e.optimizers), "optimizer", e.name)
             else:
                 continue
             break
@@ -148,7 +154,7 @@ def _classify(obj: Any) -> tuple[Any, str | None]:
 
 def array_ops_for(x: Any) -> ArrayOps:
     """The array operations `x` belongs to; Python numbers are numpy's."""
-    ops, role = _classify(x)
+    ops, role, _ = _classify(x)
     return ops if role == "array" else array_ops("numpy")
 
 
@@ -164,13 +170,34 @@ def array_ops_for_tree(tree: Any) -> ArrayOps:
 
 def model_adapter(obj: Any) -> ModelAdapter | None:
     """The adapter that puts policies on `obj`, or None."""
-    adapter, role = _classify(obj)
+    adapter, role, _ = _classify(obj)
     return adapter if role == "model" else None
+
+
+def framework_of(obj: Any) -> str | None:
+    """The name of the table's row that claims `obj` (its array, model or optimizer), or None:
+    what callers show, instead of guessing a framework from class or module names."""
+    return _classify(obj)[2]
+
+
+def conversion(name: str, function: str) -> Any:
+    """The policy conversion `function` of the framework `name` (its row's `conversions`
+    module, imported now: the caller converts to that framework's objects)."""
+    return _function(f"{entry(name).conversions}:{function}")
+
+
+def pytree_range_stats() -> Any:
+    """(name, function) of the first imported framework that takes gradient ranges of a pytree
+    of parameters (JAX's), or None."""
+    for e in _live():
+        if e.pytree_ranges:
+            return e.name, _function(e.pytree_ranges)
+    return None
 
 
 def optimizer_adapter(obj: Any) -> OptimizerAdapter | None:
     """The adapter that wraps `obj` with a loss scale, or None."""
-    adapter, role = _classify(obj)
+    adapter, role, _ = _classify(obj)
     return adapter if role == "optimizer" else None
 
 
@@ -233,8 +260,14 @@ def lightning_callback_class() -> Any:
     return None
 
 
+#: the global policy `set_global_policy` last told the table of (None: never set, the default)
+_global_policy: Any = None
+
+
 def global_policy_changed(policy: Any) -> None:
     """Tells every framework with a global dtype policy of its own, now or when it is imported."""
+    global _global_policy
+    _global_policy = policy
     for e in ENTRIES:
         if e.global_policy:
             if e.gate in sys.modules:
@@ -244,12 +277,11 @@ def global_policy_changed(policy: Any) -> None:
 
 
 def _sync_imported(module: Any) -> None:
-    """Hands a framework imported after `set_global_policy` the global policy in force then."""
-    # the global policy itself, not a policy_scope of the importing thread
-    policy = sys.modules["mixedpolicy.scope"]._global
+    """Hands a framework imported after `set_global_policy` the global policy set then (the
+    global one itself, not a policy_scope of the importing thread)."""
     for e in _live():
         if e.global_policy:
-            _function(e.global_policy)(policy)
+            _function(e.global_policy)(_global_policy)
 
 
 def _load_on_import(module: Any) -> None:
@@ -259,6 +291,10 @@ def _load_on_import(module: Any) -> None:
                 importlib.import_module(name)
 
 
-for _e in ENTRIES:
-    if _e.on_import:
-        when_imported(_e.gate, _load_on_import)
+def install_import_hooks() -> None:
+    """Loads each row's `on_import` modules when its framework is imported (at once where it
+    already is). Called at the end of ``import mixedpolicy``, once the core those modules
+    import exists: a framework imported before mixedpolicy would otherwise load them midway."""
+    for e in ENTRIES:
+        if e.on_import:
+            when_imported(e.gate, _load_on_import)

@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 
-from mixedpolicy._import_hook import when_imported
 from mixedpolicy._registry import array_ops_for as _ops, array_ops_for_tree as _tree_ops
 from mixedpolicy._scale_checks import check_finite_flag, check_scale, array_dtype_name
 
@@ -323,26 +322,3 @@ class DynamicLossScale(LossScale):
     def __hash__(self) -> int:
         return hash((DynamicLossScale, self._settings()))
 
-
-def _register_jax_pytrees(jax: Any) -> None:
-    """Makes the loss scales JAX pytrees (as jmp's are): arrays are children, settings aux data."""
-    def unflatten(cls, settings, arrays):
-        new = object.__new__(cls)  # no validation: leaves may be tracers or placeholders
-        names = [f.name for f in dataclasses.fields(cls)]
-        values = dict(zip(names[:len(arrays)], arrays))
-        values.update(zip(names[len(arrays):], settings))
-        for name in names:
-            object.__setattr__(new, name, values[name])
-        return new
-
-    jax.tree_util.register_pytree_node(
-        NoLossScale, lambda s: ((), (s.skip_nonfinite,)), lambda aux, kids: NoLossScale(*aux))
-    jax.tree_util.register_pytree_node(
-        StaticLossScale, lambda s: ((s.loss_scale,), ()),
-        lambda aux, kids: unflatten(StaticLossScale, aux, kids))
-    jax.tree_util.register_pytree_node(
-        DynamicLossScale, lambda s: ((s.loss_scale, s.counter), s._settings()),
-        lambda aux, kids: unflatten(DynamicLossScale, aux, kids))
-
-
-when_imported("jax", _register_jax_pytrees)

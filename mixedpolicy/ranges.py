@@ -257,9 +257,6 @@ def inspect_gradients(model: Any, loss_fn: Any, batches: Any, *, loss_scale: flo
       TypeError: `model` is none of those.
       ValueError: no batch, or a bad `loss_scale`.
     """
-    import importlib
-    import sys
-
     from mixedpolicy import _registry
 
     scales = _check_scales(loss_scale)
@@ -267,15 +264,15 @@ def inspect_gradients(model: Any, loss_fn: Any, batches: Any, *, loss_scale: flo
     if not batches:
         raise ValueError("Received no batches; expected one batch or a list of them.")
     adapter = _registry.model_adapter(model)
-    if adapter is None and "jax" in sys.modules:  # a pytree of parameters (reached by name)
-        vectors = importlib.import_module("mixedpolicy.backends.jax.ranges").pytree_stats(
-            model, loss_fn, batches, scales)
-        framework = "jax"
-    elif adapter is None:
+    pytrees = _registry.pytree_range_stats() if adapter is None else None
+    if adapter is not None:
+        vectors = adapter.range_stats(model, loss_fn, batches, scales, activations)
+        framework = _registry.framework_of(model) or ""
+    elif pytrees is not None:  # a pytree of parameters, where a framework takes those (JAX)
+        framework, pytree_stats = pytrees
+        vectors = pytree_stats(model, loss_fn, batches, scales)
+    else:
         raise TypeError(f"Received a model of type {type(model).__name__}; expected a torch.nn.Module, "
                         f"a Flax NNX module, a Keras 3 model or a JAX pytree of parameters.")
-    else:
-        vectors = adapter.range_stats(model, loss_fn, batches, scales, activations)
-        framework = type(adapter).__name__.replace("Models", "").replace("Modules", "").lower()
     rows = [RangeStats.from_vector(path, kind, v, scales) for (path, kind), v in vectors.items()]
     return GradientReport(rows, scales, framework, len(batches))

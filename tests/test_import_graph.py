@@ -30,8 +30,39 @@ def _edges(mods: dict) -> dict:
                     edges[name].add(target if target in mods else base)
             elif isinstance(node, ast.Import):
                 edges[name].update(a.name for a in node.names)
+            else:  # an import by name: import_module("mixedpolicy.x"), sys.modules["mixedpolicy.x"]
+                edges[name].update(_named(node, mods))
         edges[name] = {t for t in edges[name] if t in mods and t != name}
     return edges
+
+
+def _literal_prefix(node) -> str | None:
+    """A string literal's text, or an f-string's literal start ("mixedpolicy.backends.")."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr) and node.values and isinstance(node.values[0], ast.Constant):
+        return node.values[0].value
+    return None
+
+
+def _named(node, mods: dict) -> set:
+    """The mixedpolicy modules a node reaches by name: the argument of an import_module call,
+    the key of a sys.modules subscript or .get (an f-string: every module under its prefix)."""
+    text = None
+    if isinstance(node, ast.Call) and node.args:
+        func = node.func
+        called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+        is_modules_get = (isinstance(func, ast.Attribute) and func.attr == "get"
+                          and isinstance(func.value, ast.Attribute) and func.value.attr == "modules")
+        if called in ("import_module", "__import__") or is_modules_get:
+            text = _literal_prefix(node.args[0])
+    elif isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "modules":
+        text = _literal_prefix(node.slice)
+    if not text or not text.startswith("mixedpolicy") or text == "mixedpolicy.":
+        return set()  # (the package's own attributes, mp.jax...: test_lazy_attributes)
+    if text in mods:
+        return {text}
+    return {m for m in mods if m.startswith(text)}  # an f-string: every module it may name
 
 
 def _cycles(edges: dict) -> list:
@@ -101,10 +132,22 @@ def _floor(module: str) -> int:
     return 1
 
 
+def test_lazy_attributes_are_the_facades_and_the_codecs():
+    """The package loads these by name on first use (mp.jax...): the facades on the top
+    floor, which import their framework, and the core's codecs; nothing else."""
+    import mixedpolicy
+
+    mods = _modules()
+    for name in mixedpolicy._LAZY_MODULES:
+        module = f"mixedpolicy.{name}"
+        assert module in mods and (module in TOP_FACADES or module == "mixedpolicy.codecs"), module
+
+
 def test_no_import_runs_back_up():
     """The ground floor imports only itself, the core never imports a backend or the bench
-    (inside functions included): the registry reaches backends by name, once their framework
-    is imported. A backend never imports the bench."""
+    (inside functions included, by import statement, by `import_module` string or by a
+    `sys.modules` probe): the registry reaches backends through its table, once their
+    framework is imported. A backend never imports the bench."""
     mods = _modules()
     assert GROUND <= set(mods), GROUND - set(mods)
     up = sorted((a, b) for a, targets in _edges(mods).items() for b in targets

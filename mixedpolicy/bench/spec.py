@@ -185,15 +185,17 @@ def user_model_info(model: str, chosen: list[str], policies: list[str] = (),
         raise ValueError(f"Received --model {model}, whose factory raised {type(err).__name__}: {err}; it must "
                          f"build the model when called with no arguments.") from None
     setup = user_model.unpack(built, model)
-    mro = [c.__module__ for c in type(setup.model).__mro__]
-    if any(m.startswith("keras") for m in mro):
+    from mixedpolicy._registry import framework_of
+
+    found = framework_of(setup.model)  # the table's row that claims the model, not a guess by name
+    if found == "keras":
         inferred = [f for f in FRAMEWORKS if runner(f).framework.startswith("keras-")]
         inferred = [f for f in inferred if f in chosen] if chosen else [
             f for f in inferred if all(importlib.util.find_spec(p) for p in runner(f).packages)]
         name = "Keras"
-    elif any(m.startswith("torch") for m in mro):
+    elif found == "torch":
         inferred, name = ["torch"], "torch"
-    elif any(m.startswith("flax.nnx") for m in mro):
+    elif found == "flax" and _is_nnx(setup.model):
         inferred, name = ["jax"], "jax"
     else:
         raise ValueError(f"Received --model {model}, whose factory returns a {type(setup.model).__name__}; the "
@@ -220,6 +222,12 @@ def user_model_info(model: str, chosen: list[str], policies: list[str] = (),
 
         weights = user_weights(setup.model)
     return UserModelInfo(inferred, weights, setup.batches is not None)
+
+
+def _is_nnx(model) -> bool:
+    from flax import nnx  # imported already: the model is Flax's
+
+    return isinstance(model, nnx.Module)
 
 
 def _check_own_data(model: str, setup, framework: str) -> None:
