@@ -4,10 +4,10 @@
 
 prints one JSON line: the run's record. Two trainers are built from the same
 initial weights: ours (mixedpolicy) and native (the framework's own tools, written
-by hand). Both take the same batches in the same order: `warmup` untimed steps
-(compilation), `steps` steps for the quality figures, then interleaved timed blocks
-(ours, native, native, ours, ...), the device synchronised before each timer read
-(see `run`).
+by hand), and for the timing a third, ours under float32. They take the same batches in
+the same order: `warmup` untimed steps (compilation), `steps` steps for the quality
+figures, then interleaved timed blocks, the device synchronised before each timer read
+(see `run`). A user's factory may bring its own batches (see `user_model`).
 """
 
 from __future__ import annotations
@@ -146,10 +146,13 @@ def run(spec: RunSpec) -> dict:
     train `steps` steps on the shared batch order; the loss curve, final loss, accuracy,
     skipped steps and loss scale come from here, the same schedule on every framework.
 
-    Timing: then `repeats` pairs of blocks, interleaved (ours, native, native, ours, ...)
-    so that drifts of the machine hit both sides alike; a block has as many steps as
-    make it last `min_block_s` (`timed_steps_per_block`), so timer and scheduler noise
-    stay small against it. The overhead is the median of the pairs' ratios.
+    Timing: then `repeats` triples of blocks, interleaved (ours, native, reference, then
+    reference, native, ours, ...; the reference is ours under float32, from the same
+    weights) so that drifts of the machine hit every side alike; a block has as many steps
+    as make it last `min_block_s` (`timed_steps_per_block`), so timer and scheduler noise
+    stay small against it. The overhead is the median of the (ours / native) ratios, the
+    speed-up over float32 that of the (reference / ours) ratios, each with its median's
+    95% interval (`ratios.median_ci`).
     """
     runner = runners.load(spec.framework)
     ours, native = build(spec, runner)
