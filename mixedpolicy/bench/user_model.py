@@ -123,7 +123,8 @@ def tree_map(fn: Callable, tree: Any) -> Any:
     if isinstance(tree, Mapping):
         return {k: tree_map(fn, v) for k, v in tree.items()}
     if isinstance(tree, (tuple, list)):
-        return type(tree)(tree_map(fn, v) for v in tree)
+        mapped = [tree_map(fn, v) for v in tree]
+        return type(tree)(*mapped) if hasattr(tree, "_fields") else type(tree)(mapped)  # a namedtuple too
     return fn(tree)
 
 
