@@ -164,6 +164,9 @@ def test_the_cli_inspects_a_bench_model_and_writes_the_figure(tmp_path, capsys):
     capsys.readouterr()
     assert main(["inspect", "--model", f"{users}:torch_mlp", "--framework", "jax", "--out", str(tmp_path)]) == 2
     assert "--framework jax for --model" in capsys.readouterr().err
+    if __import__("importlib").util.find_spec("transformers"):  # a factory with its own batches
+        assert main(["inspect", "--model", f"{users}:hf_gpt2", "--out", str(tmp_path)]) == 2
+        assert "brings its own batches; mixedpolicy inspect runs digits batches" in capsys.readouterr().err
     assert main(["inspect", "--model", f"{users}:torch_mlp", "--batches", "1", "--out", str(tmp_path)]) == 0
     assert "recommended static loss scale" in capsys.readouterr().out
     if __import__("importlib").util.find_spec("matplotlib"):

@@ -46,12 +46,18 @@ def _framework(args: argparse.Namespace) -> str:
     Raises:
       ValueError: the model is neither, or --framework names another framework than a user's model's.
     """
-    from mixedpolicy.bench.spec import resolve_model, user_frameworks
+    from mixedpolicy.bench.spec import resolve_model, user_model_info
 
     model = resolve_model(args.model)
     if not models.is_user(model):
         return args.framework or "torch"
-    return user_frameworks(model, [args.framework] if args.framework else [], flag="--framework")[0]
+    info = user_model_info(model, [args.framework] if args.framework else [], flag="--framework")
+    if info.own_data:
+        raise ValueError(f"Received --model {model}, whose factory brings its own batches; mixedpolicy "
+                         f"inspect runs digits batches through the model (the digits contract). Give it a "
+                         f"factory that returns the model alone, or call mp.inspect_gradients(model, "
+                         f"loss_fn, batches) on your own batches in Python.")
+    return info.frameworks[0]
 
 
 def main(argv: list[str] | None = None) -> int:
