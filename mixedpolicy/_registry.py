@@ -75,7 +75,7 @@ LIGHTNING_CALLBACKS = (("pytorch_lightning", f"{_B}.torch.lightning:callback_cla
 _lock = threading.Lock()
 _loaded: dict[str, Any] = {}
 # Weak keys: classes made per object (torch.fx GraphModule) are not kept alive.
-_by_type: "weakref.WeakKeyDictionary[type, tuple[Any, str | None]]" = weakref.WeakKeyDictionary()
+_by_type: "weakref.WeakKeyDictionary[type, tuple[Any, str | None, str | None]]" = weakref.WeakKeyDictionary()
 # Containers are judged by their contents, so their answer is never cached per type.
 _UNCACHED = (list, tuple, dict)
 
