@@ -72,7 +72,7 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
         self._acting_on: torch.optim.Optimizer | None = None
         self._loss_scaled = False  # scale_loss ran since the last step (GradScaler's check, per step)
         self._skipped: torch.Tensor | None = None
-        self._last_skipped: torch.Tensor | None = None
+        self._last_skipped: torch.Tensor | bool | None = None  # a device flag, or the host's answer
         for kind in ("step_pre", "step_post", "state_dict_pre", "state_dict_post",
                      "load_state_dict_pre", "load_state_dict_post"):  # torch.optim's hook tables
             setattr(self, f"_optimizer_{kind}_hooks", OrderedDict())
@@ -113,7 +113,7 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
     def last_step_skipped(self) -> bool:
         """Whether the last `step` was skipped (reading it syncs with the device)."""
         self._ensure_scale(self._first_device())
-        return bool(self._last_skipped > 0)
+        return bool(self._last_skipped)
 
     @property
     def num_skipped_steps(self) -> int:
@@ -296,13 +296,16 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
     step.hooked = True  # (torch's marker: not to be wrapped again)
 
     def _update_scale(self, found_inf: torch.Tensor, skipped: bool | None = None) -> None:
-        # found_inf is this step's own flag (1 where skipped; a sum over devices may say 2);
-        # `skipped`, where the step read it on the host already: then the count needs no op
-        self._last_skipped = found_inf
+        # found_inf is this step's flag (1 where skipped; a sum over devices may say 2), kept for
+        # the next check, which zeroes it; `skipped`, where the step read it on the host already:
+        # then the last step's answer and the count need no op
         if skipped is None:
+            self._last_skipped = found_inf.clone()  # stays this step's after the flag is reused
             self._skipped.add_(found_inf.clamp(max=1) if self._per_device_flags else found_inf)
-        elif skipped:
-            self._skipped.add_(1)
+        else:
+            self._last_skipped = skipped
+            if skipped:
+                self._skipped.add_(1)
         cfg = self._scale_settings
         if not isinstance(cfg, DynamicLossScale):
             return

@@ -97,6 +97,13 @@ def test_a_skipped_step_changes_nothing(name):
     assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
     for k, s in opt.state.items():
         assert all(torch.equal(v, state[k][n]) for n, v in s.items())
+    # the next step's check reuses the device flags: the last step's answer stays until its step
+    opt.zero_grad()
+    opt.scale_loss(loss_of(model, x, y)).backward()
+    opt.unscale_()
+    assert opt.last_step_skipped
+    opt.step()
+    assert not opt.last_step_skipped and opt.num_skipped_steps == 1
 
 
 def test_two_hundred_overflows_leave_weights_untouched_and_scale_at_floor():
