@@ -72,7 +72,7 @@ def memory(parameters: list, weights: list, state: list) -> dict:
     """Bytes of training state, from (shape, dtype) pairs: `parameters` (the trainable ones;
     one gradient each, in its dtype, as every framework makes them), `weights` (every
     variable of the model: parameters, batch statistics) and `state` (the optimizer's, its
-    loss scale included)."""
+    loss scale included where it holds it as arrays)."""
     def size(pairs):
         return sum(int(np.prod(shape, dtype=np.int64)) * itemsize(dtype) for shape, dtype in pairs)
 

@@ -250,13 +250,11 @@ class _Torch(Trainer):
         return torch.cuda.max_memory_allocated() if self.device.startswith("cuda") else None
 
     def memory(self) -> dict:
-        tensors: list = []
-        user_model.tree_map(lambda t: tensors.append(t) if isinstance(t, torch.Tensor) else None,
-                            self.opt.state_dict())  # ours: the loss scale's tensors too
-        pairs = [(t.shape, t.dtype) for t in tensors]
+        state = [(t.shape, t.dtype) for t in user_model.leaves(self.opt.state_dict())  # (the scale: numbers)
+                 if isinstance(t, torch.Tensor)]
         params = [p for p in self.model.parameters() if p.requires_grad]
         return memory([(p.shape, p.dtype) for p in params],
-                      [(t.shape, t.dtype) for t in (*self.model.parameters(), *self.model.buffers())], pairs)
+                      [(t.shape, t.dtype) for t in (*self.model.parameters(), *self.model.buffers())], state)
 
 
 class Ours(_Torch):
