@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import abc
-import weakref
 import logging
 from typing import Any, Mapping
 
@@ -81,40 +80,11 @@ def apply_policy(model: Any, policy: Any = None, overrides: Mapping[Any, Any] | 
         adapter = adapter or _model_adapter(model, "a plain function of arrays, or ")
         result = adapter.apply_policy(model, policy_map)
         _log.debug("apply_policy(%s): %s", type(model).__name__, policy_map)
-    _note_float16(result, policy_map)
     return result
-
-
-#: the live models `apply_policy` put a float16-computing policy on (by id: an Equinox
-#: module is not hashable): a LossScaleOptimizer that cannot see its model's policy
-#: (optax, Keras, TensorFlow) scales while one lives
-_FLOAT16_MODELS: dict[int, Any] = {}
-_float16_unweakable = False  # one such model could not be held weakly: scale from now on
 
 
 def _policies_in(policy_map: PolicyMap) -> tuple:
     return (policy_map.default or global_policy(), *(p for _, p in policy_map.overrides))
-
-
-def _note_float16(model: Any, policy_map: PolicyMap) -> None:
-    global _float16_unweakable
-    key = id(model)
-    _forget_float16(model)
-    if not any(p.needs_loss_scaling for p in _policies_in(policy_map)):
-        return
-    try:
-        def forget(_: Any, key: int = key) -> None:
-            _FLOAT16_MODELS.pop(key, None)
-
-        _FLOAT16_MODELS[key] = weakref.ref(model, forget)
-    except TypeError:
-        _float16_unweakable = True
-
-
-def _forget_float16(model: Any) -> None:
-    ref = _FLOAT16_MODELS.get(id(model))
-    if ref is not None and ref() is model:
-        del _FLOAT16_MODELS[id(model)]
 
 
 def remove_policy(model: Any) -> Any:
@@ -126,7 +96,6 @@ def remove_policy(model: Any) -> Any:
     Raises:
       TypeError: the model is of a type no installed adapter handles.
     """
-    _forget_float16(model)
     if isinstance(model, PolicyFunction):
         return model.fn
     return _model_adapter(model).remove_policy(model)
@@ -144,18 +113,17 @@ def describe(model: Any) -> PolicyTable:
     return PolicyTable(_model_adapter(model, "the result of apply_policy on a function, or ").describe(model))
 
 
-def _followed_policies(adapter: Any, inner: Any, policy: Any) -> tuple | None:
-    """The policies the optimizer runs under, or None where a live float16 model decides.
+def _followed_policies(adapter: Any, inner: Any, policy: Any) -> tuple:
+    """The policies the optimizer runs under, read off its own arguments and state only.
 
     `policy` when given (a policy, its name or a `PolicyMap`); else what the framework
-    knows of its variables (torch: the policies `apply_policy` put on them); else, when a
-    live model `apply_policy` put a float16 policy on may be this one's: None; else the
-    global policy.
+    knows of its variables (torch: the policies `apply_policy` put on them; Keras: its
+    global dtype policy); else the global policy. No other live object decides: an optax
+    or TensorFlow optimizer cannot see its model, so one whose model computes in float16
+    under a float32 global policy is given ``policy=``.
     """
     if policy is None:
         known = adapter.policies_of(inner)
-        if known is None and (_float16_unweakable or len(_FLOAT16_MODELS)):
-            return None  # a model here computes in float16, and nothing says it is not this one's
         return known[0] if known is not None else (global_policy(),)
     if isinstance(policy, PolicyMap):
         return _policies_in(policy)
@@ -258,10 +226,10 @@ class LossScaleOptimizer(abc.ABC):
             loss_scale = DynamicLossScale(**settings)
         if adapter is None:
             raise _no_adapter(inner, "optimizer")
-        followed: tuple | None = ()
+        followed: tuple = ()
         if loss_scale is None:
             followed = _followed_policies(adapter, inner, policy)
-            if followed is None or any(p.needs_loss_scaling for p in followed):
+            if any(p.needs_loss_scaling for p in followed):
                 loss_scale = DynamicLossScale()
             else:
                 loss_scale = NoLossScale(skip_nonfinite=skip_nonfinite)

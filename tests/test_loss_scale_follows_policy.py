@@ -5,8 +5,6 @@ float16, else no scaling with the same safety (a non-finite step is skipped);
 (Keras: tests/backends/keras/suite/test_optimizer.py, under each Keras backend.)
 """
 
-import gc
-
 import numpy as np
 import pytest
 
@@ -16,13 +14,6 @@ import mixedpolicy as mp
 
 PASS = "no scaling; a step whose gradients are not all finite is skipped"  # what a policy without float16 picks
 EXACT = "pass-through"  # skip_nonfinite=False
-
-
-@pytest.fixture(autouse=True)
-def _no_float16_models_of_other_tests(monkeypatch):
-    """The float16 models other tests left alive (in this worker) are not these tests'."""
-    monkeypatch.setattr("mixedpolicy.api._FLOAT16_MODELS", {})
-    monkeypatch.setattr("mixedpolicy.api._float16_unweakable", False)
 
 
 def _torch_model(torch, seed=0):
@@ -59,32 +50,26 @@ def test_torch_follows_the_policies_apply_policy_put_on_its_parameters():
     assert choice(_torch_model(torch), skip_nonfinite=False).startswith(EXACT)
 
 
-def test_without_a_view_of_the_model_a_live_float16_model_or_the_global_policy_decides():
+def test_without_a_view_of_the_model_its_arguments_and_the_global_policy_decide():
+    """No action at a distance: a float16 model alive elsewhere does not change the choice."""
     jax = require_module("jax")
     optax = require_module("optax", "jax")
     nnx = require_module("flax.nnx", "jax")
 
-    def choice():
-        return mp.LossScaleOptimizer(optax.sgd(0.1)).loss_scaling
+    def choice(**kw):
+        return mp.LossScaleOptimizer(optax.sgd(0.1), **kw).loss_scaling
 
     assert choice().startswith(PASS)
     with mp.policy_scope("mixed_float16"):
         assert choice().startswith("dynamic")
-    bf16 = mp.apply_policy(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), "mixed_bfloat16")
-    assert choice().startswith(PASS)
     model = mp.apply_policy(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), "mixed_float16")
-    assert choice().startswith("dynamic")  # it may be this optimizer's model: scale
-    mp.remove_policy(model)
-    assert choice().startswith(PASS)
-    model = mp.apply_policy(model, "mixed_float16")
-    del model
-    gc.collect()
-    assert choice().startswith(PASS)
-    f = mp.apply_policy(lambda w, x: w @ x, "mixed_float16")  # a plain function counts too
-    assert choice().startswith("dynamic")
-    del f, bf16
-    gc.collect()
-    assert choice().startswith(PASS) and jax is not None
+    f = mp.apply_policy(lambda w, x: w @ x, "mixed_float16")
+    assert choice().startswith(PASS)  # unrelated live float16 models decide nothing
+    assert choice(policy="mixed_float16").startswith("dynamic")  # the model's policy, said plainly
+    assert choice(policy=mp.PolicyMap("float32", {"head": "mixed_float16"})).startswith("dynamic")
+    with mp.policy_scope("mixed_bfloat16"):
+        assert choice().startswith(PASS)
+    assert model is not None and f is not None and jax is not None
 
 
 def test_conflicting_or_bad_arguments_are_refused_with_the_fix():

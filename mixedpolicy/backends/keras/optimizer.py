@@ -337,7 +337,7 @@ class KerasOptimizers(OptimizerAdapter):
 
     def policies_of(self, optimizer: Any) -> tuple[Any, str] | None:
         # Keras's global dtype policy, where it computes in float16 (set through Keras
-        # itself); else the factory's own rule (mixedpolicy's global policy, live models)
+        # itself); else mixedpolicy's global policy decides
         try:
             policy = Policy.from_keras(keras.config.dtype_policy())
         except ValueError:  # a quantized Keras policy: its float source is not what runs

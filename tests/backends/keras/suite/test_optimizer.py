@@ -179,15 +179,13 @@ def test_reads_keras_layout_and_its_own_earlier_layout():
     assert opt.loss_scale == 512.0 and values  # nothing was overwritten
 
 
-def test_the_factory_follows_the_policy(monkeypatch):
+def test_the_factory_follows_the_policy():
     """Under float32 or bfloat16, mp.LossScaleOptimizer(opt) scales nothing but skips a non-finite
     step; skip_nonfinite=False adds nothing to the inner step."""
     from keras import ops
     from mixedpolicy.backends.keras.optimizer import LossScaleOptimizer
 
     mp.set_global_policy(None)
-    # the float16 models earlier tests left alive: while one lives, the factory scales
-    monkeypatch.setattr("mixedpolicy.api._FLOAT16_MODELS", {})
     # the default under a policy without float16: no scaling, a non-finite step skipped
     safe = mp.LossScaleOptimizer(keras.optimizers.SGD(0.5))
     assert isinstance(safe, LossScaleOptimizer) and safe.loss_scaling.startswith("no scaling")
