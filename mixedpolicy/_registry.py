@@ -51,7 +51,7 @@ ENTRIES: list[Entry] = [
           on_import=(f"{_B}.keras.optimizer", f"{_B}.keras.layers")),
     Entry("torch", "torch", arrays=f"{_B}.torch.arrays:TorchArrays",
           models=f"{_B}.torch.modules:TorchModels", optimizers=f"{_B}.torch.optimizer:TorchOptimizers",
-          wrapper=f"{_B}.torch.optimizer:TorchLossScaleOptimizer", conversions=f"{_B}.torch.ddp",
+          wrapper=f"{_B}.torch.optimizer:TorchLossScaleOptimizer", conversions=f"{_B}.torch.reduce",
           model_words="a torch.nn.Module", optimizer_words="a torch.optim.Optimizer (or a list of them)"),
     Entry("tensorflow", "tensorflow", arrays=f"{_B}.tensorflow.arrays:TensorFlowArrays",
           models=f"{_B}.tensorflow.modules:TensorFlowModules", model_words="a tf.Module"),

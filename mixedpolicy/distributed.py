@@ -37,7 +37,7 @@ def register(model: Any, policy: Any = None, *, error_feedback: bool = False) ->
             f"Received {type(model).__module__}.{type(model).__qualname__}; expected a "
             f"torch.nn.parallel.DistributedDataParallel module (JAX replicas reduce with "
             f"mixedpolicy.jax.all_reduce inside shard_map or pmap).")
-    from mixedpolicy.backends.torch.ddp import register as register_ddp
+    from mixedpolicy.backends.torch.reduce import register as register_ddp
 
     if not isinstance(error_feedback, bool):
         raise TypeError(f"Received error_feedback={error_feedback!r}; expected True or False.")

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from mixedpolicy.codecs import FLOAT8_MAX, is_float8, nearest_index, table_bits, table_quantiles, wire_bytes
-from mixedpolicy.policy_map import reduce_dtypes_at
+from mixedpolicy.policy_map import check_class_keys, reduce_dtypes_at
 
 
 def _gather_invariant() -> Any:
@@ -45,11 +45,32 @@ def _path(keys: tuple) -> str:
     return ".".join(parts)
 
 
-def _reduce_dtypes(grads: Any, policy: Any) -> tuple[list, list, Any]:
+def _type_at(model: Any) -> Any:
+    """type_at(dotted path) -> the class of the object at that path inside `model` (an NNX
+    or Equinox module: attributes, list and dict items), None where the path leads nowhere."""
+    def at(path: str) -> type | None:
+        obj = model
+        for part in path.split(".") if path else ():
+            try:
+                obj = getattr(obj, part)
+            except AttributeError:
+                try:
+                    obj = obj[int(part) if part.isdigit() else part]
+                except (TypeError, KeyError, IndexError):
+                    return None
+        return type(obj)
+    return at
+
+
+def _reduce_dtypes(grads: Any, policy: Any, model: Any = None) -> tuple[list, list, Any]:
     """(leaves, their reduce dtypes, treedef)."""
+    if model is None:
+        check_class_keys(policy, "mp.jax.all_reduce without model=",
+                         "or pass model= (the module the gradients belong to)")
     flat, treedef = jax.tree_util.tree_flatten_with_path(grads)
     leaves = [leaf for _, leaf in flat]
-    dtypes = reduce_dtypes_at(policy, [_path(keys) for keys, _ in flat], [type(leaf) for leaf in leaves])
+    dtypes = reduce_dtypes_at(policy, [_path(keys) for keys, _ in flat], [type(leaf) for leaf in leaves],
+                              type_at=None if model is None else _type_at(model))
     return leaves, dtypes, treedef
 
 
@@ -115,7 +136,7 @@ def _table_sum(flat: Any, bits: int, axis_name: Any) -> tuple[Any, Any]:
 
 
 def all_reduce(grads: Any, axis_name: Any, policy: Any = None, *, mean: bool = True,
-               residual: Any = None) -> Any:
+               residual: Any = None, model: Any = None) -> Any:
     """Reduces a gradient pytree over the replicas of `axis_name` in the policy's reduce dtype.
 
     Call it inside ``shard_map`` or ``pmap``, where `axis_name` is bound.
@@ -129,6 +150,10 @@ def all_reduce(grads: Any, axis_name: Any, policy: Any = None, *, mean: bool = T
       residual: error feedback (off by default): a float32 pytree like `grads`, what the
         codecs dropped at the last step (zeros at the first, ``jax.tree.map(jnp.zeros_like,
         grads)``); it is added to this step's gradients before they are encoded.
+      model: the Flax NNX or Equinox module the gradients belong to (gradient paths are
+        read as attribute paths inside it), so that a `PolicyMap`'s layer-class keys name
+        its layers as in `apply_policy`; a map with class keys that decide a reduce dtype
+        is refused without it.
 
     Returns:
       The reduced gradients, each leaf in its own dtype; with `residual`, the pair
@@ -136,10 +161,11 @@ def all_reduce(grads: Any, axis_name: Any, policy: Any = None, *, mean: bool = T
 
     Raises:
       TypeError: `policy` is none of those, or `residual` is not shaped like `grads`.
+      ValueError: `policy` has layer-class keys that decide a reduce dtype, and no `model`.
     """
     from mixedpolicy.scope import global_policy
 
-    leaves, dtypes, treedef = _reduce_dtypes(grads, global_policy() if policy is None else policy)
+    leaves, dtypes, treedef = _reduce_dtypes(grads, global_policy() if policy is None else policy, model)
     residuals = [None] * len(leaves)
     if residual is not None:
         residuals, rtree = jax.tree_util.tree_flatten(residual)
@@ -154,10 +180,11 @@ def all_reduce(grads: Any, axis_name: Any, policy: Any = None, *, mean: bool = T
     return out, jax.tree_util.tree_unflatten(treedef, [p[1] for p in pairs])
 
 
-def bytes_per_step(grads: Any, policy: Any = None) -> int:
-    """Bytes one replica sends to reduce `grads` once (floating leaves; scales included)."""
+def bytes_per_step(grads: Any, policy: Any = None, *, model: Any = None) -> int:
+    """Bytes one replica sends to reduce `grads` once (floating leaves; scales included;
+    `model` as for `all_reduce`)."""
     from mixedpolicy.scope import global_policy
 
-    leaves, dtypes, _ = _reduce_dtypes(grads, global_policy() if policy is None else policy)
+    leaves, dtypes, _ = _reduce_dtypes(grads, global_policy() if policy is None else policy, model)
     return sum(wire_bytes(int(g.size), d) for g, d in zip(leaves, dtypes)
                if jnp.issubdtype(jnp.asarray(g).dtype, jnp.floating))

@@ -205,8 +205,10 @@ class KerasModels(ModelAdapter):
         if isinstance(model, keras.Model) and (reduced or (scaled and model.dtype_policy.name != "mixed_float16")):
             # Keras wraps only when the model itself is mixed_float16; a map with float16
             # layers anywhere needs the loss scale too, and a reduce dtype our optimizer.
+            from mixedpolicy.backends.keras.reduce import by_layer_path
+
             object.__setattr__(model, "compile", _compile_with_loss_scale(
-                model, scaled, policy_map if reduced else None))
+                model, scaled, by_layer_path(policy_map, steps) if reduced else None))
         return model
 
     def remove_policy(self, model: Any) -> Any:

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import keras
 
 from mixedpolicy.policy import Policy, as_policy
-from mixedpolicy.policy_map import PolicyMap
+from mixedpolicy.policy_map import PolicyMap, check_class_keys
 
 
 def reduce_engine() -> tuple[str, tuple[str, ...]]:
@@ -36,6 +36,8 @@ def check_reduce_policy(policy: Any) -> Any:
     if policy is None:
         return None
     resolved = policy if isinstance(policy, PolicyMap) else as_policy(policy, what="reduce_policy")
+    check_class_keys(resolved, "a Keras optimizer", "or give the map to apply_policy, whose compile "
+                     "carries it with the model's layer classes")
     policies = ([resolved.default] + [p for _, p in resolved.overrides] if isinstance(resolved, PolicyMap)
                 else [resolved])
     engine, carried = reduce_engine()
@@ -46,6 +48,19 @@ def check_reduce_policy(policy: Any) -> Any:
                              f"{', '.join(('float32',) + carried)}; PyTorch DDP and JAX carry every "
                              f"reduce dtype).")
     return resolved
+
+
+def by_layer_path(policy_map: PolicyMap, steps: Any) -> PolicyMap:
+    """`policy_map` with its layer-class keys replaced by the paths of the layers they
+    resolved to in `steps` (the planned layers of a model): what an optimizer, which sees
+    variables by path only, can resolve. A map without class keys is returned as it is."""
+    if not any(isinstance(k, type) for k, _ in policy_map.overrides):
+        return policy_map
+    keys = {k: p for k, p in policy_map.overrides if not isinstance(k, type)}
+    for step in steps:
+        if step.path and step.path not in keys:  # every layer pinned to what it resolved to
+            keys[step.path] = step.policy
+    return PolicyMap(policy_map.default, keys)
 
 
 def reduce_to_config(policy: Any) -> Any:

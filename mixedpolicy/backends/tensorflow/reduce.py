@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
-from mixedpolicy.policy_map import reduce_dtypes_at
+from mixedpolicy.policy_map import check_class_keys, reduce_dtypes_at
 
 #: The reduce dtypes TensorFlow's collectives carry.
 CARRIED = ("float32", "bfloat16", "float16")
@@ -35,6 +35,7 @@ def variable_path(variable: Any) -> str:
 
 def reduce_dtypes(variables: Sequence[Any], policy: Any) -> list[str]:
     """The reduce dtype of each variable's gradient under `policy` (see `check_carried`)."""
+    check_class_keys(policy, "tf.distribute", "or give the policy per variable path")
     dtypes = reduce_dtypes_at(policy, [variable_path(v) for v in variables], sep="/", root=False)
     check_carried(dtypes, "tf.distribute")
     return dtypes

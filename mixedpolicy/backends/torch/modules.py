@@ -148,7 +148,7 @@ class TorchModels(ModelAdapter):
 
     def apply_policy(self, model: torch.nn.Module, policy_map: Any) -> torch.nn.Module:
         if _is_ddp(model):  # the policy goes on the wrapped module; the reduce dtypes to DDP's hook
-            from mixedpolicy.backends.torch.ddp import apply_to_ddp
+            from mixedpolicy.backends.torch.reduce import apply_to_ddp
 
             return apply_to_ddp(model, lambda inner: self.apply_policy(inner, policy_map), remove_policy)
         remove_policy(model)
@@ -188,7 +188,7 @@ class TorchModels(ModelAdapter):
 
     def remove_policy(self, model: torch.nn.Module) -> torch.nn.Module:
         if _is_ddp(model):
-            from mixedpolicy.backends.torch.ddp import remove_from_ddp
+            from mixedpolicy.backends.torch.reduce import remove_from_ddp
 
             return remove_from_ddp(model, remove_policy)
         return remove_policy(model)

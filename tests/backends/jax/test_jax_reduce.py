@@ -41,3 +41,30 @@ def test_all_reduce_refuses_a_policy_it_cannot_read():
     with pytest.raises(TypeError, match="Received policy=3"):
         mp.jax.bytes_per_step({"w": jax.numpy.ones(3)}, 3)
     assert mp.jax.bytes_per_step({"w": jax.numpy.ones(3), "i": jax.numpy.arange(2)}, "bfloat16") == 6
+
+
+def test_a_class_key_names_layers_through_model_or_is_refused():
+    """One layer chain for every engine: a class key sets a reduce dtype as in apply_policy
+    where the gradients' model is given, and is refused (not silently ignored) where it is not."""
+    jax = require_module("jax")
+    nnx = require_module("flax.nnx", "jax")
+    import mixedpolicy as mp
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.body = nnx.Linear(4, 4, rngs=rngs)
+            self.norm = nnx.LayerNorm(4, rngs=rngs)
+
+    net = Net(nnx.Rngs(0))
+    grads = nnx.state(net, nnx.Param)
+    f32 = mp.jax.bytes_per_step(grads, "float32")
+    policy = mp.PolicyMap(mp.Policy("float32"), {nnx.Linear: mp.Policy("float32", reduce_dtype="bfloat16")})
+    # Linear's kernel (16) and bias (4) travel in bfloat16: 20 values, 2 bytes fewer each
+    assert mp.jax.bytes_per_step(grads, policy, model=net) == f32 - 20 * 2
+    with pytest.raises(ValueError, match=r"layer-class keys \[.*Linear'?\].*by path or glob.*pass model="):
+        mp.jax.bytes_per_step(grads, policy)
+    by_path = mp.PolicyMap(mp.Policy("float32"), {"body": mp.Policy("float32", reduce_dtype="bfloat16")})
+    assert mp.jax.bytes_per_step(grads, by_path) == f32 - 20 * 2  # the same by path, no model needed
+    same = mp.PolicyMap(mp.Policy("float32"), {nnx.Linear: mp.Policy("mixed_bfloat16")})
+    assert mp.jax.bytes_per_step(grads, same) == f32  # a class key that decides no reduce dtype passes
+    assert jax is not None

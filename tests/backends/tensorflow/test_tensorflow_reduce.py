@@ -54,3 +54,16 @@ def test_a_tf_module_takes_the_reduce_dtypes_tensorflow_carries_and_refuses_the_
         with pytest.raises(RuntimeError, match="cross-replica context; call it inside strategy.run"):
             mp.tensorflow.all_reduce([g], [net.w])
     assert mp.tensorflow.bytes_per_step([net.w], "float32") == 16
+
+
+def test_a_class_key_that_decides_a_reduce_dtype_is_refused_by_name():
+    tf = require_module("tensorflow")
+    import mixedpolicy as mp
+
+    class Block(tf.Module):
+        pass
+
+    policy = mp.PolicyMap("float32", {Block: mp.Policy("float32", reduce_dtype="bfloat16")})
+    with pytest.raises(ValueError, match=r"layer-class keys \[.*Block'?\] for reducing gradients through "
+                                         r"tf.distribute.*by path or glob"):
+        mp.tensorflow.bytes_per_step([tf.Variable(tf.ones(2))], policy)

@@ -143,6 +143,23 @@ def test_keras_on_tensorflow_carries_bfloat16_and_float16_reduce_dtypes_and_othe
         assert opt.loss_scaling.startswith("no scaling")
         again = type(opt).from_config(opt.get_config())
         assert again._reduce_policy == bf16
+        # a class key reaches the layers it names: compile carries them by path
+        from mixedpolicy.backends.tensorflow.reduce import reduce_dtypes
+
+        by_class = mp.PolicyMap("float32", {keras.layers.Dense: bf16})
+        two = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="head"),
+                                keras.layers.LayerNormalization(name="norm")])
+        mp.apply_policy(two, by_class)
+        two.compile(keras.optimizers.SGD(0.1), "mse")
+        dtypes = dict(zip([v.path for v in two.trainable_variables],
+                          reduce_dtypes(two.trainable_variables, two.optimizer._reduce_policy)))
+        assert {p: d for p, d in dtypes.items() if d == "bfloat16"} == {
+            p: "bfloat16" for p in dtypes if "head" in p}, dtypes
+        assert len(dtypes) == 4
+        # an optimizer alone sees variables by path only: the class key is refused by name
+        with pytest.raises(ValueError, match=r"layer-class keys \[.*Dense'?\] for reducing gradients "
+                                             r"through a Keras optimizer.*by path or glob"):
+            mp.LossScaleOptimizer(keras.optimizers.SGD(0.1), policy=by_class)
     else:
         with pytest.raises(ValueError, match=rf"bfloat16, which mixedpolicy cannot carry through Keras on "
                                              rf"{keras.backend.backend()} \(its replicas reduce in the variable"):

@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from mixedpolicy.backends.torch.arrays import PARAMETER_POLICY, TORCH_DTYPES
 from mixedpolicy.codecs import FLOAT8_MAX, is_float8, nearest_index, table_bits, table_quantiles, wire_bytes
 from mixedpolicy.policy import as_policy
-from mixedpolicy.policy_map import LayerInfo, PolicyMap
+from mixedpolicy.policy_map import PolicyMap, layer_chain
 from mixedpolicy.scope import global_policy
 
 _TORCH = {**TORCH_DTYPES, "float8_e5m2": torch.float8_e5m2, "float8_e4m3fn": torch.float8_e4m3fn}
@@ -76,17 +76,12 @@ def _per_parameter(model: torch.nn.Module, policy: Any) -> dict[str, str]:
     path or class, or by parameter path: ``"*.bias"``), else the policy apply_policy put on
     each parameter's module, else the global."""
     out = {}
+    type_at = (lambda q: type(model.get_submodule(q)))
     for path, module in model.named_modules():
-        chain = None
         for name, p in module.named_parameters(recurse=False):
             full = f"{path}.{name}" if path else name
-            if isinstance(policy, PolicyMap):
-                if chain is None:  # the modules from the root down: keys by path, glob or class
-                    parts = path.split(".") if path else []
-                    prefixes = [".".join(parts[:i]) for i in range(len(parts) + 1)]
-                    chain = [LayerInfo(q, type(model.get_submodule(q))) for q in prefixes]
-                # the parameter itself ends the chain, so "*.bias" can name it
-                out[full] = policy.resolve([*chain, LayerInfo(full, type(p))]).policy.reduce_dtype
+            if isinstance(policy, PolicyMap):  # keys by path, glob or class; "*.bias" names the parameter
+                out[full] = policy.resolve(layer_chain(full, type(p), type_at=type_at)).policy.reduce_dtype
             elif policy is not None:
                 out[full] = as_policy(policy).reduce_dtype
             else:
