@@ -7,14 +7,18 @@ refuses half-precision master weights, warns about override keys that matched no
 layer, and hands back one `PlannedLayer` per layer: what the adapter then puts on
 the model in its framework's own way. Flax linen, which builds its layers only when
 called, resolves each layer at its first call instead (``PolicyMap.resolve``).
+
+The engines that reduce gradients resolve each variable the same way: `layer_chain` is
+the one chain builder, `reduce_dtypes_at` the reduce dtype of each variable by its path.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
-from mixedpolicy.policy import Policy
-from mixedpolicy.policy_map import LayerInfo, PolicyMap, Resolution
+from mixedpolicy.policy import Policy, as_policy
+from mixedpolicy.policy_map import LayerInfo, PolicyMap, Resolution, _key_text
+from mixedpolicy.scope import global_policy
 
 
 class PlannedLayer(NamedTuple):
@@ -146,3 +150,64 @@ def check_master_weights(where: str, dtype: str | None, policy: Any, fix: str) -
             f"{policy.name} keeps variables in float32 and computes in {policy.compute_dtype}: "
             f"applying it would silently train half-precision master weights. {fix} before "
             f"apply_policy, or use the pure policy {dtype!r} if half-precision weights are intended.")
+
+
+#: type_at(layer path) -> the class of the layer at that path, or None where none is known
+TypeAt = Callable[[str], "type | None"]
+
+
+def layer_chain(path: str, leaf_type: Any = object, *, sep: str = ".", root: bool = True,
+                type_at: TypeAt | None = None) -> list[LayerInfo]:
+    """The chain `PolicyMap.resolve` reads for a variable (or gradient leaf) at `path`.
+
+    The layers that hold it, from the root ``""`` (where `root`) down to its own layer,
+    each with its class from `type_at` (``object`` where none is known), then the leaf
+    itself (of `leaf_type`), so that a glob such as ``"*.bias"`` can name it. Every engine
+    that resolves per-variable dtypes builds its chain here.
+    """
+    layer = path.rpartition(sep)[0]
+    parts = layer.split(sep) if layer else []
+    chain = []
+    for j in range(0 if root else 1, len(parts) + 1):
+        prefix = sep.join(parts[:j])
+        chain.append(LayerInfo(prefix, (type_at(prefix) if type_at is not None else None) or object))
+    chain.append(LayerInfo(path, leaf_type))
+    return chain
+
+
+def check_class_keys(policy: Any, engine: str, fix: str) -> None:
+    """Refuses a `PolicyMap` whose layer-class keys would decide reduce dtypes where `engine`
+    sees variables by path only (no layer classes): such a key would match nothing there.
+
+    A map whose policies all reduce in one dtype passes: its class keys cannot change a
+    reduce dtype.
+    """
+    if not isinstance(policy, PolicyMap):
+        return
+    classes = [k for k, _ in policy.overrides if isinstance(k, type)]
+    dtypes = {p.reduce_dtype for p in (policy.default or global_policy(), *(p for _, p in policy.overrides))}
+    if classes and len(dtypes) > 1:
+        raise ValueError(
+            f"Received a PolicyMap with the layer-class keys {[_key_text(k) for k in classes]} for "
+            f"reducing gradients through {engine}, which sees each variable by its path only: "
+            f"a class key would match no variable there, and the reduce dtypes "
+            f"{sorted(dtypes)} would not land where the map says. Key those layers by path or glob "
+            f"(describe(model) prints the paths), {fix}.")
+
+
+def reduce_dtypes_at(policy: Any, paths: Sequence[str], leaf_types: Sequence[type] | None = None, *,
+                     sep: str = ".", root: bool = True, type_at: TypeAt | None = None) -> list[str]:
+    """The reduce dtype of each gradient leaf, by its path (``"dense.kernel"``).
+
+    `policy` is a `Policy`, a name, or a `PolicyMap`; a map resolves each leaf as the last
+    link of its `layer_chain`, so a leaf inherits its layer's policy (``"dense"``), a glob
+    may name leaves (``"*.bias"``) and, where `type_at` gives the layers' classes, a class
+    key names layers as it does in `apply_policy`. Engines share this: torch modules, JAX
+    pytrees (dotted), Keras and TensorFlow variables (``sep="/"``, the paths `describe`
+    shows for Keras, which has no root of its own).
+    """
+    if not isinstance(policy, PolicyMap):
+        return [as_policy(policy).reduce_dtype] * len(paths)
+    return [policy.resolve(layer_chain(path, leaf_types[i] if leaf_types is not None else object,
+                                       sep=sep, root=root, type_at=type_at)).policy.reduce_dtype
+            for i, path in enumerate(paths)]

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from mixedpolicy.codecs import FLOAT8_MAX, is_float8, nearest_index, table_bits, table_quantiles, wire_bytes
-from mixedpolicy.policy_map import check_class_keys, reduce_dtypes_at
+from mixedpolicy.layer_plan import check_class_keys, reduce_dtypes_at
 
 
 def _gather_invariant() -> Any:

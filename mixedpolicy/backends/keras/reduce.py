@@ -15,7 +15,8 @@ from typing import Any, Iterator
 import keras
 
 from mixedpolicy.policy import Policy, as_policy
-from mixedpolicy.policy_map import PolicyMap, check_class_keys
+from mixedpolicy.layer_plan import check_class_keys
+from mixedpolicy.policy_map import PolicyMap
 
 
 def reduce_engine() -> tuple[str, tuple[str, ...]]:

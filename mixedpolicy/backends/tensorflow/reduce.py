@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
-from mixedpolicy.policy_map import check_class_keys, reduce_dtypes_at
+from mixedpolicy.layer_plan import check_class_keys, reduce_dtypes_at
 
 #: The reduce dtypes TensorFlow's collectives carry.
 CARRIED = ("float32", "bfloat16", "float16")

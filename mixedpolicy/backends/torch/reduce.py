@@ -28,7 +28,8 @@ from torch.nn.parallel import DistributedDataParallel
 from mixedpolicy.backends.torch.arrays import PARAMETER_POLICY, TORCH_DTYPES
 from mixedpolicy.codecs import FLOAT8_MAX, is_float8, nearest_index, table_bits, table_quantiles, wire_bytes
 from mixedpolicy.policy import as_policy
-from mixedpolicy.policy_map import PolicyMap, layer_chain
+from mixedpolicy.layer_plan import layer_chain
+from mixedpolicy.policy_map import PolicyMap
 from mixedpolicy.scope import global_policy
 
 _TORCH = {**TORCH_DTYPES, "float8_e5m2": torch.float8_e5m2, "float8_e4m3fn": torch.float8_e4m3fn}
