@@ -14,6 +14,7 @@ from mixedpolicy.table import LayerPolicy, PolicyTable
 from mixedpolicy.function import PolicyFunction
 from mixedpolicy.scope import global_policy, policy_scope, set_global_policy
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale, all_finite
+from mixedpolicy.float8 import Float8Recipe
 from mixedpolicy.policy import Policy
 from mixedpolicy.policy_map import LayerInfo, PolicyMap, Resolution
 from mixedpolicy.ranges import GradientReport, RangeStats, Recommendation, inspect_gradients
@@ -58,6 +59,7 @@ def __getattr__(name: str):
 __all__ = [
     "AdaPrec",
     "DynamicLossScale",
+    "Float8Recipe",
     "GradientReport",
     "LayerInfo",
     "LayerPolicy",

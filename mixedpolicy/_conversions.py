@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from mixedpolicy import _registry
+from mixedpolicy.float8 import KERAS_SOURCES
 
 _KERAS_NAMES = ("float16", "bfloat16", "float32", "float64", "mixed_float16", "mixed_bfloat16")
 _FSDP_REDUCE = ("float32", "bfloat16", "float16", "float64")
@@ -22,6 +23,18 @@ def to_keras(policy: Any) -> Any:
       ValueError: the policy has no Keras equivalent (Keras layers output their
         compute dtype and only know variables in float32 under mixed policies).
     """
+    recipe = policy.float8_recipe
+    if recipe is not None:
+        source = policy.source.name
+        if not (recipe.recipe == "delayed" and source in KERAS_SOURCES
+                and recipe == type(recipe)("delayed", amax_history_len=recipe.amax_history_len)):
+            raise ValueError(
+                f"Received {policy!r}, which Keras cannot express: Keras's fp8 policies "
+                f"(QuantizedFloat8DTypePolicy, 'float8_from_<source>') scale with an amax history "
+                f"(the 'delayed' recipe, margin 0, e4m3 forward and e5m2 gradients) from a source "
+                f"policy among {list(KERAS_SOURCES)}. Use Policy('float8_from_mixed_bfloat16') "
+                f"(amax_history_len= may change), or apply the policy with mixedpolicy.apply_policy.")
+        return _registry.conversion("keras", "to_keras")(f"float8_from_{source}", recipe.amax_history_len)
     if policy.name not in _KERAS_NAMES:
         raise ValueError(
             f"Received {policy!r}, which Keras cannot express: a Keras DTypePolicy is one "

@@ -73,11 +73,16 @@ def canonical_dtype(value: object, *, what: str = "dtype") -> str:
     if key in _BY_ALIAS:
         return _BY_ALIAS[key]
     valid = ", ".join(f"{n!r}" for n in FLOATING_DTYPES)
+    float8 = ""
+    if key in _FLOAT8_BY_ALIAS or key in ("fp8", "float8", "f8"):
+        float8 = (" 8-bit floats hold no variables and run no math but matmuls: say which matmuls "
+                  "run in fp8 with float8_recipe= (Policy('mixed_bfloat16', "
+                  "float8_recipe='tensorwise')) or a name such as 'float8_from_mixed_bfloat16'.")
     raise ValueError(
         f"Received {what}={show(value)}, which is not a floating dtype mixedpolicy "
         f"supports. Expected one of {valid} (short forms such as 'f16', 'bf16', "
         f"'f32', 'half' and 'full' are accepted too). Integer and boolean tensors "
-        f"are never cast, so they need no policy."
+        f"are never cast, so they need no policy.{float8}"
     )
 
 
@@ -111,6 +116,19 @@ def _dtype_name(value: object, what: str) -> str:
         f"name such as 'float32' or 'bfloat16', or a dtype object of numpy, JAX, "
         f"PyTorch or TensorFlow."
     )
+
+
+def canonical_float8_dtype(value: object, *, what: str) -> str:
+    """The plain name of an 8-bit float format (``"e4m3"`` -> ``"float8_e4m3fn"``).
+
+    Raises:
+      ValueError: the value names no 8-bit float format.
+    """
+    name = _dtype_name(value, what).strip().lower()
+    if name in _FLOAT8_BY_ALIAS:
+        return _FLOAT8_BY_ALIAS[name]
+    raise ValueError(f"Received {what}={show(value)}; expected an 8-bit float format, "
+                     f"{' or '.join(repr(d) for d in FLOAT8_DTYPES)} (short 'e5m2', 'e4m3').")
 
 
 def canonical_reduce_dtype(value: object, *, what: str = "reduce_dtype") -> str:

@@ -6,104 +6,10 @@ import dataclasses
 from typing import Any, Mapping
 
 from mixedpolicy import _conversions
-from mixedpolicy._dtypes import FLOATING_DTYPES, HALF_DTYPES, canonical_dtype, canonical_reduce_dtype, show
+from mixedpolicy._dtypes import canonical_dtype, canonical_reduce_dtype, show
+from mixedpolicy._names import canonical_name, parse_name
 from mixedpolicy._registry import cast_tree
-
-# Lightning's `precision=` strings, normalised to (variable, compute) dtypes.
-_LIGHTNING = {
-    "16-mixed": ("float32", "float16"),
-    "bf16-mixed": ("float32", "bfloat16"),
-    "32-true": ("float32", "float32"),
-    "16-true": ("float16", "float16"),
-    "bf16-true": ("bfloat16", "bfloat16"),
-    "64-true": ("float64", "float64"),
-    # Lightning's legacy aliases that no other family reads otherwise (it maps "32"/32 to
-    # "32-true" and "64"/64 to "64-true")
-    "32": ("float32", "float32"),
-    "64": ("float64", "float64"),
-}
-# Names two anchors read differently: refused, naming both readings and the unambiguous spellings.
-_AMBIGUOUS = {
-    "16": "Lightning reads precision='16' (or 16) as '16-mixed' (float32 variables, float16 "
-          "compute); as a dtype it means float16 everywhere. Write '16-mixed' or "
-          "'mixed_float16' for the first, 'float16' or '16-true' for the second.",
-    "bf16": "Lightning reads precision='bf16' as 'bf16-mixed' (float32 variables, bfloat16 "
-            "compute); jmp and the dtype short forms read 'bf16' as bfloat16 everywhere. Write "
-            "'bf16-mixed' or 'mixed_bfloat16' for the first, 'bfloat16' or 'bf16-true' for the "
-            "second.",
-}
-_JMP_KEYS = {"p": "params", "params": "params", "c": "compute", "compute": "compute",
-             "o": "output", "output": "output", "r": "reduce", "reduce": "reduce"}
-_KERAS_NAMES = FLOATING_DTYPES + tuple(f"mixed_{d}" for d in HALF_DTYPES)
-
-
-def _valid_names_hint() -> str:
-    return (
-        f"Expected a Keras name ({', '.join(repr(n) for n in _KERAS_NAMES)}), a jmp "
-        f"policy ('params=float32,compute=bfloat16,output=float32' or 'p=f32,c=bf16') "
-        f"or a Lightning precision ({', '.join(repr(n) for n in _LIGHTNING)})."
-    )
-
-
-def _parse_name(name: str) -> tuple[str, str, str | None, str | None]:
-    """Returns (variable, compute, output-or-None, reduce-or-None) for a policy name of any family."""
-    text = name.strip()
-    key = text.lower()
-    if key.startswith("mixed_"):
-        compute = canonical_dtype(key[len("mixed_"):], what=f"the dtype in {show(name)}")
-        if compute not in HALF_DTYPES:
-            raise ValueError(
-                f"Received policy name {show(name)}: a mixed policy computes in half "
-                f"precision, so it must be 'mixed_float16' or 'mixed_bfloat16'. For "
-                f"full precision use {compute!r} itself."
-            )
-        return "float32", compute, None, None
-    if key in _AMBIGUOUS:
-        raise ValueError(f"Received policy name {show(name)}, which is ambiguous: {_AMBIGUOUS[key]}")
-    if key in _LIGHTNING:
-        variable, compute = _LIGHTNING[key]
-        return variable, compute, None, None
-    if "=" in key:
-        return _parse_jmp(name)
-    try:
-        dtype = canonical_dtype(key, what="policy name")
-    except ValueError:
-        raise ValueError(f"Received policy name {show(name)}, which is not a policy "
-                         f"mixedpolicy knows. {_valid_names_hint()}") from None
-    return dtype, dtype, None, None
-
-
-def _parse_jmp(name: str) -> tuple[str, str, str | None, str | None]:
-    found: dict[str, str] = {}
-    for part in name.split(","):
-        key, sep, value = part.partition("=")
-        field = _JMP_KEYS.get(key.strip().lower())
-        if not sep or field is None:
-            raise ValueError(
-                f"Received policy name {show(name)}: the part {part.strip()!r} is not "
-                f"'key=dtype' with key one of 'params' ('p'), 'compute' ('c'), 'output' "
-                f"('o') or 'reduce' ('r'). Example: 'params=float32,compute=bfloat16,output=float32'."
-            )
-        if field in found:
-            raise ValueError(f"Received policy name {show(name)}, which sets {field!r} "
-                             f"twice; give each of params, compute, output, reduce at most once.")
-        canonical = canonical_reduce_dtype if field == "reduce" else canonical_dtype
-        found[field] = canonical(value, what=f"{field} in policy {show(name)}")
-    # jmp's rule: params default to float32, compute follows params, output follows compute.
-    variable = found.get("params", "float32")
-    compute = found.get("compute", variable)
-    return variable, compute, found.get("output"), found.get("reduce")
-
-
-def _canonical_name(variable: str, compute: str, output: str, reduce: str) -> str:
-    if reduce != variable:  # only jmp's grammar (with reduce=) can say it
-        return f"params={variable},compute={compute},output={output},reduce={reduce}"
-    if variable == compute == output:
-        return compute
-    if variable == "float32" and compute in HALF_DTYPES and output == compute:
-        return f"mixed_{compute}"
-    return f"params={variable},compute={compute},output={output}"
-
+from mixedpolicy.float8 import Float8Recipe, as_float8_recipe, check_source
 
 @dataclasses.dataclass(frozen=True, init=False, repr=False)
 class Policy:
@@ -131,6 +37,13 @@ class Policy:
       reduce_dtype: dtype gradients are reduced in across replicas: a floating dtype
         or ``"float8_e5m2"`` / ``"float8_e4m3fn"`` (sent with a per-tensor scale,
         summed in float32); in jmp's grammar ``reduce=`` / ``r=``.
+      float8_recipe: run the matmul layers in fp8, scaled by this recipe (a name,
+        ``"tensorwise"``, ``"delayed"``, ``"rowwise"``, ``"rowwise_with_gw_hp"``,
+        ``"mxfp8"``, or a `Float8Recipe`); the other dtypes are the source precision.
+        Keras's names ``"float8_from_mixed_bfloat16"`` (...) mean ``"delayed"``; in jmp's
+        grammar ``float8=``.
+      amax_history_len, margin: the ``"delayed"`` recipe's amax history (default 1024
+        steps, Keras's) and headroom in powers of two (default 0).
 
     Raises:
       ValueError: the name or a dtype is not one mixedpolicy knows.
@@ -145,6 +58,10 @@ class Policy:
     Policy('params=float32,compute=float16,output=float32')
     >>> Policy("mixed_bfloat16", reduce_dtype="bf16").reduce_dtype
     'bfloat16'
+    >>> Policy("mixed_bfloat16", float8_recipe="tensorwise")
+    Policy('params=float32,compute=bfloat16,output=bfloat16,float8=tensorwise')
+    >>> Policy("float8_from_mixed_bfloat16").float8_recipe
+    Float8Recipe('delayed', amax_history_len=1024, margin=0)
     """
 
     name: str
@@ -152,20 +69,24 @@ class Policy:
     variable_dtype: str
     output_dtype: str
     reduce_dtype: str
+    float8_recipe: Float8Recipe | None
 
     def __init__(self, name: str | int | None = "float32", *, compute_dtype: Any = None,
-                 variable_dtype: Any = None, output_dtype: Any = None, reduce_dtype: Any = None):
+                 variable_dtype: Any = None, output_dtype: Any = None, reduce_dtype: Any = None,
+                 float8_recipe: Any = None, amax_history_len: int | None = None, margin: int | None = None):
         reduce = None
+        float8: Float8Recipe | None = None
         if isinstance(name, Policy):
             variable, compute, output = name.variable_dtype, name.compute_dtype, name.output_dtype
+            float8 = name.float8_recipe
             if name.reduce_dtype != name.variable_dtype:
                 reduce = name.reduce_dtype
         elif name is None:
             variable, compute, output = "float32", None, None
         elif isinstance(name, str):
-            variable, compute, output, reduce = _parse_name(name)
+            variable, compute, output, reduce, float8 = parse_name(name)
         elif isinstance(name, int) and not isinstance(name, bool) and str(name) in ("32", "64"):
-            variable, compute, output, reduce = _parse_name(str(name))  # Lightning's 32 and 64
+            variable, compute, output, reduce, float8 = parse_name(str(name))  # Lightning's 32 and 64
         else:
             hint = ""
             if isinstance(name, int) and not isinstance(name, bool):
@@ -191,11 +112,17 @@ class Policy:
             output = compute
         if reduce is None:
             reduce = variable
+        if float8_recipe is not None or amax_history_len is not None or margin is not None:
+            float8 = as_float8_recipe(float8 if float8_recipe is None else float8_recipe,
+                                      amax_history_len=amax_history_len, margin=margin)
+        if float8 is not None:
+            check_source(compute, variable)
         object.__setattr__(self, "variable_dtype", variable)
         object.__setattr__(self, "compute_dtype", compute)
         object.__setattr__(self, "output_dtype", output)
         object.__setattr__(self, "reduce_dtype", reduce)
-        object.__setattr__(self, "name", _canonical_name(variable, compute, output, reduce))
+        object.__setattr__(self, "float8_recipe", float8)
+        object.__setattr__(self, "name", canonical_name(variable, compute, output, reduce, float8))
 
     def __repr__(self) -> str:
         return f"Policy({self.name!r})"
@@ -208,14 +135,22 @@ class Policy:
         """True when the compute dtype is float16, whose range needs a loss scale."""
         return self.compute_dtype == "float16"
 
+    @property
+    def source(self) -> "Policy":
+        """The policy without its fp8 matmuls: what every other operation runs in."""
+        return self if self.float8_recipe is None else _without_float8(self)
+
     # -- serialisation --------------------------------------------------------
-    def get_config(self) -> dict[str, str]:
+    def get_config(self) -> dict[str, Any]:
         """Returns a JSON-ready dict of every field; `from_config` inverts it.
 
         >>> Policy.from_config(Policy("mixed_float16").get_config())
         Policy('mixed_float16')
         """
-        return dataclasses.asdict(self)
+        config: dict[str, Any] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if self.float8_recipe is not None:
+            config["float8_recipe"] = self.float8_recipe.get_config()
+        return config
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> "Policy":
@@ -258,10 +193,14 @@ class Policy:
     def from_keras(cls, dtype_policy: Any) -> "Policy":
         """Converts a Keras 3 ``DTypePolicy`` (or anything with its two dtype fields).
 
-        A quantized Keras policy (``int8_from_mixed_bfloat16``, ``float8_from_...``) is
-        refused: a Policy has no quantization, and dropping it would change the model.
+        Keras's fp8 policies (``float8_from_mixed_bfloat16``...) become the fp8 policy with
+        the ``"delayed"`` recipe and their amax history; other quantized policies
+        (``int8_from_...``) are refused: a Policy has no integer quantization, and dropping
+        it would change the model.
         """
         mode = getattr(dtype_policy, "quantization_mode", None)
+        if mode == "float8":
+            return cls(str(dtype_policy.name), amax_history_len=getattr(dtype_policy, "amax_history_length", None))
         if mode is not None:
             raise ValueError(
                 f"Received the quantized Keras policy {show(getattr(dtype_policy, 'name', dtype_policy))} "
@@ -308,6 +247,12 @@ class Policy:
     def cast_to_output(self, tree: Any) -> Any:
         """Casts the floating leaves to the output dtype."""
         return cast_tree(tree, self.output_dtype)
+
+
+def _without_float8(policy: Policy) -> Policy:
+    reduce = policy.reduce_dtype if policy.reduce_dtype != policy.variable_dtype else None
+    return Policy(None, variable_dtype=policy.variable_dtype, compute_dtype=policy.compute_dtype,
+                  output_dtype=policy.output_dtype, reduce_dtype=reduce)
 
 
 def _from_fields(obj: Any, kind: str, **fields: str) -> Policy:

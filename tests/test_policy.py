@@ -134,7 +134,7 @@ def test_bad_names_say_what_how_and_what_is_valid(bad, exc, message):
 
 def test_suggested_aliases_are_accepted():
     # Every name an error message suggests must itself work.
-    from mixedpolicy.policy import _valid_names_hint
+    from mixedpolicy._names import _valid_names_hint
 
     suggested = re.findall(r"'([^']+)'", _valid_names_hint())
     assert len(suggested) >= 12

@@ -314,6 +314,10 @@ class _WrapInCompile(metaclass=_WrapInCompileMeta):
     """What ``model.compile`` calls ``LossScaleOptimizer`` once mixedpolicy has a float16 policy."""
 
 
-def to_keras(name: str) -> Any:
-    """The ``keras.DTypePolicy`` of a Keras policy name (`Policy.to_keras` checks the name)."""
+def to_keras(name: str, amax_history_len: int | None = None) -> Any:
+    """The ``keras.DTypePolicy`` of a Keras policy name (`Policy.to_keras` checks the name); a
+    ``float8_from_<source>`` name gives Keras's ``QuantizedFloat8DTypePolicy``."""
+    if name.startswith("float8_from_"):
+        return keras.dtype_policies.QuantizedFloat8DTypePolicy(
+            "float8", name[len("float8_from_"):], amax_history_length=amax_history_len or 1024)
     return keras.DTypePolicy(name)

@@ -1,0 +1,148 @@
+"""Policy names in every family: Keras, jmp's grammar, Lightning, Keras's fp8 names."""
+
+from __future__ import annotations
+
+from mixedpolicy._dtypes import FLOATING_DTYPES, HALF_DTYPES, canonical_dtype, canonical_reduce_dtype, show
+from mixedpolicy.float8 import KERAS_SOURCES, Float8Recipe
+
+# Lightning's `precision=` strings, normalised to (variable, compute) dtypes.
+_LIGHTNING = {
+    "16-mixed": ("float32", "float16"),
+    "bf16-mixed": ("float32", "bfloat16"),
+    "32-true": ("float32", "float32"),
+    "16-true": ("float16", "float16"),
+    "bf16-true": ("bfloat16", "bfloat16"),
+    "64-true": ("float64", "float64"),
+    # Lightning's legacy aliases that no other family reads otherwise (it maps "32"/32 to
+    # "32-true" and "64"/64 to "64-true")
+    "32": ("float32", "float32"),
+    "64": ("float64", "float64"),
+}
+# Names two anchors read differently: refused, naming both readings and the unambiguous spellings.
+_AMBIGUOUS = {
+    "16": "Lightning reads precision='16' (or 16) as '16-mixed' (float32 variables, float16 "
+          "compute); as a dtype it means float16 everywhere. Write '16-mixed' or "
+          "'mixed_float16' for the first, 'float16' or '16-true' for the second.",
+    "bf16": "Lightning reads precision='bf16' as 'bf16-mixed' (float32 variables, bfloat16 "
+            "compute); jmp and the dtype short forms read 'bf16' as bfloat16 everywhere. Write "
+            "'bf16-mixed' or 'mixed_bfloat16' for the first, 'bfloat16' or 'bf16-true' for the "
+            "second.",
+}
+_JMP_KEYS = {"p": "params", "params": "params", "c": "compute", "compute": "compute",
+             "o": "output", "output": "output", "r": "reduce", "reduce": "reduce"}
+_KERAS_NAMES = FLOATING_DTYPES + tuple(f"mixed_{d}" for d in HALF_DTYPES)
+
+
+#: jmp-grammar keys of the fp8 settings -> Float8Recipe's keyword (None: the recipe itself)
+_FLOAT8_KEYS = {"float8": None, "f8": None, "amax_history_len": "amax_history_len", "margin": "margin",
+                "float8_forward": "forward_dtype", "float8_backward": "backward_dtype"}
+
+#: what a name says: (variable, compute, output or None, reduce or None, fp8 recipe or None)
+Parsed = tuple[str, str, "str | None", "str | None", "Float8Recipe | None"]
+
+
+def _valid_names_hint() -> str:
+    return (
+        f"Expected a Keras name ({', '.join(repr(n) for n in _KERAS_NAMES)}; fp8 matmuls: "
+        f"'float8_from_mixed_bfloat16' and the other float8_from_ names), a jmp policy "
+        f"('params=float32,compute=bfloat16,output=float32' or 'p=f32,c=bf16'; fp8 matmuls: "
+        f"'p=f32,c=bf16,float8=tensorwise') or a Lightning precision "
+        f"({', '.join(repr(n) for n in _LIGHTNING)})."
+    )
+
+
+def parse_name(name: str) -> Parsed:
+    """What a policy name of any family says."""
+    text = name.strip()
+    key = text.lower()
+    if key.startswith("float8_from_"):
+        source = key[len("float8_from_"):]
+        if source not in KERAS_SOURCES:
+            raise ValueError(
+                f"Received policy name {show(name)}: Keras's fp8 names take a source policy, one "
+                f"of {', '.join(repr(f'float8_from_{s}') for s in KERAS_SOURCES)}. For another "
+                f"source write the jmp form, e.g. 'params=float32,compute=bfloat16,float8=delayed'.")
+        variable, compute, output, reduce, _ = parse_name(source)
+        return variable, compute, output, reduce, Float8Recipe("delayed")  # what Keras means by it
+    if key.startswith("mixed_"):
+        compute = canonical_dtype(key[len("mixed_"):], what=f"the dtype in {show(name)}")
+        if compute not in HALF_DTYPES:
+            raise ValueError(
+                f"Received policy name {show(name)}: a mixed policy computes in half "
+                f"precision, so it must be 'mixed_float16' or 'mixed_bfloat16'. For "
+                f"full precision use {compute!r} itself."
+            )
+        return "float32", compute, None, None, None
+    if key in _AMBIGUOUS:
+        raise ValueError(f"Received policy name {show(name)}, which is ambiguous: {_AMBIGUOUS[key]}")
+    if key in _LIGHTNING:
+        variable, compute = _LIGHTNING[key]
+        return variable, compute, None, None, None
+    if "=" in key:
+        return _parse_jmp(name)
+    try:
+        dtype = canonical_dtype(key, what="policy name")
+    except ValueError as e:
+        float8 = " 8-bit" in str(e)  # canonical_dtype's word on fp8 spellings
+        raise ValueError(f"Received policy name {show(name)}, which is not a policy "
+                         f"mixedpolicy knows. {_valid_names_hint()}"
+                         + (str(e)[str(e).index(" 8-bit"):] if float8 else "")) from None
+    return dtype, dtype, None, None, None
+
+
+def _parse_jmp(name: str) -> Parsed:
+    found: dict[str, str] = {}
+    float8: dict[str, object] = {}
+    for part in name.split(","):
+        key, sep, value = part.partition("=")
+        key = key.strip().lower()
+        field = _JMP_KEYS.get(key)
+        if sep and key in _FLOAT8_KEYS:
+            setting = _FLOAT8_KEYS[key] or "recipe"
+            if setting in float8:
+                raise ValueError(f"Received policy name {show(name)}, which sets {key!r} twice.")
+            text = value.strip()
+            float8[setting] = int(text) if setting in ("amax_history_len", "margin") and text.lstrip("-").isdigit() else text
+            continue
+        if not sep or field is None:
+            raise ValueError(
+                f"Received policy name {show(name)}: the part {part.strip()!r} is not "
+                f"'key=dtype' with key one of 'params' ('p'), 'compute' ('c'), 'output' "
+                f"('o') or 'reduce' ('r'), or an fp8 setting ('float8', 'amax_history_len', "
+                f"'margin', 'float8_forward', 'float8_backward'). Example: "
+                f"'params=float32,compute=bfloat16,output=float32'."
+            )
+        if field in found:
+            raise ValueError(f"Received policy name {show(name)}, which sets {field!r} "
+                             f"twice; give each of params, compute, output, reduce at most once.")
+        canonical = canonical_reduce_dtype if field == "reduce" else canonical_dtype
+        found[field] = canonical(value, what=f"{field} in policy {show(name)}")
+    recipe = None
+    if float8:
+        if "recipe" not in float8:
+            raise ValueError(f"Received policy name {show(name)}, which sets "
+                             f"{sorted(float8)} but no 'float8=<recipe>'; add e.g. ',float8=delayed'.")
+        settings = {k: v for k, v in float8.items() if k != "recipe"}
+        recipe = Float8Recipe(str(float8["recipe"]), **settings)  # type: ignore[arg-type]
+    # jmp's rule: params default to float32, compute follows params, output follows compute.
+    variable = found.get("params", "float32")
+    compute = found.get("compute", variable)
+    return variable, compute, found.get("output"), found.get("reduce"), recipe
+
+
+def canonical_name(variable: str, compute: str, output: str, reduce: str,
+                   float8: Float8Recipe | None = None) -> str:
+    """The one name equal policies share: Keras's where Keras has one, else jmp's grammar."""
+    if float8 is not None:
+        base = canonical_name(variable, compute, output, reduce)
+        if float8.is_keras_default and base in KERAS_SOURCES:
+            return f"float8_from_{base}"
+        jmp = base if "=" in base else f"params={variable},compute={compute},output={output}"
+        return ",".join([jmp, *float8.name_parts()])
+    if reduce != variable:  # only jmp's grammar (with reduce=) can say it
+        return f"params={variable},compute={compute},output={output},reduce={reduce}"
+    if variable == compute == output:
+        return compute
+    if variable == "float32" and compute in HALF_DTYPES and output == compute:
+        return f"mixed_{compute}"
+    return f"params={variable},compute={compute},output={output}"
