@@ -11,7 +11,9 @@ How a layer's policy is chosen, first rule that applies wins:
    Two globs that tie and give different policies are an error naming both keys.
 2. a built-in rule for the layer's kind (normalisation layers compute, and keep
    their variables, in float32; losses compute and output float32; each when the
-   policy around them computes in half precision); disable with
+   policy around them computes in half precision; under an fp8 policy, embeddings,
+   norms, the output head, matmuls whose dimensions are not multiples of 16 and layers
+   with no fp8 path keep the source precision, ``policy.source``); disable with
    ``builtin_rules=False``, or override one layer with a key of rule 1;
 3. the override that matched the nearest enclosing layer (an override on a block
    covers everything inside it);
@@ -39,6 +41,14 @@ _GLOB_CHARS = frozenset("*?[")
 # changes. Each only ever raises precision.
 NORMALIZATION = "normalization"
 LOSS = "loss"
+# Kinds fp8 keeps in the source precision (what the anchors keep there), besides norms and losses.
+EMBEDDING = "embedding"
+HEAD = "head"  # the output head: the model's last matmul layer
+SMALL_MATMUL = "small_matmul"  # a matmul whose dimensions are not multiples of 16 (fp8 GPU kernels)
+NO_FLOAT8 = "no_float8"  # a layer with weights and no fp8 path in its framework (a convolution...)
+_FLOAT8_KEPT = {EMBEDDING: "embeddings", HEAD: "the output head", NORMALIZATION: "norms",
+                LOSS: "losses", SMALL_MATMUL: "matmuls whose dimensions are not multiples of 16",
+                NO_FLOAT8: "layers without an fp8 path"}
 
 
 def _changed(policy: Policy, **dtypes: str) -> Policy:
@@ -68,7 +78,9 @@ class LayerInfo(NamedTuple):
     Attributes:
       path: the layer's path in its framework's own naming ("" for the root).
       type: the layer's class.
-      kind: ``"normalization"``, ``"loss"`` or ``None``, for the built-in rules.
+      kind: ``"normalization"``, ``"loss"``, or one fp8 keeps in the source precision
+        (``"embedding"``, ``"head"``, ``"small_matmul"``, ``"no_float8"``), or ``None``:
+        for the built-in rules.
       aliases: other names an exact key may use for this layer (Keras: ``layer.name``,
         the name a Keras user sees, beside its path). A path key wins over an alias.
     """
@@ -239,9 +251,14 @@ class PolicyMap:
         if own is not None:
             return Resolution(own[1], f"map key {_key_text(own[0])}", "key")
         base = self._inherited(chain[:-1])
-        rule = _RULES.get(layer.kind) if self.builtin_rules and layer.kind is not None else None
+        if not self.builtin_rules or layer.kind is None:
+            return base
+        rule = _RULES.get(layer.kind)
         if rule is not None and base.policy.compute_dtype in ("float16", "bfloat16"):
             return Resolution(rule(base.policy), f"built-in rule: {layer.kind}", "rule")
+        if base.policy.float8_recipe is not None and layer.kind in _FLOAT8_KEPT:
+            source = base.policy.source
+            return Resolution(source, f"built-in rule: fp8 keeps {_FLOAT8_KEPT[layer.kind]} in {source}", "rule")
         return base
 
     def _inherited(self, ancestors: Sequence[LayerInfo]) -> Resolution:

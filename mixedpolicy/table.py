@@ -31,6 +31,12 @@ class LayerPolicy(NamedTuple):
     def reduce_dtype(self) -> str:
         return self.policy.reduce_dtype
 
+    @property
+    def float8(self) -> str:
+        """The fp8 recipe its matmuls run under (``"tensorwise"``...), or ``"-"``."""
+        recipe = self.policy.float8_recipe
+        return "-" if recipe is None else recipe.recipe
+
 
 class PolicyTable(tuple):
     """A tuple of `LayerPolicy` rows that prints as an aligned table.
@@ -43,18 +49,23 @@ class PolicyTable(tuple):
 
     _HEADER = ("path", "type", "variable", "compute", "output", "reduce", "source")
 
+    def _rows(self, path: str) -> tuple[tuple, list[tuple]]:
+        """(header, cells): an fp8 column after reduce where any layer runs fp8 matmuls."""
+        fp8 = any(r.policy.float8_recipe is not None for r in self)
+        header = self._HEADER[:6] + ("fp8",) * fp8 + self._HEADER[6:]
+        return header, [(path.format(r.path or "(root)"), r.layer_type, r.variable_dtype, r.compute_dtype,
+                         r.output_dtype, r.reduce_dtype, *((r.float8,) * fp8), r.source) for r in self]
+
     def __str__(self) -> str:
-        cells = [self._HEADER] + [
-            (r.path or "(root)", r.layer_type, r.variable_dtype, r.compute_dtype,
-             r.output_dtype, r.reduce_dtype, r.source) for r in self]
-        widths = [max(len(row[i]) for row in cells) for i in range(len(self._HEADER))]
+        header, rows = self._rows("{}")
+        cells = [header] + rows
+        widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
         return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
                          for row in cells)
 
     def to_markdown(self) -> str:
         """The same table in Markdown."""
-        lines = ["| " + " | ".join(self._HEADER) + " |", "|" + "---|" * len(self._HEADER)]
-        for r in self:
-            lines.append(f"| `{r.path or '(root)'}` | {r.layer_type} | {r.variable_dtype} | "
-                         f"{r.compute_dtype} | {r.output_dtype} | {r.reduce_dtype} | {r.source} |")
+        header, rows = self._rows("`{}`")
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(row) + " |" for row in rows]
         return "\n".join(lines)

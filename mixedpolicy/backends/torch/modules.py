@@ -40,7 +40,9 @@ from mixedpolicy.backends.torch.arrays import NAMES as _NAMES, PARAMETER_POLICY,
 from mixedpolicy.table import LayerPolicy
 from mixedpolicy.policy import Policy
 from mixedpolicy.layer_plan import dotted_chains, join, plan
-from mixedpolicy.policy_map import LOSS, NORMALIZATION, LayerInfo, Resolution
+from mixedpolicy.policy_map import (EMBEDDING, HEAD, LOSS, NO_FLOAT8, NORMALIZATION, SMALL_MATMUL, LayerInfo,
+                                    Resolution)
+from mixedpolicy.backends.torch import float8
 
 _STATE = "_mixedpolicy"
 _FLOAT32 = Policy("float32")  # attribute holding what apply_policy changed on a module
@@ -51,12 +53,26 @@ _NORM_TYPES = _FLOAT32_KERNEL_NORMS + tuple(
     t for t in (getattr(torch.nn, "RMSNorm", None), torch.nn.LocalResponseNorm) if t is not None)
 
 
-def _kind(module: torch.nn.Module) -> str | None:
+def _kind(module: torch.nn.Module, head: torch.nn.Module | None) -> str | None:
+    """The layer's kind for the built-in rules; `head` is the model's last Linear."""
     if isinstance(module, _NORM_TYPES):
         return NORMALIZATION
     if isinstance(module, torch.nn.modules.loss._Loss):
         return LOSS
+    if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
+        return EMBEDDING
+    if float8.eligible(module):
+        if module is head:
+            return HEAD
+        return SMALL_MATMUL if module.in_features % 16 or module.out_features % 16 else None
+    if next(module.parameters(recurse=False), None) is not None:
+        return NO_FLOAT8  # weights and no fp8 path (convolutions, attention's own projections)
     return None
+
+
+def _head(model: torch.nn.Module) -> torch.nn.Module | None:
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    return linears[-1] if linears else None
 
 
 _PLAIN = (torch.Tensor, int, float, bool, str, type(None))
@@ -152,13 +168,19 @@ class TorchModels(ModelAdapter):
 
             return apply_to_ddp(model, lambda inner: self.apply_policy(inner, policy_map), remove_policy)
         remove_policy(model)
-        layers = dotted_chains((path, module, LayerInfo(path, type(module), _kind(module)))
+        head = _head(model)
+        layers = dotted_chains((path, module, LayerInfo(path, type(module), _kind(module, head)))
                                for path, module in model.named_modules())
         steps = plan(policy_map, layers, variables=_own_parameters, fix="Call model.float()",
                      adjust=_follow_attention)
+        # fp8 layers become torchao's Float8Linear (same parameters) before anything else changes
+        swapped = float8.convert(model, [(step.path, step.policy.float8_recipe) for step in steps
+                                         if step.policy.float8_recipe is not None and float8.eligible(step.layer)])
         changed = {}
         for step in steps:
             module, policy, resolution, path = step.layer, step.policy, step.resolution, step.path
+            if path in swapped:
+                module = model.get_submodule(path)
             info, parent_policy = step.info, step.parent_policy
             state = {"policy": policy, "source": resolution.source, "dtypes": {}}
             target = _TORCH_DTYPES[policy.variable_dtype]
@@ -177,10 +199,12 @@ class TorchModels(ModelAdapter):
                     setattr(module, name, b.to(target))
             # A region where the policy changes; a plain float32 root needs none (plain
             # PyTorch). A loss or norm root still casts its half-precision inputs.
-            plain_root = parent_policy is None and policy == _FLOAT32 and info.kind is None
+            plain_root = parent_policy is None and policy == _FLOAT32 and info.kind not in (NORMALIZATION, LOSS)
             if step.changes_policy and not plain_root and not _kernel_norm(module, resolution, parent_policy):
                 state["forward"] = module.__dict__.get("forward")
                 module.forward = _Region(module, policy, state["forward"])
+            if path in swapped:
+                state["float8_original"] = swapped[path]
             changed[path] = state
         for path, state in changed.items():
             setattr(model.get_submodule(path), _STATE, state)
@@ -255,11 +279,14 @@ def _kernel_norm(module: torch.nn.Module, resolution: Any, parent_policy: Policy
 
 
 def remove_policy(model: torch.nn.Module) -> torch.nn.Module:
-    """Undoes `apply_policy` on a module tree: forwards and parameter dtypes are restored."""
-    for module in model.modules():
+    """Undoes `apply_policy` on a module tree: forwards, parameter dtypes and the layers fp8
+    replaced are restored."""
+    for path, module in list(model.named_modules()):
         state = module.__dict__.pop(_STATE, None)
         if state is None:
             continue
+        if "float8_original" in state:
+            float8.restore(model, path, state["float8_original"])
         for p in module.parameters(recurse=False):
             p.__dict__.pop(PARAMETER_POLICY, None)
         if "forward" in state:

@@ -1,0 +1,91 @@
+"""fp8 matmuls on torch: torchao's ``Float8Linear``, chosen layer by layer by the plan.
+
+`apply_policy` hands the ``nn.Linear`` layers whose policy has a `Float8Recipe` to
+torchao's own ``convert_to_float8_training``, one call per recipe, with a
+``module_filter_fn`` built from the plan (the layers the built-in rules keep in the source
+precision never reach it). torchao's ``Float8Linear`` keeps the same weight and bias
+parameters, so an optimizer built before or after sees the same tensors; `remove_policy`
+puts the original modules back. No kernel of our own: torchao's casts and
+``torch._scaled_mm`` (emulated in float32 on a CPU without fp8 units).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from mixedpolicy.float8 import Float8Recipe
+
+#: torchao's recipes (``Float8LinearConfig.from_recipe_name``) by our recipe name
+_TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+
+
+def eligible(module: torch.nn.Module) -> bool:
+    """A layer torchao's Float8Linear replaces: a plain ``nn.Linear`` (a subclass may read its
+    weight elsewhere, as MultiheadAttention's out_proj does)."""
+    return type(module) is torch.nn.Linear
+
+
+def check(recipe: Float8Recipe, path: str) -> None:
+    """Refuses, before anything changes, a recipe torch has no path for here."""
+    if recipe.recipe in _TORCHAO_RECIPES:
+        return
+    if recipe.recipe == "delayed":
+        fix = ("torchao removed delayed scaling in 2025 and mixedpolicy has no torch path for it "
+               "yet: use 'tensorwise' (current scaling) on torch; 'delayed' runs on Keras")
+    else:  # mxfp8
+        fix = ("torchao 0.18 trains MX formats only inside its MoE grouped matmuls "
+               "(MXFP8TrainingOpConfig), not on nn.Linear: use 'tensorwise' or 'rowwise' on torch")
+    raise ValueError(f"Received the fp8 recipe {recipe.recipe!r} for torch layer {path or '(root)'!r}: "
+                     f"{fix}. Nothing was applied.")
+
+
+def _config(recipe: Float8Recipe) -> Any:
+    from torchao.float8 import Float8LinearConfig
+
+    config = Float8LinearConfig.from_recipe_name(recipe.recipe)
+    dtype = getattr(torch, recipe.backward_dtype)
+    if config.cast_config_grad_output.target_dtype != dtype:  # tensorwise with e4m3 gradients
+        config = dataclasses.replace(config, cast_config_grad_output=dataclasses.replace(
+            config.cast_config_grad_output, target_dtype=dtype))
+    return config
+
+
+def _import_torchao() -> None:
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError as err:
+        raise ImportError("fp8 matmuls on torch run through torchao's Float8Linear, and torchao is "
+                          "not installed: pip install \"mixedpolicy[torch]\" (it pins torchao), or "
+                          "pip install torchao. Nothing was applied.") from err
+
+
+def convert(model: torch.nn.Module, layers: list[tuple[str, Float8Recipe]]) -> dict[str, torch.nn.Module]:
+    """Swaps each (path, recipe) layer for torchao's Float8Linear; returns {path: original module}."""
+    if not layers:
+        return {}
+    for path, recipe in layers:
+        check(recipe, path)
+        if not path:
+            raise ValueError("Received an fp8 policy for a model that is itself one nn.Linear: fp8 "
+                             "replaces the layer, which apply_policy cannot do to the object you hold. "
+                             "Put it in a container (torch.nn.Sequential(linear)). Nothing was applied.")
+    _import_torchao()
+    from torchao.float8 import convert_to_float8_training
+
+    originals = {path: model.get_submodule(path) for path, _ in layers}
+    by_recipe: dict[Float8Recipe, set[str]] = {}
+    for path, recipe in layers:
+        by_recipe.setdefault(recipe, set()).add(path)
+    for recipe, paths in by_recipe.items():
+        convert_to_float8_training(model, config=_config(recipe),
+                                   module_filter_fn=lambda _module, fqn, paths=paths: fqn in paths)
+    return originals
+
+
+def restore(model: torch.nn.Module, path: str, original: torch.nn.Module) -> None:
+    """Puts `original` back at `path` (its parameters are the ones the Float8Linear held)."""
+    parent_path, _, name = path.rpartition(".")
+    setattr(model.get_submodule(parent_path), name, original)

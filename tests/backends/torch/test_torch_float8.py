@@ -1,0 +1,135 @@
+"""fp8 matmuls on torch through torchao's Float8Linear, chosen by the plan (issue 29).
+
+On a CPU torchao's fp8 path runs emulated (``torch._scaled_mm`` in float32), so these check
+numerics against torchao's own ``convert_to_float8_training``, never speed.
+"""
+
+import io
+
+import pytest
+
+from conftest import require_module
+
+import mixedpolicy as mp
+
+torch = require_module("torch")
+
+
+def _net(seed=0):
+    torch.manual_seed(seed)
+    nn = torch.nn
+    return nn.Sequential(nn.Embedding(10, 32), nn.Flatten(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 48),
+                         nn.LayerNorm(48), nn.Linear(48, 10), nn.Linear(10, 10))
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, 10, (16, 2), generator=g), torch.randint(0, 10, (16,), generator=g)
+
+
+def _train(model, steps=3, autocast=None):
+    x, y = _data()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        if autocast is not None:
+            with torch.autocast("cpu", dtype=autocast):
+                out = model(x)
+        else:
+            out = model(x)
+        loss = torch.nn.functional.cross_entropy(out.float(), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _torchao(recipe, autocast=None):
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    theirs = _net()
+    # the layers the built-in rules leave to fp8: not the head (7), not 48->10 (6)
+    convert_to_float8_training(theirs, config=Float8LinearConfig.from_recipe_name(recipe),
+                               module_filter_fn=lambda _m, fqn: fqn in ("2", "4"))
+    return theirs, _train(theirs, autocast=autocast)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_a_recipe_equals_torchaos_own_conversion_bit_for_bit(recipe):
+    require_module("torchao")
+    theirs, their_losses = _torchao(recipe)
+    ours = mp.apply_policy(_net(), mp.Policy("float32", float8_recipe=recipe))
+    assert _train(ours) == their_losses
+    for (name, a), b in zip(ours.state_dict().items(), theirs.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_a_mixed_bfloat16_source_equals_torchao_under_torchs_autocast():
+    require_module("torchao")
+    theirs, their_losses = _torchao("tensorwise", autocast=torch.bfloat16)
+    ours = mp.apply_policy(_net(), mp.Policy("mixed_bfloat16", float8_recipe="tensorwise"))
+    assert _train(ours) == their_losses
+    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), theirs.state_dict().values()))
+
+
+def test_describe_shows_the_recipe_and_the_built_in_rules_and_a_key_overrides_them():
+    require_module("torchao")
+    from torchao.float8.float8_linear import Float8Linear
+
+    model = mp.apply_policy(_net(), "params=float32,compute=bfloat16,float8=rowwise")
+    rows = {r.path: r for r in mp.describe(model)}
+    assert rows["2"].float8 == rows["4"].float8 == "rowwise"
+    kept = {"0": "embeddings", "5": "normalization", "6": "not multiples of 16", "7": "the output head"}
+    for path, why in kept.items():
+        assert rows[path].float8 == "-" and why in rows[path].source, rows[path]
+    assert rows["7"].policy == mp.Policy("mixed_bfloat16")  # the source precision
+    assert "fp8" in str(mp.describe(model)).splitlines()[0]
+    assert [type(model[i]) for i in (2, 4)] == [Float8Linear, Float8Linear] and type(model[7]) is torch.nn.Linear
+    # a key beats a rule: the head in fp8 by path, a layer kept out by class
+    fp8 = mp.Policy("mixed_bfloat16", float8_recipe="tensorwise")
+    model = mp.apply_policy(_net(), mp.PolicyMap(fp8, {"7": fp8, "4": "mixed_bfloat16"}))
+    assert type(model[7]) is Float8Linear and type(model[4]) is torch.nn.Linear
+    assert mp.describe(model)[8].source == "map key '7'"
+
+
+def test_the_parameters_stay_the_same_tensors_and_remove_policy_restores_the_layers():
+    require_module("torchao")
+    model = _net()
+    before = list(model.parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # built before: still trains the fp8 layers
+    mp.apply_policy(model, mp.Policy("float32", float8_recipe="tensorwise"))
+    assert all(a is b for a, b in zip(model.parameters(), before))
+    x, y = _data()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    assert before[1].grad is not None  # layer 2's weight, inside the Float8Linear
+    keys = list(model.state_dict())
+    mp.remove_policy(model)
+    assert [type(m) for m in model] == [type(m) for m in _net()]
+    assert all(a is b for a, b in zip(model.parameters(), before)) and list(model.state_dict()) == keys
+
+
+def test_a_checkpoint_resumes_bit_for_bit():
+    require_module("torchao")
+    policy = mp.Policy("float32", float8_recipe="tensorwise")
+    a = mp.apply_policy(_net(), policy)
+    _train(a, steps=2)
+    buffer = io.BytesIO()
+    torch.save(a.state_dict(), buffer)
+    b = mp.apply_policy(_net(seed=5), policy)
+    buffer.seek(0)
+    b.load_state_dict(torch.load(buffer))
+    assert _train(a, steps=2) == _train(b, steps=2)
+
+
+@pytest.mark.parametrize("recipe, says", [("delayed", "use 'tensorwise'.*'delayed' runs on Keras"),
+                                          ("mxfp8", "MoE grouped matmuls")])
+def test_a_recipe_torch_cannot_run_is_refused_before_anything_changes(recipe, says):
+    model = _net()
+    with pytest.raises(ValueError, match=f"Received the fp8 recipe '{recipe}' for torch layer '2'.*{says}.*"
+                                         f"Nothing was applied"):
+        mp.apply_policy(model, mp.Policy("mixed_bfloat16", float8_recipe=recipe))
+    assert [type(m) for m in model] == [type(m) for m in _net()]
+    assert all(not hasattr(m, "_mixedpolicy") for m in model.modules())
+    assert mp.describe(model)[0].source == "no policy applied"
