@@ -53,9 +53,10 @@ _FLOAT8_KEPT = {EMBEDDING: "embeddings", HEAD: "the output head", NORMALIZATION:
 
 def _changed(policy: Policy, **dtypes: str) -> Policy:
     """`policy` with other dtypes; a reduce dtype it did not set follows the new variables."""
-    reduce = policy.reduce_dtype if policy.reduce_dtype != policy.variable_dtype else None
-    return Policy(None, **{"variable_dtype": policy.variable_dtype, "compute_dtype": policy.compute_dtype,
-                           "output_dtype": policy.output_dtype, "reduce_dtype": reduce, **dtypes})
+    fields: dict[str, Any] = {"variable_dtype": policy.variable_dtype, "compute_dtype": policy.compute_dtype,
+                              "output_dtype": policy.output_dtype,
+                              "reduce_dtype": policy.reduce_dtype if policy.reduce_dtype != policy.variable_dtype else None}
+    return Policy(None, **{**fields, **dtypes})  # no fp8: the rules keep their layers out of it
 
 
 def _rule_normalization(policy: Policy) -> Policy:
