@@ -38,6 +38,7 @@ from keras.src.dtype_policies import dtype_policy as _keras_dtype_policy
 from mixedpolicy._adapter import ModelAdapter
 from mixedpolicy.table import LayerPolicy
 from mixedpolicy.policy import Policy
+from mixedpolicy.backends.keras import float8
 from mixedpolicy.backends.keras.reduce import reduce_engine
 from mixedpolicy.layer_plan import plan
 from mixedpolicy.policy_map import NORMALIZATION, LayerInfo
@@ -130,7 +131,7 @@ def _layers(model: Any) -> list[tuple[Any, list[LayerInfo]]]:
     def visit(layer: Any, chain: list[LayerInfo]) -> None:
         if isinstance(layer, keras.layers.InputLayer):
             return
-        kind = NORMALIZATION if isinstance(layer, _NORM_TYPES) else None
+        kind = NORMALIZATION if isinstance(layer, _NORM_TYPES) else float8.kind(layer)
         # Keras assigns paths when a model is built; before that, the same path
         # from the layer names (parent's path / name).
         path = layer.path or (f"{chain[-1].path}/{layer.name}" if chain else layer.name)
@@ -141,6 +142,7 @@ def _layers(model: Any) -> list[tuple[Any, list[LayerInfo]]]:
             visit(child, chain)
 
     visit(model, [])
+    float8.mark_head(out)
     return out
 
 
@@ -185,7 +187,10 @@ class KerasModels(ModelAdapter):
                     f"dtype of existing variables. Apply the policy before the model is built "
                     f"(before its first call or model.build), or choose a policy with "
                     f"{layer.dtype_policy.variable_dtype} variables.")
-            planned.append((layer, name, source))
+            recipe = policy.float8_recipe if float8.eligible(layer) else None
+            if recipe is not None:
+                float8.check(recipe, chain[-1].path)
+            planned.append((layer, name if recipe is None else float8.dtype_policy(name, recipe), source))
         if kept:
             warnings.warn(
                 f"{len(kept)} normalization layer(s) ({', '.join(kept[:3])}{', ...' if len(kept) > 3 else ''}) "
@@ -196,8 +201,9 @@ class KerasModels(ModelAdapter):
         remove_policy(model)
         for layer, name, source in planned:
             object.__setattr__(layer, _STATE, (layer.dtype_policy, source))
-            layer.dtype_policy = keras.DTypePolicy(name)
-        scaled = any(name in ("float16", "mixed_float16") for _, name, _ in planned)
+            layer.dtype_policy = keras.DTypePolicy(name) if isinstance(name, str) else name  # fp8: Keras quantizes
+        scaled = any((keras.DTypePolicy(name) if isinstance(name, str) else name).compute_dtype == "float16"
+                     for _, name, _ in planned)
         # a reduce dtype other than the variables' is carried by our optimizer (tf.distribute)
         reduced = any(step.policy.reduce_dtype != step.policy.variable_dtype for step in steps)
         if scaled:
@@ -224,7 +230,9 @@ class KerasModels(ModelAdapter):
         for layer, chain in _layers(model):
             state = layer.__dict__.get(_STATE)
             source = state[1] if state is not None else "no policy applied"
-            policy = Policy(layer.dtype_policy.name)
+            dtype_policy = layer.dtype_policy
+            policy = (Policy.from_keras(dtype_policy) if getattr(dtype_policy, "quantization_mode", None) == "float8"
+                      else Policy(dtype_policy.name))
             rows.append(LayerPolicy(chain[-1].path, type(layer).__name__, policy, source))
         return rows
 
