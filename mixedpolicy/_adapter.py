@@ -72,6 +72,10 @@ class ArrayOps(abc.ABC):
 class ModelAdapter(abc.ABC):
     """One framework's models: how a `PolicyMap` is put on them and read back."""
 
+    #: whether `apply_policy` runs a policy's fp8 matmuls (`Policy.float8_recipe`) on this
+    #: framework's own fp8 path; where not, fp8 policies are refused before anything changes
+    runs_float8 = False
+
     @abc.abstractmethod
     def is_model(self, obj: Any) -> bool:
         """Is `obj` a model (layer, module) this adapter puts policies on?"""

@@ -74,13 +74,26 @@ def apply_policy(model: Any, policy: Any = None, overrides: Mapping[Any, Any] | 
     """
     policy_map = as_policy_map(policy, overrides)
     adapter = _registry.model_adapter(model)
+    fp8 = sorted({p.name for p in _policies_in(policy_map) if p.float8_recipe is not None})
     if adapter is None and callable(model) and not isinstance(model, type):
+        _check_float8(fp8, None, "a plain function")
         result = PolicyFunction(model, policy_map)
     else:
         adapter = adapter or _model_adapter(model, "a plain function of arrays, or ")
+        _check_float8(fp8, adapter, type(model).__name__)
         result = adapter.apply_policy(model, policy_map)
         _log.debug("apply_policy(%s): %s", type(model).__name__, policy_map)
     return result
+
+
+def _check_float8(names: list, adapter: Any, what: str) -> None:
+    """Refuses fp8 policies where the framework has no fp8 path here yet, before anything changes."""
+    if names and not getattr(adapter, "runs_float8", False):
+        raise ValueError(
+            f"Received the fp8 polic{'ies' if len(names) > 1 else 'y'} {', '.join(names)} for {what}: "
+            f"mixedpolicy runs fp8 matmuls on torch (torchao) and Keras (Keras's float8 layers) "
+            f"only so far. Use the source policy here (policy.source, e.g. 'mixed_bfloat16'); "
+            f"nothing was applied.")
 
 
 def _policies_in(policy_map: PolicyMap) -> tuple:

@@ -147,6 +147,8 @@ def _layers(model: Any) -> list[tuple[Any, list[LayerInfo]]]:
 
 
 class KerasModels(ModelAdapter):
+    runs_float8 = True  # fp8 matmuls on the framework's own path (see float8.py beside)
+
     def is_model(self, obj: Any) -> bool:
         return isinstance(obj, keras.Layer)
 
@@ -276,7 +278,11 @@ def sync_global_policy(policy: Policy) -> None:
                       f"built from now on keep Keras's policy {keras.config.dtype_policy().name}.",
                       UserWarning, stacklevel=4)
         return
-    if policy.output_dtype != policy.compute_dtype:
+    if policy.float8_recipe is not None:
+        warnings.warn(f"The global policy {policy.name} runs matmuls in fp8; Keras has no global fp8 "
+                      f"policy, so Keras layers built from now on follow {name}, and apply_policy puts "
+                      f"fp8 on their matmuls.", UserWarning, stacklevel=4)
+    elif policy.output_dtype != policy.compute_dtype:
         warnings.warn(f"The global policy {policy.name} asks for {policy.output_dtype} outputs; "
                       f"Keras layers output their compute dtype, so Keras follows {name}.",
                       UserWarning, stacklevel=4)

@@ -158,6 +158,8 @@ class _Region:
 
 
 class TorchModels(ModelAdapter):
+    runs_float8 = True  # fp8 matmuls on the framework's own path (see float8.py beside)
+
     # -- models ---------------------------------------------------------------
     def is_model(self, obj: Any) -> bool:
         return isinstance(obj, torch.nn.Module)
