@@ -36,6 +36,7 @@ import jax
 
 from mixedpolicy._adapter import ModelAdapter
 from mixedpolicy.backends._subclass import policy_subclass
+from mixedpolicy.backends.jax import float8
 from mixedpolicy.backends.jax.arrays import Kept, cast_leaf, dtype_name, jnp_dtype, restore_leaf
 from mixedpolicy.table import LayerPolicy
 from mixedpolicy.policy import Policy
@@ -69,6 +70,8 @@ def _is_nnx(model: Any) -> bool:
 class FlaxModels(ModelAdapter):
     """NNX modules are changed in place; a linen module comes back as a `PolicyLinen`."""
 
+    runs_float8 = True  # NNX: nnx.Linear's dot_general hook (float8.py beside); linen refuses
+
     def is_model(self, obj: Any) -> bool:
         linen = sys.modules.get("flax.linen")
         return _is_nnx(obj) or (linen is not None and isinstance(obj, linen.Module)) \
@@ -79,6 +82,13 @@ class FlaxModels(ModelAdapter):
             return _nnx_apply(model, policy_map)
         if isinstance(model, PolicyLinen):
             model = model.module
+        fp8 = sorted({p.name for p in (policy_map.default, *(p for _, p in policy_map.overrides))
+                      if p is not None and p.float8_recipe is not None})
+        if fp8:
+            raise ValueError(f"Received the fp8 policy {', '.join(fp8)} for the linen module "
+                             f"{type(model).__name__}: mixedpolicy runs fp8 on Flax NNX (nnx.Linear) "
+                             f"so far, not yet through linen's Fp8DotGeneralOp. Use the source "
+                             f"policy here; nothing was applied.")
         return PolicyLinen(model, policy_map)
 
     def remove_policy(self, model: Any) -> Any:
@@ -119,6 +129,7 @@ class _Applied(NamedTuple):
     cls: type                # its class before a swap
     variables: tuple         # (attribute, dtype name) of variables cast
     originals: Any = None    # a Kept of their values before a narrowing cast
+    dot_general: Any = "<missing>"  # an nnx.Linear's own dot_general, where fp8 replaced it
 
 
 _MISSING = "<missing>"
@@ -150,11 +161,18 @@ def _nnx_apply(model: Any, policy_map: PolicyMap) -> Any:
     from flax import nnx
 
     _nnx_remove(model)
-    layers = dotted_chains((path, module, LayerInfo(path, type(module), _kind(type(module), nnx)))
-                           for path, module in _nnx_modules(model))
+    modules = list(_nnx_modules(model))
+    head = next((m for _, m in reversed(modules) if float8.eligible(m)), None)
+    layers = dotted_chains((path, module, LayerInfo(path, type(module), _kind(type(module), nnx)
+                                                    or float8.kind(module, head, bool(_own_variables(module)))))
+                           for path, module in modules)
     steps = plan(policy_map, layers, fix="Create the module with param_dtype=jnp.float32",
                  variables=lambda module, path: [(join(path, name), dtype_name(var.get_value().dtype))
                                                  for name, var in _own_variables(module)])
+    fp8 = {step.path: step.policy.float8_recipe for step in steps
+           if step.policy.float8_recipe is not None and float8.eligible(step.layer)}
+    for path, recipe in fp8.items():  # refused before anything changes
+        float8.check(recipe, path)
     for step in steps:
         module, policy, resolution = step.layer, step.policy, step.resolution
         before_dtype = getattr(module, "dtype", _MISSING)
@@ -174,8 +192,11 @@ def _nnx_apply(model: Any, policy_map: PolicyMap) -> Any:
         region = step.changes_policy or before_dtype is not _MISSING
         if region and policy.output_dtype != policy.compute_dtype:
             module.__class__ = policy_subclass("jax", cls, _cast_outputs)
+        before_dot = _MISSING
+        if step.path in fp8:
+            before_dot, module.dot_general = module.dot_general, float8.TensorwiseDotGeneral(fp8[step.path])
         setattr(module, _STATE, _Applied(policy, resolution.source, before_dtype, before_param,
-                                         cls, tuple(cast), Kept(kept) if kept else None))
+                                         cls, tuple(cast), Kept(kept) if kept else None, before_dot))
     return model
 
 
@@ -190,6 +211,8 @@ def _nnx_remove(model: Any) -> Any:
             module.dtype = applied.dtype
         if applied.param_dtype is not _MISSING:
             module.param_dtype = applied.param_dtype
+        if applied.dot_general is not _MISSING:
+            module.dot_general = applied.dot_general
         kept = applied.originals.arrays if applied.originals is not None else {}
         for name, dtype in applied.variables:
             var = getattr(module, name)

@@ -1,0 +1,99 @@
+"""fp8 matmuls on Flax NNX (issue 29): 'tensorwise' through nnx.Linear's dot_general hook,
+the same numbers as torchao's tensorwise recipe on the same weights and inputs."""
+
+import numpy as np
+import pytest
+
+from conftest import require_module
+
+import mixedpolicy as mp
+
+jax = require_module("jax")
+nnx = require_module("flax.nnx", "jax")
+optax = require_module("optax", "jax")
+jnp = jax.numpy
+
+
+class Net(nnx.Module):
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(10, 16, rngs=rngs)
+        self.a = nnx.Linear(32, 64, rngs=rngs)
+        self.b = nnx.Linear(64, 32, rngs=rngs)
+        self.norm = nnx.LayerNorm(32, rngs=rngs)
+        self.head = nnx.Linear(32, 10, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens).reshape(tokens.shape[0], -1)
+        return self.head(self.norm(jax.nn.relu(self.b(jax.nn.relu(self.a(x))))))
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    return jnp.asarray(rng.integers(0, 10, (16, 2))), jnp.asarray(np.arange(16) % 10)
+
+
+def _loss(model, x, y):
+    return optax.softmax_cross_entropy_with_integer_labels(model(x).astype(jnp.float32), y).mean()
+
+
+def test_tensorwise_equals_torchaos_recipe_on_the_same_weights_within_float32_rounding():
+    torch = require_module("torch")
+    require_module("torchao")
+    from torchao.float8 import convert_to_float8_training
+
+    net = Net(nnx.Rngs(0))
+    seq = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
+    for i, layer in ((0, net.a), (2, net.b)):
+        seq[i].weight.data = torch.tensor(np.asarray(layer.kernel[...]).T.copy())
+        seq[i].bias.data = torch.tensor(np.asarray(layer.bias[...]))
+    convert_to_float8_training(seq)
+    mp.apply_policy(net, mp.Policy("float32", float8_recipe="tensorwise"))
+    h = np.random.default_rng(1).normal(size=(16, 32)).astype(np.float32)
+    out = torch.tensor(h, requires_grad=True)
+    theirs = seq(out)
+    theirs.square().sum().backward()
+
+    def body(a, b, h):
+        return b(jax.nn.relu(a(h)))
+
+    ours = body(net.a, net.b, jnp.asarray(h))
+    grads = nnx.grad(lambda a, b: jnp.square(body(a, b, jnp.asarray(h))).sum(), argnums=(0, 1))(net.a, net.b)
+    np.testing.assert_allclose(np.asarray(ours), theirs.detach().numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(grads[0].kernel[...]).T, seq[0].weight.grad.numpy(), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(grads[1].kernel[...]).T, seq[2].weight.grad.numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_rules_describe_training_under_jit_and_remove_policy():
+    net = Net(nnx.Rngs(0))
+    plain_dot = net.a.dot_general
+    mp.apply_policy(net, "p=f32,c=bf16,float8=tensorwise")
+    rows = {r.path: r for r in mp.describe(net)}
+    assert rows["a"].float8 == rows["b"].float8 == "tensorwise"
+    for path, why in (("embed", "embeddings"), ("head", "the output head"), ("norm", "normalization")):
+        assert rows[path].float8 == "-" and why in rows[path].source, rows[path]
+    optimizer = nnx.Optimizer(net, mp.LossScaleOptimizer(optax.sgd(0.1), policy="mixed_bfloat16"), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, x, y):
+        loss, grads = nnx.value_and_grad(_loss)(model, x, y)
+        optimizer.update(model, grads)
+        return loss
+
+    x, y = _data()
+    losses = [float(step(net, optimizer, x, y)) for _ in range(20)]
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
+    assert net.a(jnp.ones((2, 32))).dtype == jnp.bfloat16
+    mp.remove_policy(net)
+    assert net.a.dot_general is plain_dot and mp.describe(net)[1].source == "no policy applied"
+
+
+def test_what_nnx_cannot_run_is_refused_before_anything_changes():
+    net = Net(nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"recipe 'delayed' for Flax NNX layer 'a'.*'tensorwise'.*runs on Keras"):
+        mp.apply_policy(net, "float8_from_mixed_bfloat16")
+    with pytest.raises(ValueError, match=r"recipe 'rowwise'.*runs on torch"):
+        mp.apply_policy(net, "p=f32,c=bf16,float8=rowwise")
+    assert all(r.source == "no policy applied" for r in mp.describe(net))
+    linen = require_module("flax.linen", "jax")
+    with pytest.raises(ValueError, match="for the linen module Dense.*nothing was applied"):
+        mp.apply_policy(linen.Dense(4), "p=f32,c=bf16,float8=tensorwise")
