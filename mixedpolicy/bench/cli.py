@@ -16,9 +16,10 @@ import sys
 import time
 
 from mixedpolicy.bench import data, models, progress, replicas, report, runners
-from mixedpolicy.bench.spec import (BASELINES, FRAMEWORKS, MODELS, POLICIES, PURE, RunSpec, resolve_compile,
-                                    resolve_frameworks, resolve_model, resolve_policies,
+from mixedpolicy.bench.spec import (BASELINES, FRAMEWORKS, MODELS, POLICIES, PURE, RunSpec, mp_float8,
+                                    resolve_compile, resolve_frameworks, resolve_model, resolve_policies,
                                     user_model_info)
+from mixedpolicy.bench.spec import runs as runs_on
 
 
 _BANDWIDTH = "1GB/s"  # the replica comparison's modelled link, unless --bandwidth says otherwise
@@ -36,7 +37,10 @@ def parser() -> argparse.ArgumentParser:
                    help=f"comma-separated, in any spelling mixedpolicy accepts (16-mixed, bf16-true...): "
                         f"{', '.join(POLICIES + PURE + BASELINES)} (pure ones against the framework's own "
                         f"pure-precision training; tf32: float32 with "
-                        f"TF32 math allowed, a GPU baseline; default: %(default)s)")
+                        f"TF32 math allowed, a GPU baseline), or an fp8 policy over one of the first "
+                        f"three, run where the framework's own fp8 set-up has its recipe "
+                        f"(float8_from_mixed_bfloat16: Keras; p=f32,c=bf16,float8=tensorwise: torch); "
+                        f"jmp parts stay together, ';' also separates (default: %(default)s)")
     p.add_argument("--model", default="mlp",
                    help=f"one of: {', '.join(MODELS)}, or your own MODULE:FACTORY (a module path or a .py "
                         f"file, and a function of no arguments that returns a fresh torch.nn.Module, Flax NNX "
@@ -228,6 +232,14 @@ def main(argv: list[str] | None = None) -> int:
                              f"replica(s), more than the {len(split[0])} training samples; choose at "
                              f"most {len(split[0]) // max(args.replicas, 1)}.")
         reduce_dtypes = _check_replicas(args, frameworks, model)
+        if not any(runs_on(f, p) for f in frameworks for p in policies):
+            raise ValueError(f"Received --policies {args.policies!r} with --frameworks "
+                             f"{','.join(frameworks)}: no framework there trains these fp8 recipes with "
+                             f"its own tools (torch: tensorwise, rowwise, rowwise_with_gw_hp; Keras: "
+                             f"delayed). Add such a framework or policy.")
+        if args.replicas and any(mp_float8(p) for p in policies):
+            raise ValueError("Received fp8 policies with --replicas; the replica comparison runs "
+                             "the float and mixed policies. Drop the fp8 policies there.")
     except ValueError as err:
         print(f"mixedpolicy bench: error: {err}", file=sys.stderr)
         return 2
@@ -249,7 +261,13 @@ def main(argv: list[str] | None = None) -> int:
     specs = [RunSpec(f, p, model, args.batch_size, args.steps, args.repeats, args.warmup, args.device,
                      os.path.abspath(weights_path), args.seed, args.min_block_time, data_path, args.data, c,
                      args.threads)
-             for f in frameworks for c in compiles for p in policies]
+             for f in frameworks for c in compiles for p in policies if runs_on(f, p)]
+    for p in policies:
+        left = [f for f in frameworks if not runs_on(f, p)]
+        if left:  # an fp8 recipe the framework's own tools have no set-up for
+            print(f"mixedpolicy bench: {p} is not run on {', '.join(left)}: no fp8 set-up of "
+                  f"{'their' if len(left) > 1 else 'its'} own trains with that recipe to compare "
+                  f"with (see docs/float8.md)", file=sys.stderr)
     fed = ("its own batches" if user and user.own_data else f"{args.data}, batch {args.batch_size}")
     print(f"mixedpolicy bench: {model}{f' ({_sizes(cfg)})' if cfg else ''} on {fed}, {args.warmup} warm-up + "
           f"{args.steps} training steps, {args.repeats} timed pairs of blocks of at least {args.min_block_time} s, "

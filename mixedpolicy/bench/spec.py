@@ -18,6 +18,28 @@ PURE = ("bfloat16", "float16")
 #: Baselines beside the policies: "tf32" is float32 with TF32 math allowed (GPUs from
 #: Ampere on; the same as float32 on a CPU), the speed-up a GPU gives for free.
 BASELINES = ("tf32",)
+#: fp8 recipes each framework's own tools train with, which the bench compares against:
+#: torchao's Float8Linear on torch, Keras's float8 quantization on Keras; Flax NNX and
+#: TensorFlow have no fp8 set-up of their own to compare with (their fp8 rows are skipped)
+FLOAT8_RECIPES = {"torch": ("tensorwise", "rowwise", "rowwise_with_gw_hp"), "keras-jax": ("delayed",),
+                  "keras-torch": ("delayed",), "keras-tensorflow": ("delayed",)}
+
+
+def mp_float8(policy: str) -> bool:
+    """Whether a bench policy name runs matmuls in fp8."""
+    import mixedpolicy as mp
+
+    return policy not in BASELINES and mp.Policy(policy).float8_recipe is not None
+
+
+def runs(framework: str, policy: str) -> bool:
+    """Whether the bench runs `policy` on `framework`: every policy but fp8 ones everywhere; an fp8
+    policy where the framework's own tools train with its recipe (`FLOAT8_RECIPES`)."""
+    import mixedpolicy as mp
+
+    recipe = mp.Policy(policy).float8_recipe if policy not in BASELINES else None
+    return recipe is None or (recipe.recipe in FLOAT8_RECIPES.get(framework, ())
+                              and (recipe.recipe != "delayed" or recipe.margin == 0))
 
 
 
@@ -60,8 +82,8 @@ def installed_frameworks() -> list[str]:
     return [f for f in FRAMEWORKS if not missing_packages(f)]
 
 
-def _split(value: str, what: str, valid: tuple) -> list[str]:
-    items = [v.strip() for v in value.split(",") if v.strip()]
+def _split(value: str, what: str, valid: tuple, sep: str = ",") -> list[str]:
+    items = [v.strip() for v in value.split(sep) if v.strip()]
     if not items:
         raise ValueError(f"Received an empty --{what}; expected a comma-separated list of: "
                          f"{', '.join(valid)}.")
@@ -92,13 +114,28 @@ def resolve_frameworks(value: str | None) -> list[str]:
     return chosen
 
 
+def _policy_items(value: str) -> list[str]:
+    """--policies split into policies: at ";" where there is one, else at commas, where a
+    jmp-grammar part (``key=value``) after another stays in the same policy, so
+    ``mixed_bfloat16,p=f32,c=bf16,float8=tensorwise`` names two policies."""
+    if ";" in value:
+        return [v.strip() for v in value.split(";") if v.strip()]
+    items: list[str] = []
+    for token in (t.strip() for t in value.split(",")):
+        if token and "=" in token and items and "=" in items[-1]:
+            items[-1] += "," + token
+        elif token:
+            items.append(token)
+    return items
+
+
 def resolve_policies(value: str) -> list[str]:
     """--policies in any spelling mixedpolicy accepts ("16-mixed", "bf16-true", "f32"...), as
     the bench's canonical names: the mixed policies, float32 and the pure half-precision ones."""
     import mixedpolicy as mp
 
     valid = POLICIES + PURE + BASELINES
-    items = [v.strip() for v in value.split(",") if v.strip()]
+    items = _policy_items(value)
     names = []
     for item in items:
         if item in valid:
@@ -109,12 +146,18 @@ def resolve_policies(value: str) -> list[str]:
         except (ValueError, TypeError):
             names.append(item)  # refused below, with the valid names
             continue
+        if policy.float8_recipe is not None and policy.source.name in POLICIES:
+            names.append(policy.name)  # fp8 over a mixed or float32 source: run where it has a path
+            valid += (policy.name,)
+            continue
         if policy.name not in valid:
             raise ValueError(f"Received --policies {item!r} ({policy.name}); the bench runs policies that "
                              f"each framework can also train with its own tools: choose among "
-                             f"{', '.join(valid)} (any spelling).")
+                             f"{', '.join(valid)} (any spelling), or an fp8 policy over one of "
+                             f"{', '.join(POLICIES)} ('float8_from_mixed_bfloat16' on Keras, "
+                             f"'p=f32,c=bf16,float8=tensorwise' on torch).")
         names.append(policy.name)
-    return _split(",".join(names), "policies", valid)
+    return _split(";".join(names), "policies", valid, sep=";")
 
 
 def resolve_compile(value: str) -> list[bool]:

@@ -221,6 +221,42 @@ def test_a_small_run_writes_every_output_with_every_field(tmp_path):
 
 
 @pytest.mark.slow
+def test_fp8_policies_run_against_each_frameworks_own_fp8_set_up(tmp_path):
+    """torch's tensorwise row against torchao's own conversion, Keras's delayed row against
+    model.quantize("float8"): the same weights and batches give the same losses (gap 0); a
+    framework without an fp8 set-up of its own is left out, and says so."""
+    from conftest import require_module
+
+    require_module("torchao")
+    require_module("keras")
+    require_module("jax")
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "mixedpolicy", "bench", "--frameworks", "torch,keras-jax,jax",
+                           "--policies", "p=f32,c=bf16,float8=tensorwise,float8_from_mixed_bfloat16", "--steps", "4",
+                           "--repeats", "2", "--warmup", "1", "--out", str(out)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "float8_from_mixed_bfloat16 is not run on torch, jax: no fp8 set-up" in proc.stderr
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    tensorwise = "params=float32,compute=bfloat16,output=bfloat16,float8=tensorwise"
+    assert [(r["framework"], r["policy"]) for r in runs] == [("torch", tensorwise),
+                                                             ("keras-jax", "float8_from_mixed_bfloat16")]
+    for run in runs:
+        assert run["max_loss_gap_vs_native"] == 0.0, run  # bit for bit with the framework's own fp8
+        assert "float8" in run["native_recipe"], run["native_recipe"]
+
+
+def test_policies_split_where_jmp_parts_belong_together():
+    from mixedpolicy.bench.spec import resolve_policies
+
+    assert resolve_policies("float32,p=f32,c=bf16,float8=tensorwise,float8_from_mixed_bfloat16") == [
+        "float32", "params=float32,compute=bfloat16,output=bfloat16,float8=tensorwise", "float8_from_mixed_bfloat16"]
+    assert resolve_policies("p=f32,c=f16;bf16-mixed") == ["mixed_float16", "mixed_bfloat16"]
+    with pytest.raises(ValueError, match="or an fp8 policy over one of float32"):
+        resolve_policies("float8_from_bfloat16")
+
+
+@pytest.mark.slow
 def test_synthetic_data_at_the_models_shape_with_a_tf32_baseline_and_speed_ups(tmp_path):
     """gpt2 on synthetic tokens: throughput in tokens, no accuracy (the labels are noise),
     each run's speed-up over float32 measured in its own process (tf32 is float32 on a CPU)."""

@@ -255,6 +255,23 @@ class _Keras(Trainer):
         return getattr(self.model.optimizer, "loss_scale", None)
 
 
+def _keras_float8(model: keras.Model) -> None:
+    """Keras's own fp8 set-up, as its users write it: ``model.quantize("float8")`` on every Dense
+    but the output head and those whose dimensions are not multiples of 16."""
+    dense = [layer for layer in model._flatten_layers() if type(layer) in (keras.layers.Dense, keras.layers.EinsumDense)]
+    chosen = {id(layer) for layer in dense[:-1]
+              if all(isinstance(d, int) and d % 16 == 0 for d in layer._kernel.shape)}
+    model.quantize("float8", filters=lambda layer: id(layer) in chosen)
+
+
+def _float_weights(ours: keras.Model, native: keras.Model) -> list:
+    """Ours's weights in native's order: fp8 layers made on each side in another order hold
+    their variables in another order, so they are matched by layer and variable name."""
+    by_name = {(layer.name, v.name): v for layer in ours._flatten_layers() for v in layer.weights}
+    return [keras.ops.convert_to_numpy(by_name[(layer.name, v.name)]) for layer in native._flatten_layers()
+            for v in layer.weights if (layer.name, v.name) in by_name][:len(native.get_weights())]
+
+
 def trainers(model: str, cfg: dict, policy: str, weights: dict, device: str, compile: bool = False,
              tf32: bool = False):
     """(ours, native); `compile` asks Keras for jit_compile=True, else Keras's own default
@@ -269,8 +286,12 @@ def trainers(model: str, cfg: dict, policy: str, weights: dict, device: str, com
     start = ours.get_weights()  # a user's factory initialises at random: native starts from these
     ours.compile(keras.optimizers.SGD(learning_rate(model), momentum=MOMENTUM), _loss(setup), jit_compile=jit)  # wraps under float16
     mp.set_global_policy(None)
-    keras.config.set_dtype_policy(policy)  # Keras's own
+    fp8 = mp.Policy(policy).float8_recipe
+    keras.config.set_dtype_policy(mp.Policy(policy).source.name)  # Keras's own
     native = load(_user(model).model if user else _built_in(model, cfg), weights)
+    if fp8 is not None:
+        _keras_float8(native)
+        start = _float_weights(ours, native)
     native.set_weights(start)
     sgd = keras.optimizers.SGD(learning_rate(model), momentum=MOMENTUM)
     # Keras's compile wraps mixed_float16 by itself; pure float16 is wrapped here, as ours is
@@ -278,7 +299,9 @@ def trainers(model: str, cfg: dict, policy: str, weights: dict, device: str, com
     native.compile(keras.optimizers.LossScaleOptimizer(sgd) if scaled else sgd, _loss(setup), jit_compile=jit)
     keras.config.set_dtype_policy("float32")
     native_side = _Keras(native, setup)
-    native_side.recipe = f"Keras dtype policy {policy!r}" + (" + keras LossScaleOptimizer" if scaled else "")
+    native_side.recipe = (f"Keras dtype policy {mp.Policy(policy).source.name!r}"
+                          + (", model.quantize('float8') but the head" if fp8 is not None else "")
+                          + (" + keras LossScaleOptimizer" if scaled else ""))
     return _Keras(ours, setup), native_side
 
 

@@ -291,14 +291,20 @@ class Native(_Torch):
 
     def __init__(self, net: torch.nn.Module, policy: str, device: str, lr: float, setup: UserSetup | None = None):
         pure = _PURE.get(policy)
+        fp8 = mp.Policy(policy).float8_recipe
+        source = mp.Policy(policy).source.name  # an fp8 policy's autocast and scaler: its source's
+        if fp8 is not None:
+            _torchao_float8(net, fp8.recipe)
         super().__init__(net.to(pure) if pure else net, device, setup)
         self.pure = pure
-        self.dtype = _HALF.get(policy)
+        self.dtype = _HALF.get(source)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=MOMENTUM)
-        self.scaler = torch.amp.GradScaler(device.split(":")[0], enabled=policy == "mixed_float16")
+        self.scaler = torch.amp.GradScaler(device.split(":")[0], enabled=source == "mixed_float16")
         self.recipe = (f"module.to(torch.{policy}), inputs cast to it, no loss scale" if self.pure else
                        "float32, no autocast" if self.dtype is None else
-                       f"torch.autocast(torch.{policy[6:]})" + (" + GradScaler" if self.scaler.is_enabled() else ""))
+                       f"torch.autocast(torch.{source[6:]})" + (" + GradScaler" if self.scaler.is_enabled() else ""))
+        if fp8 is not None:
+            self.recipe = f"torchao convert_to_float8_training({fp8.recipe!r}), " + self.recipe
 
     def step(self, x, y) -> None:
         x, y = self._batch(x, y)
@@ -311,6 +317,20 @@ class Native(_Torch):
         self.scaler.update()
         self.opt.zero_grad()
         self._loss = loss.detach()
+
+
+def _torchao_float8(net: torch.nn.Module, recipe: str) -> None:
+    """torchao's own fp8 set-up, as its users write it: every nn.Linear but the output head and
+    those whose dimensions are not multiples of 16 (torchao's and torchtitan's filter)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    linears = [name for name, m in net.named_modules() if isinstance(m, torch.nn.Linear)]
+    head = linears[-1] if linears else None
+
+    def keep(module: torch.nn.Module, fqn: str) -> bool:
+        return fqn != head and not (module.in_features % 16 or module.out_features % 16)
+
+    convert_to_float8_training(net, config=Float8LinearConfig.from_recipe_name(recipe), module_filter_fn=keep)
 
 
 def trainers(model: str, cfg: dict, policy: str, weights: dict, device: str, compile: bool = False,
