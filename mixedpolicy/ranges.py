@@ -170,6 +170,31 @@ class GradientReport:
                                    f"zero in float16 at scale {scale:g}")
         return Recommendation(scale, {p: "float32" for p in reasons}, reasons)
 
+    def float8(self) -> list:
+        """fp8 what-if: per layer, the fractions of its outputs (e4m3, the next matmul's input)
+        and output gradients (e5m2) that become subnormal or zero under per-tensor current
+        scaling, a lower bound to a power of two's resolution (see `mixedpolicy.float8_ranges`);
+        ``mixedpolicy.float8_ranges.table(report.float8())`` prints them."""
+        from mixedpolicy.float8_ranges import what_if
+
+        return what_if(self.rows, EMIN)
+
+    def recommend_float8(self, source: Any = "mixed_bfloat16", max_flushed: float = 0.01) -> Recommendation:
+        """The layers to keep out of fp8, in `source` precision (the fp8 policy's source): those
+        more than `max_flushed` of whose output gradients flush to zero in e5m2 under
+        per-tensor scaling; ``overrides`` goes into a `PolicyMap` over the fp8 policy
+        (``loss_scale`` is 1: per-tensor scales replace a loss scale in fp8).
+
+        Raises:
+          ValueError: max_flushed outside [0, 1], or `source` is not a policy.
+        """
+        from mixedpolicy.float8_ranges import keep_out
+        from mixedpolicy.policy import as_policy
+
+        name = as_policy(source, what="source").name
+        overrides, reasons = keep_out(self.float8(), name, max_flushed)
+        return Recommendation(1.0, overrides, reasons)
+
     def __str__(self) -> str:
         """One row per (layer, kind): the float16/bfloat16 fractions at the loss scale asked
         about (activations, which the loss scale does not touch, at 1)."""

@@ -171,3 +171,26 @@ def test_the_cli_inspects_a_bench_model_and_writes_the_figure(tmp_path, capsys):
     assert "recommended static loss scale" in capsys.readouterr().out
     if __import__("importlib").util.find_spec("matplotlib"):
         assert (tmp_path / "inspect_torch_mlp_torch.png").exists()
+
+
+def test_fp8_what_if_counts_what_per_tensor_scaling_loses_and_names_the_layers():
+    """Per-tensor current scaling maps the largest |x| to the format's top, so what is lost is
+    what lands below the smallest normal (subnormal) or half the smallest subnormal (zero)."""
+    from mixedpolicy.float8_ranges import table
+    from mixedpolicy.ranges import GradientReport, RangeStats, numpy_stats
+
+    values = np.array([1.0] * 80 + [2.0**-31] * 10 + [2.0**-40] * 10, np.float32)
+    rows = [RangeStats.from_vector("body", "activation_grad", numpy_stats(values, (1.0,)), (1.0,)),
+            RangeStats.from_vector("head", "activation_grad", numpy_stats(np.ones(8, np.float32), (1.0,)), (1.0,)),
+            RangeStats.from_vector("body", "activation", numpy_stats(values, (1.0,)), (1.0,))]
+    report = GradientReport(rows, (1.0,), "numpy", 1)
+    body, head, out = report.float8()
+    assert (body.format, body.subnormal, body.flushed) == ("float8_e5m2", 0.1, 0.1)  # 2^-31 * 57344 < 2^-14
+    assert (head.subnormal, head.flushed) == (0.0, 0.0)
+    assert out.format == "float8_e4m3fn" and out.flushed == 0.2  # e4m3's range is narrower
+    advice = report.recommend_float8("mixed_bfloat16", max_flushed=0.05)
+    assert advice.overrides == {"body": "mixed_bfloat16"} and "flush to zero in float8_e5m2" in advice.reasons["body"]
+    assert report.recommend_float8(max_flushed=0.2).overrides == {}
+    assert "float8_e5m2" in table(report.float8())
+    with pytest.raises(ValueError, match="max_flushed=2"):
+        report.recommend_float8(max_flushed=2)

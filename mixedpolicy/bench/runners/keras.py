@@ -14,6 +14,7 @@ from mixedpolicy.bench.models import (BN_EPSILON, BN_MOMENTUM, LN_EPSILON, MOMEN
 from mixedpolicy.bench import user_model
 from mixedpolicy.bench.trainer import Trainer, memory, pin_tf32
 from mixedpolicy.bench.user_model import UserSetup
+from mixedpolicy.bench.runners.float8 import keras_float8
 
 #: A user's Keras model's weights in the shared weights file: ``keras.0``, ``keras.1``... in the
 #: order of ``model.weights`` (see `user_weights`).
@@ -255,15 +256,6 @@ class _Keras(Trainer):
         return getattr(self.model.optimizer, "loss_scale", None)
 
 
-def _keras_float8(model: keras.Model) -> None:
-    """Keras's own fp8 set-up, as its users write it: ``model.quantize("float8")`` on every Dense
-    but the output head and those whose dimensions are not multiples of 16."""
-    dense = [layer for layer in model._flatten_layers() if type(layer) in (keras.layers.Dense, keras.layers.EinsumDense)]
-    chosen = {id(layer) for layer in dense[:-1]
-              if all(isinstance(d, int) and d % 16 == 0 for d in layer._kernel.shape)}
-    model.quantize("float8", filters=lambda layer: id(layer) in chosen)
-
-
 def _float_weights(ours: keras.Model, native: keras.Model) -> list:
     """Ours's weights in native's order: fp8 layers made on each side in another order hold
     their variables in another order, so they are matched by layer and variable name."""
@@ -290,7 +282,7 @@ def trainers(model: str, cfg: dict, policy: str, weights: dict, device: str, com
     keras.config.set_dtype_policy(mp.Policy(policy).source.name)  # Keras's own
     native = load(_user(model).model if user else _built_in(model, cfg), weights)
     if fp8 is not None:
-        _keras_float8(native)
+        keras_float8(native)
         start = _float_weights(ours, native)
     native.set_weights(start)
     sgd = keras.optimizers.SGD(learning_rate(model), momentum=MOMENTUM)

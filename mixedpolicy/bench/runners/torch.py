@@ -13,6 +13,7 @@ from mixedpolicy.bench.models import (BN_EPSILON, BN_MOMENTUM, LN_EPSILON, MOMEN
 from mixedpolicy.bench import user_model
 from mixedpolicy.bench.trainer import Trainer, memory, pin_tf32
 from mixedpolicy.bench.user_model import UserSetup
+from mixedpolicy.bench.runners.float8 import torchao_float8
 
 _HALF = {"mixed_bfloat16": torch.bfloat16, "mixed_float16": torch.float16}
 _PURE = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -285,26 +286,21 @@ class Ours(_Torch):
 
 
 class Native(_Torch):
-    """torch.autocast + GradScaler for a mixed policy; for a pure one the whole module in
-    the half dtype (``module.to(dtype)``, Lightning's "bf16-true"/"16-true"), inputs cast to
-    it, no scaler (GradScaler refuses float16 gradients)."""
+    """torch.autocast + GradScaler for a mixed policy (fp8: torchao's Float8Linear in it); for a
+    pure one ``module.to(dtype)`` (Lightning's "bf16-true"), inputs cast to it, no scaler."""
 
     def __init__(self, net: torch.nn.Module, policy: str, device: str, lr: float, setup: UserSetup | None = None):
-        pure = _PURE.get(policy)
-        fp8 = mp.Policy(policy).float8_recipe
+        pure, fp8 = _PURE.get(policy), mp.Policy(policy).float8_recipe
         source = mp.Policy(policy).source.name  # an fp8 policy's autocast and scaler: its source's
-        if fp8 is not None:
-            _torchao_float8(net, fp8.recipe)
-        super().__init__(net.to(pure) if pure else net, device, setup)
-        self.pure = pure
-        self.dtype = _HALF.get(source)
+        super().__init__(net.to(pure) if pure else net if fp8 is None else torchao_float8(net, fp8.recipe),
+                         device, setup)
+        self.pure, self.dtype = pure, _HALF.get(source)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=MOMENTUM)
         self.scaler = torch.amp.GradScaler(device.split(":")[0], enabled=source == "mixed_float16")
-        self.recipe = (f"module.to(torch.{policy}), inputs cast to it, no loss scale" if self.pure else
-                       "float32, no autocast" if self.dtype is None else
-                       f"torch.autocast(torch.{source[6:]})" + (" + GradScaler" if self.scaler.is_enabled() else ""))
-        if fp8 is not None:
-            self.recipe = f"torchao convert_to_float8_training({fp8.recipe!r}), " + self.recipe
+        self.recipe = ("" if fp8 is None else f"torchao convert_to_float8_training({fp8.recipe!r}), ") + (
+            f"module.to(torch.{policy}), inputs cast to it, no loss scale" if self.pure else
+            "float32, no autocast" if self.dtype is None else
+            f"torch.autocast(torch.{source[6:]})" + (" + GradScaler" if self.scaler.is_enabled() else ""))
 
     def step(self, x, y) -> None:
         x, y = self._batch(x, y)
@@ -317,20 +313,6 @@ class Native(_Torch):
         self.scaler.update()
         self.opt.zero_grad()
         self._loss = loss.detach()
-
-
-def _torchao_float8(net: torch.nn.Module, recipe: str) -> None:
-    """torchao's own fp8 set-up, as its users write it: every nn.Linear but the output head and
-    those whose dimensions are not multiples of 16 (torchao's and torchtitan's filter)."""
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-    linears = [name for name, m in net.named_modules() if isinstance(m, torch.nn.Linear)]
-    head = linears[-1] if linears else None
-
-    def keep(module: torch.nn.Module, fqn: str) -> bool:
-        return fqn != head and not (module.in_features % 16 or module.out_features % 16)
-
-    convert_to_float8_training(net, config=Float8LinearConfig.from_recipe_name(recipe), module_filter_fn=keep)
 
 
 def trainers(model: str, cfg: dict, policy: str, weights: dict, device: str, compile: bool = False,
