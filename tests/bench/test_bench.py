@@ -231,7 +231,9 @@ def test_fp8_policies_run_against_each_frameworks_own_fp8_set_up(tmp_path):
     require_module("keras")
     require_module("jax")
     out = tmp_path / "out"
+    # the transformer: attention's projections (EinsumDense in Keras) and the MLPs' Linear/Dense in fp8
     proc = subprocess.run([sys.executable, "-m", "mixedpolicy", "bench", "--frameworks", "torch,keras-jax,jax",
+                           "--model", "transformer",
                            "--policies", "p=f32,c=bf16,float8=tensorwise,float8_from_mixed_bfloat16", "--steps", "4",
                            "--repeats", "2", "--warmup", "1", "--out", str(out)], capture_output=True, text=True,
                           timeout=600)

@@ -257,11 +257,13 @@ class _Keras(Trainer):
 
 
 def _float_weights(ours: keras.Model, native: keras.Model) -> list:
-    """Ours's weights in native's order: fp8 layers made on each side in another order hold
-    their variables in another order, so they are matched by layer and variable name."""
-    by_name = {(layer.name, v.name): v for layer in ours._flatten_layers() for v in layer.weights}
-    return [keras.ops.convert_to_numpy(by_name[(layer.name, v.name)]) for layer in native._flatten_layers()
-            for v in layer.weights if (layer.name, v.name) in by_name][:len(native.get_weights())]
+    """Ours's weights in native's ``weights`` order: fp8 layers made on each side in another
+    order hold their variables in another order, so they are matched layer by layer, then by name."""
+    match = {}
+    for mine, theirs in zip(ours._flatten_layers(), native._flatten_layers()):
+        by_name = {v.name: v for v in mine._trainable_variables + mine._non_trainable_variables}
+        match.update({id(v): by_name[v.name] for v in theirs._trainable_variables + theirs._non_trainable_variables})
+    return [keras.ops.convert_to_numpy(match[id(v)]) for v in native.weights]
 
 
 def trainers(model: str, cfg: dict, policy: str, weights: dict, device: str, compile: bool = False,
