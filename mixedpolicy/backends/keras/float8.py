@@ -47,8 +47,14 @@ def mark_head(layers: list[tuple[Any, list[LayerInfo]]]) -> None:
             return
 
 
-def check(recipe: Float8Recipe, path: str) -> None:
+def check(recipe: Float8Recipe, path: str, reduce_dtype: str = "float32") -> None:
     """Refuses, before anything changes, a recipe Keras's float8 layers cannot run."""
+    if reduce_dtype != "float32":
+        raise ValueError(
+            f"Received an fp8 policy with reduce_dtype={reduce_dtype} for Keras layer {path!r}: "
+            f"Keras's float8 layers carry their scales and amax histories as gradients that "
+            f"overwrite them, which mixedpolicy's reduced-precision sum across tf.distribute "
+            f"replicas does not handle yet. Reduce in float32 there (the default); nothing was applied.")
     if recipe == Float8Recipe("delayed", amax_history_len=recipe.amax_history_len):
         return
     what = (f"the recipe {recipe.recipe!r}" if recipe.recipe != "delayed" else

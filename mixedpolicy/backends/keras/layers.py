@@ -191,7 +191,7 @@ class KerasModels(ModelAdapter):
                     f"{layer.dtype_policy.variable_dtype} variables.")
             recipe = policy.float8_recipe if float8.eligible(layer) else None
             if recipe is not None:
-                float8.check(recipe, chain[-1].path)
+                float8.check(recipe, chain[-1].path, policy.reduce_dtype)
             planned.append((layer, name if recipe is None else float8.dtype_policy(name, recipe), source))
         if kept:
             warnings.warn(

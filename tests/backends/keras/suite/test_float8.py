@@ -67,6 +67,9 @@ def test_a_recipe_keras_has_no_path_for_is_refused_before_anything_changes():
         mp.apply_policy(model, mp.Policy("mixed_bfloat16", float8_recipe="tensorwise"))
     with pytest.raises(ValueError, match="margin=2"):
         mp.apply_policy(model, mp.Policy("mixed_bfloat16", float8_recipe="delayed", margin=2))
+    if keras.backend.backend() == "tensorflow":
+        with pytest.raises(ValueError, match="reduce_dtype=bfloat16 for Keras layer.*Reduce in float32"):
+            mp.apply_policy(model, mp.Policy("float8_from_mixed_bfloat16", reduce_dtype="bfloat16"))
     assert all(layer.quantization_mode is None for layer in model.layers)
     assert all(layer.dtype_policy.name == "float32" for layer in model.layers)
 
