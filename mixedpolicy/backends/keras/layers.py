@@ -26,10 +26,9 @@ Keras layers output their compute dtype; a policy with another output dtype
 
 from __future__ import annotations
 
-import threading
 import warnings
 import weakref
-from typing import Any, Callable
+from typing import Any
 
 import keras
 from keras.src.backend.common import global_state
@@ -39,6 +38,7 @@ from mixedpolicy._adapter import ModelAdapter
 from mixedpolicy.table import LayerPolicy
 from mixedpolicy.policy import Policy
 from mixedpolicy.backends.keras import float8
+from mixedpolicy.backends.keras.compile import compile_with_loss_scale, use_bounded_loss_scale_in_compile
 from mixedpolicy.backends.keras.reduce import reduce_engine
 from mixedpolicy.layer_plan import plan
 from mixedpolicy.policy_map import NORMALIZATION, LayerInfo
@@ -208,14 +208,13 @@ class KerasModels(ModelAdapter):
                      for _, name, _ in planned)
         # a reduce dtype other than the variables' is carried by our optimizer (tf.distribute)
         reduced = any(step.policy.reduce_dtype != step.policy.variable_dtype for step in steps)
-        if scaled:
-            use_bounded_loss_scale_in_compile()
-        if isinstance(model, keras.Model) and (reduced or (scaled and model.dtype_policy.name != "mixed_float16")):
-            # Keras wraps only when the model itself is mixed_float16; a map with float16
-            # layers anywhere needs the loss scale too, and a reduce dtype our optimizer.
+        if isinstance(model, keras.Model) and (reduced or scaled):
+            # this model's compile wraps in our optimizer itself (Keras's own compile wraps only
+            # when the model is mixed_float16, and in its unbounded one): float16 layers anywhere
+            # need the loss scale, and a reduce dtype our optimizer
             from mixedpolicy.backends.keras.reduce import by_layer_path
 
-            object.__setattr__(model, "compile", _compile_with_loss_scale(
+            object.__setattr__(model, "compile", compile_with_loss_scale(
                 model, scaled, by_layer_path(policy_map, steps) if reduced else None))
         return model
 
@@ -237,28 +236,6 @@ class KerasModels(ModelAdapter):
                       else Policy(dtype_policy.name))
             rows.append(LayerPolicy(chain[-1].path, type(layer).__name__, policy, source))
         return rows
-
-
-def _compile_with_loss_scale(model: Any, scaled: bool = True, reduce_policy: Any = None) -> Callable:
-    """``model.compile`` wrapping a plain optimizer in this package's LossScaleOptimizer: with
-    a dynamic scale where `scaled`, else a pass-through; reducing in `reduce_policy`'s dtypes."""
-    compile_ = type(model).compile
-
-    def compile(*args: Any, optimizer: Any = "rmsprop", **kwargs: Any) -> Any:
-        from mixedpolicy.backends.keras.optimizer import LossScaleOptimizer
-        from mixedpolicy.loss_scale import NoLossScale
-
-        if args:
-            optimizer, args = args[0], args[1:]
-        optimizer = keras.optimizers.get(optimizer)
-        if kwargs.get("auto_scale_loss", True) and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-            scale = {} if scaled else {"loss_scale": NoLossScale(skip_nonfinite=False)}
-            optimizer = LossScaleOptimizer(optimizer, name="loss_scale_optimizer", reduce_policy=reduce_policy,
-                                           **scale)
-        return compile_(model, optimizer, *args, **kwargs)
-
-    compile.__doc__ = compile_.__doc__
-    return compile
 
 
 def remove_policy(model: Any) -> Any:
@@ -291,41 +268,7 @@ def sync_global_policy(policy: Policy) -> None:
     _note_global()
     # Keras keeps the policy per thread: a thread that set none sees this one.
     _process_policy[0] = global_state.get_global_attribute("dtype_policy")
-    if name in ("float16", "mixed_float16"):
-        use_bounded_loss_scale_in_compile()
-
-
-_patch_lock = threading.Lock()
-
-
-def use_bounded_loss_scale_in_compile() -> None:
-    """Makes ``model.compile`` under a float16 policy wrap with mixedpolicy's loss-scale optimizer.
-
-    Keras's ``compile`` wraps a plain optimizer in its own ``LossScaleOptimizer`` when
-    the model's policy is ``mixed_float16``; that one has no floor on its scale. The
-    name it uses is pointed at mixedpolicy's subclass, which keeps every behaviour of
-    Keras's and adds the bounds and the skip counters.
-    """
-    from keras.src.trainers import trainer
-
-    with _patch_lock:
-        trainer.LossScaleOptimizer = _WrapInCompile
-
-
-class _WrapInCompileMeta(type):
-    # compile asks "is it a LossScaleOptimizer already?" (any, Keras's own included)
-    # and, if not, calls the name to wrap the plain optimizer: mixedpolicy's then.
-    def __instancecheck__(cls, obj: Any) -> bool:
-        return isinstance(obj, keras.optimizers.LossScaleOptimizer)
-
-    def __call__(cls, optimizer: Any, **kwargs: Any) -> Any:
-        from mixedpolicy.backends.keras.optimizer import LossScaleOptimizer
-
-        return LossScaleOptimizer(optimizer, **kwargs)
-
-
-class _WrapInCompile(metaclass=_WrapInCompileMeta):
-    """What ``model.compile`` calls ``LossScaleOptimizer`` once mixedpolicy has a float16 policy."""
+    use_bounded_loss_scale_in_compile(name in ("float16", "mixed_float16"))
 
 
 def to_keras(name: str, amax_history_len: int | None = None) -> Any:

@@ -243,3 +243,32 @@ def _fit_with_the_pass_through():
         assert model.evaluate(x, y, verbose=0) < first
     finally:
         mp.set_global_policy(None)
+
+
+def test_keras_own_compile_wrapping_is_ours_only_while_the_global_policy_computes_in_float16():
+    """The patch of Keras's trainer is undone when the global policy leaves float16; a model
+    given a float16 policy by apply_policy still compiles into the bounded wrapper."""
+    from keras.src.trainers import trainer
+    from mixedpolicy.backends.keras.optimizer import LossScaleOptimizer
+
+    def net():
+        return keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+
+    try:
+        mp.set_global_policy("mixed_float16")
+        plain = net()
+        plain.compile(keras.optimizers.SGD(0.1), "mse")
+        assert isinstance(plain.optimizer, LossScaleOptimizer)
+        ours = mp.apply_policy(net(), "mixed_float16")
+    finally:
+        mp.set_global_policy(None)
+    assert trainer.LossScaleOptimizer is keras.optimizers.LossScaleOptimizer  # Keras's own again
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        theirs = net()
+    finally:
+        keras.config.set_dtype_policy("float32")
+    theirs.compile(keras.optimizers.SGD(0.1), "mse")
+    assert type(theirs.optimizer) is keras.optimizers.LossScaleOptimizer
+    ours.compile(keras.optimizers.SGD(0.1), "mse")
+    assert isinstance(ours.optimizer, LossScaleOptimizer) and ours.optimizer.loss_scaling.startswith("dynamic")

@@ -1,0 +1,67 @@
+"""Keras's ``compile`` with mixedpolicy's loss-scale optimizer: per model after `apply_policy`,
+and through Keras's own wrapping while the global policy computes in float16."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import keras
+
+
+def compile_with_loss_scale(model: Any, scaled: bool = True, reduce_policy: Any = None) -> Callable:
+    """``model.compile`` wrapping a plain optimizer in this package's LossScaleOptimizer: with
+    a dynamic scale where `scaled`, else a pass-through; reducing in `reduce_policy`'s dtypes."""
+    compile_ = type(model).compile
+
+    def compile(*args: Any, optimizer: Any = "rmsprop", **kwargs: Any) -> Any:
+        from mixedpolicy.backends.keras.optimizer import LossScaleOptimizer
+        from mixedpolicy.loss_scale import NoLossScale
+
+        if args:
+            optimizer, args = args[0], args[1:]
+        optimizer = keras.optimizers.get(optimizer)
+        if kwargs.get("auto_scale_loss", True) and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            scale = {} if scaled else {"loss_scale": NoLossScale(skip_nonfinite=False)}
+            optimizer = LossScaleOptimizer(optimizer, name="loss_scale_optimizer", reduce_policy=reduce_policy,
+                                           **scale)
+        return compile_(model, optimizer, *args, **kwargs)
+
+    compile.__doc__ = compile_.__doc__
+    return compile
+
+
+_patch_lock = threading.Lock()
+
+
+def use_bounded_loss_scale_in_compile(on: bool = True) -> None:
+    """While mixedpolicy's global policy computes in float16, ``model.compile`` under a
+    float16 policy wraps with mixedpolicy's loss-scale optimizer; `on=False` gives Keras its own back.
+
+    Keras's ``compile`` wraps a plain optimizer in its own ``LossScaleOptimizer`` when
+    the model's policy is ``mixed_float16``; that one has no floor on its scale. The
+    name it uses is pointed at mixedpolicy's subclass, which keeps every behaviour of
+    Keras's and adds the bounds and the skip counters, for as long as the global policy
+    set through mixedpolicy computes in float16 (models given a policy by `apply_policy`
+    wrap in their own ``compile``, whatever the global policy).
+    """
+    from keras.src.trainers import trainer
+
+    with _patch_lock:
+        trainer.LossScaleOptimizer = _WrapInCompile if on else keras.optimizers.LossScaleOptimizer
+
+
+class _WrapInCompileMeta(type):
+    # compile asks "is it a LossScaleOptimizer already?" (any, Keras's own included)
+    # and, if not, calls the name to wrap the plain optimizer: mixedpolicy's then.
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, keras.optimizers.LossScaleOptimizer)
+
+    def __call__(cls, optimizer: Any, **kwargs: Any) -> Any:
+        from mixedpolicy.backends.keras.optimizer import LossScaleOptimizer
+
+        return LossScaleOptimizer(optimizer, **kwargs)
+
+
+class _WrapInCompile(metaclass=_WrapInCompileMeta):
+    """What ``model.compile`` calls ``LossScaleOptimizer`` once mixedpolicy has a float16 policy."""
