@@ -258,7 +258,8 @@ def user_model_info(model: str, chosen: list[str], policies: list[str] = (),
         from mixedpolicy.bench.runners.nnx_user import user_native_kwargs
 
         for policy in policies:
-            user_native_kwargs(factory, "float32" if policy == "tf32" else policy)
+            if runs("jax", policy):  # an fp8 row does not run on JAX
+                user_native_kwargs(factory, "float32" if policy == "tf32" else policy)
     weights = {}
     if name == "Keras":  # every backend starts from this build's weights
         from mixedpolicy.bench.runners.keras import user_weights
