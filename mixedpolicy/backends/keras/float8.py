@@ -63,7 +63,7 @@ def check(recipe: Float8Recipe, path: str, reduce_dtype: str = "float32") -> Non
     raise ValueError(
         f"Received {what} for Keras layer {path!r}: Keras's own fp8 layers scale with an amax "
         f"history ('delayed', margin 0, e4m3 forward, e5m2 gradients), and mixedpolicy has no "
-        f"other Keras fp8 path yet ('tensorwise', 'rowwise' run on torch through torchao). Use "
+        f"other Keras fp8 path yet ('tensorwise' runs on torch and Flax NNX, the per-row recipes on torch). Use "
         f"float8_recipe='delayed' (amax_history_len= may change) on Keras. Nothing was applied.")
 
 
