@@ -51,7 +51,7 @@ def check(recipe: Float8Recipe, path: str) -> None:
     raise ValueError(
         f"Received the fp8 recipe {recipe.recipe!r} for Flax NNX layer {path or '(root)'!r}: on JAX "
         f"mixedpolicy runs 'tensorwise' (current scaling, through nnx.Linear's dot_general) so far; "
-        f"{recipe.recipe!r} runs on " + ("Keras" if recipe.recipe == "delayed" else "torch (torchao)")
+        f"{recipe.recipe!r} runs on " + ("Keras and torch" if recipe.recipe == "delayed" else "torch (torchao)")
         + ". Nothing was applied.")
 
 

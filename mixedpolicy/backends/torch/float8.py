@@ -1,5 +1,8 @@
 """fp8 matmuls on torch: torchao's ``Float8Linear``, chosen layer by layer by the plan.
 
+(The ``"delayed"`` recipe, which torchao no longer has, runs as `DelayedFloat8Linear`:
+Keras's delayed algorithm around ``torch._scaled_mm``, see float8_delayed.py.)
+
 `apply_policy` hands the ``nn.Linear`` layers whose policy has a `Float8Recipe` to
 torchao's own ``convert_to_float8_training``, one call per recipe, with a
 ``module_filter_fn`` built from the plan (the layers the built-in rules keep in the source
@@ -30,14 +33,10 @@ def eligible(module: torch.nn.Module) -> bool:
 
 def check(recipe: Float8Recipe, path: str) -> None:
     """Refuses, before anything changes, a recipe torch has no path for here."""
-    if recipe.recipe in _TORCHAO_RECIPES:
+    if recipe.recipe in _TORCHAO_RECIPES or recipe.recipe == "delayed":
         return
-    if recipe.recipe == "delayed":
-        fix = ("torchao removed delayed scaling in 2025 and mixedpolicy has no torch path for it "
-               "yet: use 'tensorwise' (current scaling) on torch; 'delayed' runs on Keras")
-    else:  # mxfp8
-        fix = ("torchao 0.18 trains MX formats only inside its MoE grouped matmuls "
-               "(MXFP8TrainingOpConfig), not on nn.Linear: use 'tensorwise' or 'rowwise' on torch")
+    fix = ("torchao 0.18 trains MX formats only inside its MoE grouped matmuls "
+           "(MXFP8TrainingOpConfig), not on nn.Linear: use 'tensorwise' or 'rowwise' on torch")
     raise ValueError(f"Received the fp8 recipe {recipe.recipe!r} for torch layer {path or '(root)'!r}: "
                      f"{fix}. Nothing was applied.")
 
@@ -72,14 +71,22 @@ def convert(model: torch.nn.Module, layers: list[tuple[str, Float8Recipe]]) -> d
             raise ValueError("Received an fp8 policy for a model that is itself one nn.Linear: fp8 "
                              "replaces the layer, which apply_policy cannot do to the object you hold. "
                              "Put it in a container (torch.nn.Sequential(linear)). Nothing was applied.")
-    _import_torchao()
-    from torchao.float8 import convert_to_float8_training
-
     originals = {path: model.get_submodule(path) for path, _ in layers}
     by_recipe: dict[Float8Recipe, set[str]] = {}
     for path, recipe in layers:
         by_recipe.setdefault(recipe, set()).add(path)
+    if any(r.recipe != "delayed" for r in by_recipe):
+        _import_torchao()  # before anything changes
     for recipe, paths in by_recipe.items():
+        if recipe.recipe == "delayed":  # torchao has none: Keras's algorithm around _scaled_mm
+            from mixedpolicy.backends.torch.float8_delayed import DelayedFloat8Linear
+
+            for path in paths:
+                parent, _, name = path.rpartition(".")
+                setattr(model.get_submodule(parent), name, DelayedFloat8Linear.from_linear(originals[path], recipe))
+            continue
+        from torchao.float8 import convert_to_float8_training
+
         convert_to_float8_training(model, config=_config(recipe),
                                    module_filter_fn=lambda _module, fqn, paths=paths: fqn in paths)
     return originals
