@@ -92,7 +92,7 @@ def _check_float8(names: list, adapter: Any, what: str) -> None:
         raise ValueError(
             f"Received the fp8 polic{'ies' if len(names) > 1 else 'y'} {', '.join(names)} for {what}: "
             f"mixedpolicy runs fp8 matmuls on torch (torchao), Keras (Keras's float8 layers) and "
-            f"Flax NNX (nnx.Linear) only so far. Use the source policy here (policy.source, e.g. 'mixed_bfloat16'); "
+            f"Flax (nnx.Linear, linen's nn.Dense) only so far. Use the source policy here (policy.source, e.g. 'mixed_bfloat16'); "
             f"nothing was applied.")
 
 

@@ -1,25 +1,20 @@
 """Policies on Flax modules, NNX and linen, through Flax's own ``dtype`` / ``param_dtype``.
 
-Every Flax layer already takes a compute ``dtype`` (inputs and parameters are cast
-to it before the math) and a ``param_dtype`` (what new parameters are created in).
-A policy sets both per layer, from the `PolicyMap`, so the math is exactly what a
-hand-written Flax model with those arguments does:
+Every Flax layer takes a compute ``dtype`` (inputs and parameters are cast to it before
+the math) and a ``param_dtype`` (what new parameters are created in); a policy sets both
+per layer from the `PolicyMap`, so the math is what a hand-written Flax model with those
+arguments does.
 
 - NNX modules are mutable: `apply_policy` sets ``dtype`` / ``param_dtype`` on each
-  submodule that has them, casts existing parameters to the variable dtype (pure
-  policies), and returns the same module. Where a layer's output dtype differs
-  from its compute dtype (norm layers under a mixed policy compute in float32 and
-  hand on the compute dtype; jmp-style ``o=f32`` policies), the layer's class is
-  swapped for a subclass whose ``__call__`` casts the floating outputs. What was
-  changed is kept on the module as a static, hashable record, so it survives
-  ``nnx.jit`` and ``nnx.split`` / ``nnx.merge``, and `remove_policy` restores it all.
+  submodule that has them, casts existing parameters to the variable dtype, and swaps the
+  class of a layer whose output dtype differs from its compute dtype for a subclass that
+  casts its outputs; fp8 layers get their ``dot_general`` hook (float8.py). What changed is
+  kept on the module as a static, hashable record (it survives ``nnx.jit`` and
+  ``nnx.split`` / ``nnx.merge``), and `remove_policy` restores it all.
 - linen modules are immutable and build their submodules lazily, so `apply_policy`
-  returns a `PolicyLinen`: its ``init`` and ``apply`` run the module under a method
-  interceptor that resolves each submodule's policy when it is first called, sets
-  its ``dtype`` / ``param_dtype`` for the call, casts floating inputs to the
-  compute dtype and, where the policy's output dtype differs from its compute
-  dtype, outputs to the output dtype (otherwise outputs are left as the layers
-  make them, as in hand-written Flax).
+  returns a `PolicyLinen` whose ``init`` and ``apply`` run the module under a method
+  interceptor that resolves each submodule's policy at its first call and sets its
+  fields for the call (fp8 ``nn.Dense``: Flax's own ``Fp8DirectDotGeneralOp``).
 
 Layer paths are the module paths joined with dots: ``"blocks.0.linear"`` in NNX,
 ``"Dense_0"`` or ``"encoder.head"`` in linen (the keys of the params tree).
@@ -70,7 +65,7 @@ def _is_nnx(model: Any) -> bool:
 class FlaxModels(ModelAdapter):
     """NNX modules are changed in place; a linen module comes back as a `PolicyLinen`."""
 
-    runs_float8 = True  # NNX: nnx.Linear's dot_general hook (float8.py beside); linen refuses
+    runs_float8 = True  # NNX: nnx.Linear's dot_general hook; linen: Flax's own fp8 op (float8.py)
 
     def is_model(self, obj: Any) -> bool:
         linen = sys.modules.get("flax.linen")
@@ -82,13 +77,7 @@ class FlaxModels(ModelAdapter):
             return _nnx_apply(model, policy_map)
         if isinstance(model, PolicyLinen):
             model = model.module
-        fp8 = sorted({p.name for p in (policy_map.default, *(p for _, p in policy_map.overrides))
-                      if p is not None and p.float8_recipe is not None})
-        if fp8:
-            raise ValueError(f"Received the fp8 policy {', '.join(fp8)} for the linen module "
-                             f"{type(model).__name__}: mixedpolicy runs fp8 on Flax NNX (nnx.Linear) "
-                             f"so far, not yet through linen's Fp8DotGeneralOp. Use the source "
-                             f"policy here; nothing was applied.")
+        float8.linen_check(policy_map)
         return PolicyLinen(model, policy_map)
 
     def remove_policy(self, model: Any) -> Any:
@@ -239,14 +228,12 @@ def _nnx_describe(model: Any) -> list:
 class PolicyLinen:
     """A Flax linen module under a policy: ``init`` and ``apply`` as on the module itself.
 
-    Made by `mixedpolicy.apply_policy` from a ``flax.linen.Module``. Each submodule's
-    policy is resolved when it is first called (linen builds submodules lazily), by
-    its path in the params tree (``"Dense_0"``, ``"encoder.head"``), its class or a
-    built-in rule. During the call its ``dtype`` and ``param_dtype`` fields are set
-    from the policy, floating inputs are cast to the compute dtype and floating
-    outputs to the output dtype, so ``init`` creates parameters in the variable
-    dtype and ``apply`` runs each layer's math in its compute dtype, under
-    ``jax.jit`` or not.
+    Made by `mixedpolicy.apply_policy` from a ``flax.linen.Module``. Each submodule's policy
+    is resolved at its first call (linen builds submodules lazily) by its params path
+    (``"encoder.head"``), class or a built-in rule; during the call its ``dtype`` and
+    ``param_dtype`` are set, floating inputs cast to the compute dtype and outputs to the
+    output dtype (under ``jax.jit`` or not). An fp8 ``nn.Dense`` runs Flax's own
+    ``Fp8DirectDotGeneralOp``, whose scales live in the ``_overwrite_with_gradient`` collection.
 
     Attributes:
       module: the linen module.
@@ -254,11 +241,12 @@ class PolicyLinen:
     """
 
     def __init__(self, module: Any, policy_map: PolicyMap):
-        self.module = module
-        self.policy_map = policy_map
+        self.module, self.policy_map = module, policy_map
         self._seen: dict[str, tuple[type, Resolution]] = {}
-        self._warned = False
-        self._lock = threading.Lock()
+        self._warned, self._lock = False, threading.Lock()
+        self._fp8 = any(p.float8_recipe is not None
+                        for p in (policy_map.default, *dict(policy_map.overrides).values()) if p)
+        self._head: str | None = None
 
     def init(self, rngs: Any, *args: Any, **kwargs: Any) -> Any:
         """``module.init`` under the policy: parameters come out in their variable dtype."""
@@ -275,6 +263,17 @@ class PolicyLinen:
     def _run(self, fn: Any, first: Any, *args: Any, **kwargs: Any) -> Any:
         import flax.linen as nn
 
+        if self._fp8 and self._head is None:  # fp8's head rule: the last Dense, seen by one trace
+            dense: list = []
+
+            def record(next_fun: Any, a: tuple, k: dict, context: Any) -> Any:
+                if type(context.module) is nn.Dense and context.method_name == "__call__":
+                    dense.append(_path(tuple(context.module.path)))
+                return next_fun(*a, **k)
+
+            with nn.intercept_methods(record):
+                jax.eval_shape(lambda: fn(first, *args, **kwargs))
+            self._head = dense[-1] if dense else ""
         with nn.intercept_methods(self._intercept):
             out = fn(first, *args, **kwargs)
         if not self._warned:
@@ -287,7 +286,7 @@ class PolicyLinen:
 
         return [LayerInfo(path, cls, _kind(cls, nn)) for path, (cls, _) in self._seen.items()]
 
-    def _resolve(self, module: Any) -> Resolution:
+    def _resolve(self, module: Any, inputs: Any = None) -> Resolution:
         import flax.linen as nn
 
         keys = tuple(module.path)
@@ -296,13 +295,16 @@ class PolicyLinen:
             seen = self._seen.get(_path(keys[:i]))
             if seen is not None:
                 chain.append(LayerInfo(_path(keys[:i]), seen[0], _kind(seen[0], nn)))
-        chain.append(LayerInfo(_path(keys), type(module), _kind(type(module), nn)))
+        kind = _kind(type(module), nn) or float8.linen_kind(module, inputs, self._head, _path(keys))
+        chain.append(LayerInfo(_path(keys), type(module), kind))
         resolution = self.policy_map.resolve(chain)
         with self._lock:
             self._seen[_path(keys)] = (type(module), resolution)
         return resolution
 
     def _intercept(self, next_fun: Any, args: tuple, kwargs: dict, context: Any) -> Any:
+        import flax.linen as nn
+
         module = context.module
         root_call = not module.path and type(module) is type(self.module)
         if context.method_name != "__call__" and not root_call:
@@ -310,13 +312,17 @@ class PolicyLinen:
             # nn.scan: a clone of the lifted class at path () in a scope of its own) run as
             # they are; the module they wrap is intercepted at its own path
             return next_fun(*args, **kwargs)
-        policy = self._resolve(module).policy
+        policy = self._resolve(module, args[0] if args else None).policy
         fields = {f.name for f in dataclasses.fields(module)}
         changed = {}
         for name, dtype in (("dtype", policy.compute_dtype), ("param_dtype", policy.variable_dtype)):
             if name in fields:
                 changed[name] = getattr(module, name)
                 object.__setattr__(module, name, jnp_dtype(dtype))
+        if policy.float8_recipe is not None and type(module) is nn.Dense:  # Flax's own fp8 op
+            changed["dot_general_cls"] = module.dot_general_cls
+            object.__setattr__(module, "dot_general_cls",
+                               float8.linen_dot_general_cls(policy.float8_recipe.amax_history_len))
         try:
             # Only a layer that computes in its dtype gets its inputs cast: a container's
             # layers cast for themselves, so a float32 layer inside a half-precision model

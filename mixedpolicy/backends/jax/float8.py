@@ -110,3 +110,46 @@ class TensorwiseDotGeneral:
         out = _matmul(x, rhs, self.recipe.forward_dtype, self.recipe.backward_dtype, str(x.dtype), str(rhs.dtype))
         out = out.reshape(*lhs.shape[:-1], rhs.shape[1])
         return out if preferred_element_type is None else out.astype(preferred_element_type)
+
+
+# -- Flax linen: Flax's own delayed-scaling op ---------------------------------------------
+def linen_check(policy_map: Any) -> None:
+    """Refuses, before anything runs, a recipe in `policy_map` Flax linen's fp8 op cannot run."""
+    for policy in (policy_map.default, *dict(policy_map.overrides).values()):
+        recipe = policy.float8_recipe if policy is not None else None
+        if recipe is not None and recipe != Float8Recipe("delayed", amax_history_len=recipe.amax_history_len):
+            _refuse_linen(recipe)
+
+
+def _refuse_linen(recipe: Float8Recipe) -> None:
+    raise ValueError(
+        f"Received the fp8 recipe {recipe!r} for a Flax linen module: linen's own fp8 op "
+        f"(Fp8DirectDotGeneralOp) scales with an amax history ('delayed', margin 0, e4m3 forward, "
+        f"e5m2 gradients). Use float8_recipe='delayed' there (amax_history_len= may change); "
+        f"nothing was applied.")
+
+
+@functools.lru_cache(maxsize=None)
+def linen_dot_general_cls(amax_history_len: int) -> Any:
+    """What ``nn.Dense(dot_general_cls=...)`` takes for Flax's delayed fp8 (one per history length)."""
+    import flax.linen as nn
+
+    return functools.partial(nn.Fp8DirectDotGeneralOp, amax_history_length=amax_history_len)
+
+
+def linen_kind(module: Any, inputs: Any, head: str | None, path: str) -> str | None:
+    """The fp8 rules' kind of a linen module at its call (None: fp8 applies, or no weights known)."""
+    import flax.linen as nn
+
+    from mixedpolicy.policy_map import EMBEDDING, HEAD, NO_FLOAT8, SMALL_MATMUL
+
+    if isinstance(module, nn.Embed):
+        return EMBEDDING
+    if type(module) is nn.Dense:
+        if path == head:
+            return HEAD
+        width = getattr(inputs, "shape", (16,))[-1] if inputs is not None else 16
+        return SMALL_MATMUL if module.features % 16 or width % 16 else None
+    convs = tuple(getattr(nn, n) for n in ("Conv", "ConvTranspose", "ConvLocal", "DenseGeneral", "Einsum")
+                  if hasattr(nn, n))
+    return NO_FLOAT8 if isinstance(module, convs) else None

@@ -95,5 +95,51 @@ def test_what_nnx_cannot_run_is_refused_before_anything_changes():
         mp.apply_policy(net, "p=f32,c=bf16,float8=rowwise")
     assert all(r.source == "no policy applied" for r in mp.describe(net))
     linen = require_module("flax.linen", "jax")
-    with pytest.raises(ValueError, match="for the linen module Dense.*nothing was applied"):
+    with pytest.raises(ValueError, match="for a Flax linen module.*Fp8DirectDotGeneralOp.*'delayed'.*nothing was applied"):
         mp.apply_policy(linen.Dense(4), "p=f32,c=bf16,float8=tensorwise")
+
+
+def test_delayed_on_linen_is_flax_own_fp8_op_bit_for_bit():
+    """A linen nn.Dense under 'delayed' runs Flax's Fp8DirectDotGeneralOp: the same losses and
+    fp8 state as nn.Dense(dot_general_cls=Fp8DirectDotGeneralOp) written by hand; the head
+    (the last Dense, found by one trace) stays in the source precision."""
+    import functools
+
+    nn = require_module("flax.linen", "jax")
+
+    class Net(nn.Module):
+        fp8: object = None
+
+        @nn.compact
+        def __call__(self, x):
+            x = nn.relu(nn.Dense(64, dot_general_cls=self.fp8)(x))
+            x = nn.relu(nn.Dense(32, dot_general_cls=self.fp8)(x))
+            return nn.Dense(10)(x)
+
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(16, 32)).astype(np.float32))
+    y = jnp.arange(16) % 10
+
+    def train(model):
+        variables = model.init(jax.random.key(0), x)
+
+        def loss(v):
+            return optax.softmax_cross_entropy_with_integer_labels(model.apply(v, x), y).mean()
+
+        losses = []
+        for _ in range(4):  # Flax's fp8 pattern: the op's state is overwritten by its "gradient"
+            value, grads = jax.jit(jax.value_and_grad(loss))(variables)
+            variables = {"params": jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, variables["params"], grads["params"]),
+                         "_overwrite_with_gradient": grads["_overwrite_with_gradient"]}
+            losses.append(float(value))
+        return losses, variables
+
+    ours = mp.apply_policy(Net(), mp.Policy("float8_from_float32", amax_history_len=16))
+    theirs = Net(fp8=functools.partial(nn.Fp8DirectDotGeneralOp, amax_history_length=16))
+    (a, va), (b, vb) = train(ours), train(theirs)
+    assert a == b
+    for p, q in zip(jax.tree_util.tree_leaves(va), jax.tree_util.tree_leaves(vb)):
+        np.testing.assert_array_equal(np.asarray(p), np.asarray(q))
+    rows = {r.path: r for r in mp.describe(ours)}
+    assert rows["Dense_0"].float8 == rows["Dense_1"].float8 == "delayed"
+    assert rows["Dense_2"].float8 == "-" and "the output head" in rows["Dense_2"].source
+    assert va["_overwrite_with_gradient"]["Dense_0"]["Fp8DirectDotGeneralOp_0"]["input_amax_history"].shape == (16,)
