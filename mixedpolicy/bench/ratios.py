@@ -9,7 +9,7 @@ import statistics
 
 #: a ratio whose median's 95% interval reaches further than this (relative, either side) is
 #: flagged noisy: the overhead cannot then tell a few percent, the speed-up a few more
-NOISE = {"overhead": 0.03, "speedup": 0.05}
+NOISE = {"overhead": 0.03, "speedup": 0.05, "speedup_vs_source": 0.05}
 
 
 def median_ci(ratios: list[float]) -> float | None:
@@ -22,7 +22,9 @@ def median_ci(ratios: list[float]) -> float | None:
 
 
 _RATIOS = {"overhead": ("overhead_vs_native", "overhead_ratios"),
-           "speedup": ("speedup_vs_float32", "speedup_ratios")}
+           "speedup": ("speedup_vs_float32", "speedup_ratios"),
+           # an fp8 row: ours under its source policy (e.g. mixed_bfloat16) over ours in fp8
+           "speedup_vs_source": ("speedup_vs_source", "speedup_vs_source_ratios")}
 
 
 def ratio(run: dict, kind: str) -> tuple[float | None, float | None]:

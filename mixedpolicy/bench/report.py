@@ -125,7 +125,8 @@ def spread(run: dict) -> float:
 
 def noise(run: dict) -> str:
     """The table's flag: which of the run's ratios cannot tell a few percent."""
-    flagged = [name for kind, name in (("overhead", "overhead"), ("speedup", "speed-up")) if noisy(run, kind)]
+    flagged = [name for kind, name in (("overhead", "overhead"), ("speedup", "speed-up"),
+                                       ("speedup_vs_source", "fp8")) if noisy(run, kind)]
     return "NOISY " + "+".join(flagged) if flagged else ""
 
 
@@ -134,7 +135,8 @@ def wide(runs: list[dict]) -> list[str]:
     out = []
     for r in runs:
         said = []
-        for kind, name in (("overhead", "overhead"), ("speedup", "speed-up over float32")):
+        for kind, name in (("overhead", "overhead"), ("speedup", "speed-up over float32"),
+                           ("speedup_vs_source", f"fp8 speed-up over {r.get('source_policy')}")):
             if noisy(r, kind):
                 value, ci = ratio(r, kind)
                 said.append(f"{name} {value:.3f} " + ("(too few repeats for an interval)" if ci is None else
@@ -171,6 +173,7 @@ _COLUMNS = (
     ("step ms", lambda r: f"{r['step_time_s']['median'] * 1e3:.2f}"),
     ("throughput", _throughput),
     ("vs float32", lambda r: _ratio(r, "speedup", 2, "x")),
+    ("fp8 vs source", lambda r: _ratio(r, "speedup_vs_source", 2, "x")),
     ("overhead vs native", lambda r: _ratio(r, "overhead", 3)),
     ("noise", noise),
     ("peak MB", lambda r: f"{r['peak_memory_bytes'] / 2**20:.0f}"),

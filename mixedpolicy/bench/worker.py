@@ -197,11 +197,16 @@ def run(spec: RunSpec) -> dict:
     pin_tf32(runners.runner(spec.framework).backend, spec.device, spec.policy == "tf32")
     feeds[reference] = _Cycle(own) if own is not None else _Feed(x_train, y_train, spec.batch_size, spec.seed)
     advance(reference, max(spec.warmup, 1))
+    source = None  # an fp8 row: ours under its source policy too (the fp8 speed-up over bf16...)
+    if spec.policy != "tf32" and mp_policy(spec.policy).float8_recipe is not None:
+        source = build(spec, runner, mp_policy(spec.policy).source.name)[0]
+        feeds[source] = _Cycle(own) if own is not None else _Feed(x_train, y_train, spec.batch_size, spec.seed)
+        advance(source, max(spec.warmup, 1))
     n = block_steps(lambda n: min(advance(ours, n), advance(native, n)) * n, spec.min_block_s)
-    times: dict = {ours: [], native: [], reference: []}
+    sides = (ours, native, reference) + ((source,) if source is not None else ())
+    times: dict = {trainer: [] for trainer in sides}
     for r in range(spec.repeats):  # the order turns every repeat, so drifts hit each side alike
-        order = (ours, native, reference) if r % 2 == 0 else (reference, native, ours)
-        for trainer in order:
+        for trainer in (sides if r % 2 == 0 else sides[::-1]):
             times[trainer].append(advance(trainer, n))
     t_ours, t_native = times[ours], times[native]
     ratios = [a / b for a, b in zip(t_ours, t_native)]
@@ -231,9 +236,23 @@ def run(spec: RunSpec) -> dict:
         "speedup_vs_float32": statistics.median(speedups),
         "speedup_ratios": speedups,
         "speedup_ci": median_ci(speedups),
+        **({} if source is None else _over_source(times[source], t_ours, mp_policy(spec.policy).source.name)),
         "memory": {"ours": ours.memory(), "native": native.memory()},
         "threads": _threads_in_force(),
     }
+
+
+def mp_policy(name: str):
+    import mixedpolicy as mp
+
+    return mp.Policy(name)
+
+
+def _over_source(t_source: list, t_ours: list, name: str) -> dict:
+    """An fp8 row's speed-up over its source policy, block by block in this process."""
+    ratios = [s / a for a, s in zip(t_ours, t_source)]
+    return {"source_policy": name, "speedup_vs_source": statistics.median(ratios),
+            "speedup_vs_source_ratios": ratios, "speedup_vs_source_ci": median_ci(ratios)}
 
 
 def _threads_in_force() -> dict:

@@ -246,6 +246,10 @@ def test_fp8_policies_run_against_each_frameworks_own_fp8_set_up(tmp_path):
     for run in runs:
         assert run["max_loss_gap_vs_native"] == 0.0, run  # bit for bit with the framework's own fp8
         assert "float8" in run["native_recipe"], run["native_recipe"]
+        # fp8 over its source policy, timed in the same interleaved blocks
+        assert run["source_policy"] == "mixed_bfloat16" and run["speedup_vs_source"] > 0
+        assert len(run["speedup_vs_source_ratios"]) == 2
+    assert "fp8 vs source" in proc.stdout
 
 
 def test_policies_split_where_jmp_parts_belong_together():
