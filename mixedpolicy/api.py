@@ -66,6 +66,8 @@ def apply_policy(model: Any, policy: Any = None, overrides: Mapping[Any, Any] | 
 
     Raises:
       TypeError: the model is of a type no installed adapter handles.
+      ValueError: a policy the model's framework cannot run (an fp8 recipe it has no path
+        for, a reduce dtype its engine cannot carry...), before anything changes.
 
     >>> import numpy as np
     >>> f = apply_policy(lambda w, x: w @ x, "mixed_float16")
@@ -92,8 +94,8 @@ def _check_float8(names: list, adapter: Any, what: str) -> None:
         raise ValueError(
             f"Received the fp8 polic{'ies' if len(names) > 1 else 'y'} {', '.join(names)} for {what}: "
             f"mixedpolicy runs fp8 matmuls on torch (torchao), Keras (Keras's float8 layers) and "
-            f"Flax (nnx.Linear, linen's nn.Dense) only so far. Use the source policy here (policy.source, e.g. 'mixed_bfloat16'); "
-            f"nothing was applied.")
+            f"Flax (nnx.Linear, linen's nn.Dense) only so far. Use the source policy here "
+            f"(policy.source, e.g. 'mixed_bfloat16'); nothing was applied.")
 
 
 def _policies_in(policy_map: PolicyMap) -> tuple:
