@@ -194,8 +194,8 @@ class TorchModels(ModelAdapter):
                     state["dtypes"][name] = p.dtype
                     state.setdefault("originals", {})[name] = p.data
                     p.data = p.data.to(target)
-            for name, b in module.named_buffers(recurse=False):
-                if b is not None and b.is_floating_point() and b.dtype != target:
+            for name, b in module.named_buffers(recurse=False):  # fp8 scales stay float32
+                if b is not None and b.is_floating_point() and b.dtype != target and path not in swapped:
                     state["dtypes"][name] = b.dtype
                     state.setdefault("originals", {})[name] = b
                     setattr(module, name, b.to(target))

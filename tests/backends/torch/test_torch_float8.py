@@ -205,3 +205,14 @@ def test_delayed_state_is_in_the_state_dict_and_resumes_bit_for_bit():
     assert _train(a, steps=2) == _train(b, steps=2)
     mp.remove_policy(a)
     assert type(a[2]) is torch.nn.Linear and "2.input_amax_history" not in a.state_dict()
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_a_pure_bfloat16_source_keeps_fp8_scales_in_float32_and_trains(recipe):
+    if recipe == "tensorwise":
+        require_module("torchao")
+    model = mp.apply_policy(_net(), mp.Policy("bfloat16", float8_recipe=recipe))
+    assert model[2].weight.dtype == torch.bfloat16
+    assert all(b.dtype == torch.float32 for b in model[2].buffers())
+    losses = _train(model, steps=3)
+    assert all(map(lambda v: v == v and abs(v) < 1e3, losses))
