@@ -58,7 +58,7 @@ class _Matmul(torch.autograd.Function):
             _update(weight, layer.weight_scale, layer.weight_amax_history, fwd, margin)
         ctx.save_for_backward(xq, wq, xs, ws)
         ctx.layer, ctx.dtypes = layer, (x.dtype, weight.dtype)
-        return torch._scaled_mm(xq, _column_major(wq.t()), scale_a=xs, scale_b=ws, out_dtype=out_dtype)
+        return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=out_dtype)  # wq.t(): column-major
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:

@@ -115,16 +115,22 @@ def test_the_parameters_stay_the_same_tensors_and_remove_policy_restores_the_lay
     assert all(a is b for a, b in zip(model.parameters(), before)) and list(model.state_dict()) == keys
 
 
+def _resumed(model, policy):
+    """Another model under `policy`, from `model`'s saved state_dict."""
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    twin = mp.apply_policy(_net(seed=5), policy)
+    buffer.seek(0)
+    twin.load_state_dict(torch.load(buffer))
+    return twin
+
+
 def test_a_checkpoint_resumes_bit_for_bit():
     require_module("torchao")
     policy = mp.Policy("float32", float8_recipe="tensorwise")
     a = mp.apply_policy(_net(), policy)
     _train(a, steps=2)
-    buffer = io.BytesIO()
-    torch.save(a.state_dict(), buffer)
-    b = mp.apply_policy(_net(seed=5), policy)
-    buffer.seek(0)
-    b.load_state_dict(torch.load(buffer))
+    b = _resumed(a, policy)
     assert _train(a, steps=2) == _train(b, steps=2)
 
 
@@ -197,11 +203,7 @@ def test_delayed_state_is_in_the_state_dict_and_resumes_bit_for_bit():
     _train(a, steps=2)
     assert "2.input_amax_history" in a.state_dict() and a[2].input_amax_history.shape == (8,)
     assert float(a[2].grad_scale) != 1.0  # the backward wrote its next scale
-    buffer = io.BytesIO()
-    torch.save(a.state_dict(), buffer)
-    b = mp.apply_policy(_net(seed=5), policy)
-    buffer.seek(0)
-    b.load_state_dict(torch.load(buffer))
+    b = _resumed(a, policy)
     assert _train(a, steps=2) == _train(b, steps=2)
     mp.remove_policy(a)
     assert type(a[2]) is torch.nn.Linear and "2.input_amax_history" not in a.state_dict()
