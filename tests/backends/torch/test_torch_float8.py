@@ -188,8 +188,11 @@ def test_delayed_on_torch_is_keras_delayed_algorithm_around_scaled_mm():
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     np = pytest.importorskip("numpy")
-    np.testing.assert_allclose(got["ours"][:3], got["keras"][:3], rtol=1e-6)
+    # the input's scale and history come from the data alone; the weight's and the gradient's
+    # from four steps of two programs' float32 matmuls (their accumulation order differs by CPU)
+    np.testing.assert_allclose(got["ours"][0], got["keras"][0], rtol=1e-6)
     np.testing.assert_allclose(got["ours"][3], got["keras"][3], rtol=1e-6)
+    np.testing.assert_allclose(got["ours"][1:3], got["keras"][1:3], rtol=1e-5)
     for ours, theirs in got["losses"]:
         assert ours == pytest.approx(theirs, rel=2e-3)  # fp8 roundings of values a float32 ulp apart
 
