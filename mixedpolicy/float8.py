@@ -191,3 +191,15 @@ def check_source(compute_dtype: str, variable_dtype: str) -> None:
         raise ValueError("Received an fp8 recipe on a float64 policy; fp8 matmuls take float32, "
                          "bfloat16 or float16 operands. Use a float32 or mixed source policy, such "
                          "as 'float8_from_mixed_bfloat16'.")
+
+
+def too_small_to_gain(recipe: str, in_features: int, out_features: int) -> bool:
+    """Whether an ``in_features -> out_features`` matmul is below the sizes where fp8 training
+    outran bf16 in torchao's H100 measurements for ``recipe`` (the thresholds of torchao's
+    auto filter; the per-tensor ones for ``"delayed"``, the per-row ones for the per-row and
+    block recipes). A heuristic for H100-class GPUs: `PolicyMap(float8_auto_filter=True)`
+    applies it; a key still puts any layer in fp8."""
+    k, n = in_features, out_features
+    if recipe in ("tensorwise", "delayed"):
+        return k <= 4096 and n <= 1024
+    return n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048)

@@ -31,6 +31,7 @@ import fnmatch
 import warnings
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
+from mixedpolicy.float8 import too_small_to_gain
 from mixedpolicy.scope import global_policy
 from mixedpolicy._dtypes import show
 from mixedpolicy.policy import Policy, as_policy
@@ -84,12 +85,15 @@ class LayerInfo(NamedTuple):
         for the built-in rules.
       aliases: other names an exact key may use for this layer (Keras: ``layer.name``,
         the name a Keras user sees, beside its path). A path key wins over an alias.
+      matmul: ``(in_features, out_features)`` of a layer that can run in fp8, where known
+        (for ``float8_auto_filter``).
     """
 
     path: str
     type: type
     kind: str | None = None
     aliases: tuple = ()
+    matmul: tuple | None = None
 
 
 class _ResolutionFields(NamedTuple):
@@ -166,6 +170,10 @@ class PolicyMap:
       overrides: a mapping from a layer path, a glob on paths or a layer class to
         a policy (a `Policy` or anything `Policy` accepts).
       builtin_rules: apply the built-in rules (normalisation and losses in float32).
+      float8_auto_filter: under an fp8 policy, also keep in the source precision the
+        matmuls too small for fp8 to outrun bf16 (torchao's auto-filter thresholds, measured
+        on H100s: `mixedpolicy.float8.too_small_to_gain`). Off by default, as in torchao and
+        Keras, which put every eligible matmul in fp8.
 
     Raises:
       TypeError: a key is neither a string nor a class, or a value is not a policy.
@@ -179,9 +187,10 @@ class PolicyMap:
     default: Policy | None
     overrides: tuple[tuple[Any, Policy], ...]
     builtin_rules: bool
+    float8_auto_filter: bool
 
     def __init__(self, default: Any = None, overrides: Mapping[Any, Any] | None = None,
-                 *, builtin_rules: bool = True):
+                 *, builtin_rules: bool = True, float8_auto_filter: bool = False):
         if overrides is None:
             overrides = {}
         if not isinstance(overrides, Mapping):
@@ -206,11 +215,19 @@ class PolicyMap:
                     f"a layer path ('encoder.norm'), a glob ('encoder.*.norm') or a layer "
                     f"class (torch.nn.LayerNorm, keras.layers.BatchNormalization).")
             pairs.append((key, as_policy(value, what=f"overrides[{show(key, 60) if isinstance(key, str) else _key_text(key)}]")))
-        if not isinstance(builtin_rules, bool):
-            raise TypeError(f"Received builtin_rules={builtin_rules!r}; expected True or False.")
+        for name, flag in (("builtin_rules", builtin_rules), ("float8_auto_filter", float8_auto_filter)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"Received {name}={flag!r}; expected True or False.")
         object.__setattr__(self, "default", None if default is None else as_policy(default, what="default"))
         object.__setattr__(self, "overrides", tuple(pairs))
         object.__setattr__(self, "builtin_rules", builtin_rules)
+        object.__setattr__(self, "float8_auto_filter", float8_auto_filter)
+
+    def with_default(self, default: Any) -> "PolicyMap":
+        """This map with another default (the same overrides and rules)."""
+        new = object.__new__(PolicyMap)
+        new.__dict__.update(self.__dict__, default=None if default is None else as_policy(default, what="default"))
+        return new
 
     # -- matching -------------------------------------------------------------
     def _match(self, layer: LayerInfo) -> tuple[Any, Policy] | None:
@@ -252,14 +269,18 @@ class PolicyMap:
         if own is not None:
             return Resolution(own[1], f"map key {_key_text(own[0])}", "key")
         base = self._inherited(chain[:-1])
-        if not self.builtin_rules or layer.kind is None:
-            return base
-        rule = _RULES.get(layer.kind)
-        if rule is not None and base.policy.compute_dtype in ("float16", "bfloat16"):
-            return Resolution(rule(base.policy), f"built-in rule: {layer.kind}", "rule")
-        if base.policy.float8_recipe is not None and layer.kind in _FLOAT8_KEPT:
+        recipe = base.policy.float8_recipe
+        if self.builtin_rules and layer.kind is not None:
+            rule = _RULES.get(layer.kind)
+            if rule is not None and base.policy.compute_dtype in ("float16", "bfloat16"):
+                return Resolution(rule(base.policy), f"built-in rule: {layer.kind}", "rule")
+            if recipe is not None and layer.kind in _FLOAT8_KEPT:
+                source = base.policy.source
+                return Resolution(source, f"built-in rule: fp8 keeps {_FLOAT8_KEPT[layer.kind]} in {source}", "rule")
+        if self.float8_auto_filter and recipe is not None and layer.matmul and too_small_to_gain(recipe.recipe, *layer.matmul):
             source = base.policy.source
-            return Resolution(source, f"built-in rule: fp8 keeps {_FLOAT8_KEPT[layer.kind]} in {source}", "rule")
+            return Resolution(source, f"float8_auto_filter: {layer.matmul[0]} -> {layer.matmul[1]} is too small "
+                                      f"to gain from {recipe.recipe} fp8; kept in {source}", "rule")
         return base
 
     def _inherited(self, ancestors: Sequence[LayerInfo]) -> Resolution:

@@ -112,3 +112,89 @@ def test_jax_on_gpu_keeps_the_step_on_the_device():
         params, state = step(params, state, x)
     assert not bool(state.last_step_skipped)
     assert np.isfinite(np.asarray(params["w"])).all()
+
+
+def _fp8_net(torch, device, seed=0):
+    torch.manual_seed(seed)
+    nn = torch.nn
+    return nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.LayerNorm(128), nn.Linear(128, 64),
+                         nn.Linear(64, 16)).to(device)
+
+
+def _fp8_losses(torch, net, steps=3, autocast=False, run=None):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(32, 64, generator=g).to("cuda")
+    opt, losses = torch.optim.SGD(net.parameters(), lr=0.05), []
+    for _ in range(steps):
+        opt.zero_grad()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            out = (run or net)(x)
+        loss = out.float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_on_cuda_equals_torchaos_own_conversion(recipe):
+    """The same cuBLAS fp8 kernels in the same order as torchao's own set-up: bit for bit."""
+    torch = _cuda()
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 matmuls need compute capability 8.9 (Ada, Hopper) or newer")
+    require_module("torchao", "torch")
+    from mixedpolicy.bench.runners.float8 import torchao_float8
+
+    ours = mp.apply_policy(_fp8_net(torch, "cuda"), f"p=f32,c=bf16,float8={recipe}")
+    fp8 = {row.path: row.float8 for row in mp.describe(ours)}
+    assert (fp8["0"], fp8["3"], fp8["4"]) == (recipe, recipe, "-")  # the head kept out
+    theirs = torchao_float8(_fp8_net(torch, "cuda"), recipe)
+    assert _fp8_losses(torch, ours) == _fp8_losses(torch, theirs, autocast=True)
+
+
+def test_fp8_compiled_on_cuda_trains_like_eager():
+    torch = _cuda()
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 matmuls need compute capability 8.9 (Ada, Hopper) or newer")
+    require_module("torchao", "torch")
+    eager = _fp8_losses(torch, mp.apply_policy(_fp8_net(torch, "cuda"), "p=f32,c=bf16,float8=tensorwise"))
+    net = mp.apply_policy(_fp8_net(torch, "cuda"), "p=f32,c=bf16,float8=tensorwise")
+    compiled = _fp8_losses(torch, net, run=torch.compile(net))
+    np.testing.assert_allclose(compiled, eager, rtol=2e-2)  # fused casts round differently
+    assert compiled[-1] < compiled[0]
+
+
+def test_delayed_fp8_on_cuda_runs_scaled_mm_and_matches_the_cpu_emulation():
+    """Delayed scaling around torch._scaled_mm on the GPU's fp8 kernel: the same scales and
+    histories as the CPU's emulated run of the same steps, within the kernels' rounding."""
+    torch = _cuda()
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 matmuls need compute capability 8.9 (Ada, Hopper) or newer")
+    policy = mp.Policy("float32", float8_recipe="delayed", amax_history_len=4)
+    gpu = mp.apply_policy(_fp8_net(torch, "cuda"), policy)
+    losses = _fp8_losses(torch, gpu, steps=4)
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0]
+    cpu = mp.apply_policy(_fp8_net(torch, "cpu"), policy)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(32, 64, generator=g)
+    opt = torch.optim.SGD(cpu.parameters(), lr=0.05)
+    for _ in range(4):
+        opt.zero_grad()
+        cpu(x).float().pow(2).mean().backward()
+        opt.step()
+    for name, buf in gpu.state_dict().items():
+        if "scale" in name or "history" in name:
+            np.testing.assert_allclose(buf.cpu().numpy(), cpu.state_dict()[name].numpy(), rtol=2e-2, err_msg=name)
+
+
+def test_the_float8_sweep_runs_on_cuda():
+    torch = _cuda()
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 matmuls need compute capability 8.9 (Ada, Hopper) or newer")
+    require_module("torchao", "torch")
+    from mixedpolicy.bench import float8_sweep
+
+    row = float8_sweep.measure(256, 1, "tensorwise", "cuda", compile_on=False, repeats=3, warmup=1,
+                               min_block_time=0.005)
+    assert row["first_loss"]["fp8"] == row["first_loss"]["torchao"]
+    assert row["fp8 / bf16"]["median"] > 0 and row["fp8 / torchao"]["median"] > 0

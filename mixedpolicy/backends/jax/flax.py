@@ -153,7 +153,8 @@ def _nnx_apply(model: Any, policy_map: PolicyMap) -> Any:
     modules = list(_nnx_modules(model))
     head = next((m for _, m in reversed(modules) if float8.eligible(m)), None)
     layers = dotted_chains((path, module, LayerInfo(path, type(module), _kind(type(module), nnx)
-                                                    or float8.kind(module, head, bool(_own_variables(module)))))
+                                                    or float8.kind(module, head, bool(_own_variables(module))),
+                                                    matmul=float8.matmul(module)))
                            for path, module in modules)
     steps = plan(policy_map, layers, fix="Create the module with param_dtype=jnp.float32",
                  variables=lambda module, path: [(join(path, name), dtype_name(var.get_value().dtype))

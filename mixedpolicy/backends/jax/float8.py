@@ -30,6 +30,11 @@ def eligible(module: Any) -> bool:
     return type(module) is nnx.Linear
 
 
+def matmul(module: Any) -> tuple | None:
+    """(in_features, out_features) of an NNX layer that can run in fp8, else None."""
+    return (module.in_features, module.out_features) if eligible(module) else None
+
+
 def kind(module: Any, head: Any, has_weights: bool) -> str | None:
     """The fp8 rules' kind of an NNX module that is not a norm (None: fp8 applies, or no weights)."""
     from flax import nnx

@@ -39,6 +39,13 @@ def kind(layer: Any) -> str | None:
     return None
 
 
+def matmul(layer: Any) -> tuple | None:
+    """(in_features, out_features) of a built Dense layer, else None (EinsumDense: no one pair)."""
+    kernel = getattr(layer, "_kernel", None) if type(layer) is keras.layers.Dense else None
+    shape = tuple(kernel.shape) if kernel is not None else ()
+    return shape if len(shape) == 2 and all(isinstance(d, int) for d in shape) else None
+
+
 def mark_head(layers: list[tuple[Any, list[LayerInfo]]]) -> None:
     """The last fp8-capable matmul layer of the walk is the output head."""
     for layer, chain in reversed(layers):

@@ -136,7 +136,7 @@ def _layers(model: Any) -> list[tuple[Any, list[LayerInfo]]]:
         # from the layer names (parent's path / name).
         path = layer.path or (f"{chain[-1].path}/{layer.name}" if chain else layer.name)
         aliases = (layer.name,) if layer.name != path else ()
-        chain = chain + [LayerInfo(path, type(layer), kind, aliases)]
+        chain = chain + [LayerInfo(path, type(layer), kind, aliases, float8.matmul(layer))]
         out.append((layer, chain))
         for child in layer._flatten_layers(include_self=False, recursive=False):
             visit(child, chain)

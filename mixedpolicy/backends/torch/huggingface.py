@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from mixedpolicy.backends.torch.optimizer import TorchLossScaleOptimizer
-from mixedpolicy.policy_map import PolicyMap, as_policy_map
+from mixedpolicy.policy_map import as_policy_map
 from mixedpolicy.scope import global_policy
 
 _built: dict = {}
@@ -115,8 +115,8 @@ def trainer_class(transformers: Any) -> type:
 
                 settings = dict(self.scale_settings)
                 if "loss_scale" not in settings:  # the policy decides, its default the global one
-                    settings["policy"] = self.policy_map if self.policy_map.default else PolicyMap(
-                        global_policy(), dict(self.policy_map.overrides), builtin_rules=self.policy_map.builtin_rules)
+                    settings["policy"] = (self.policy_map if self.policy_map.default
+                                          else self.policy_map.with_default(global_policy()))
                 optimizer = LossScaleOptimizer(optimizer, **settings)
             self.optimizer = optimizer
             self.accelerator.scaler = AccelerateScaler(optimizer)

@@ -87,8 +87,7 @@ def precision_class(pl: Any) -> type:
             super().__init__()
             self.policy_map = as_policy_map(policy, overrides)
             if self.policy_map.default is None:  # the global policy now, as a script would read it
-                self.policy_map = PolicyMap(global_policy(), dict(self.policy_map.overrides),
-                                            builtin_rules=self.policy_map.builtin_rules)
+                self.policy_map = self.policy_map.with_default(global_policy())
             settings = {k: v for k, v in (("loss_scale", initial_scale), ("dynamic_growth_steps", dynamic_growth_steps),
                                           ("growth_factor", growth_factor), ("backoff_factor", backoff_factor),
                                           ("min_scale", min_scale), ("max_scale", max_scale)) if v is not None}

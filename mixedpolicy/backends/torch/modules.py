@@ -70,6 +70,10 @@ def _kind(module: torch.nn.Module, head: torch.nn.Module | None) -> str | None:
     return None
 
 
+def _matmul(module: torch.nn.Module) -> tuple | None:
+    return (module.in_features, module.out_features) if float8.eligible(module) else None
+
+
 def _head(model: torch.nn.Module) -> torch.nn.Module | None:
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     return linears[-1] if linears else None
@@ -171,7 +175,7 @@ class TorchModels(ModelAdapter):
             return apply_to_ddp(model, lambda inner: self.apply_policy(inner, policy_map), remove_policy)
         remove_policy(model)
         head = _head(model)
-        layers = dotted_chains((path, module, LayerInfo(path, type(module), _kind(module, head)))
+        layers = dotted_chains((path, module, LayerInfo(path, type(module), _kind(module, head), matmul=_matmul(module)))
                                for path, module in model.named_modules())
         steps = plan(policy_map, layers, variables=_own_parameters, fix="Call model.float()",
                      adjust=_follow_attention)

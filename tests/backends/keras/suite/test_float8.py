@@ -100,3 +100,14 @@ def test_a_saved_fp8_model_loads_with_its_policies_and_state():
     for key, value in saved.items():
         np.testing.assert_array_equal(value, loaded[key], err_msg=key)
     assert mp.describe(again)[1].policy == mp.Policy("float8_from_mixed_bfloat16", amax_history_len=8)
+
+
+def test_the_auto_filter_keeps_dense_layers_too_small_to_gain():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(1088, name="up"),
+                              keras.layers.Dense(64, name="down"), keras.layers.Dense(10, name="head")])
+    mp.apply_policy(model, mp.PolicyMap("float8_from_mixed_bfloat16", float8_auto_filter=True))
+    assert model.get_layer("up").quantization_mode == "float8"  # 64 -> 1088: out above 1024
+    assert model.get_layer("down").quantization_mode is None  # 1088 -> 64: too small to gain
+    rows = {r.path.rpartition("/")[2]: r for r in mp.describe(model)}
+    assert "1088 -> 64 is too small" in rows["down"].source

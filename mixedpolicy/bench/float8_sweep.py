@@ -1,0 +1,246 @@
+"""fp8 against bf16 on torch by layer size: ``python -m mixedpolicy.bench.float8_sweep``.
+
+The bench compares frameworks on whole models; this sweep answers the question an fp8 user
+asks first: from which matmul size on does fp8 pay, and what does mixedpolicy's set-up cost
+against torchao's own? Each size builds one stack of transformer MLP blocks (LayerNorm,
+Linear d -> 4d, GELU, Linear 4d -> d) with a d -> d head, copies it three times with the
+same weights, and times a training step (forward, backward, SGD) of each side by side,
+interleaved, median of repeats:
+
+- ``bf16``: ``mp.apply_policy(net, "mixed_bfloat16")``;
+- ``fp8``: ``mp.apply_policy(net, "p=f32,c=bf16,float8=<recipe>")`` (the built-in rules keep
+  the head and the norms out of fp8);
+- ``torchao``: torchao's own ``convert_to_float8_training`` with the same filter, under
+  ``torch.autocast`` in bf16: what a user writes by hand.
+
+It prints, per size, ``fp8 / bf16`` (the speed-up; above 1 means fp8 is faster) and
+``fp8 / torchao`` (mixedpolicy's overhead; 1 means none), each the median of the per-round
+ratios with its interquartile range, and writes them to ``--out`` as JSON. On a CPU fp8 is
+emulated (the numbers say nothing about speed there); on an H100 or H200 with ``--compile on``
+it is the layer-size figure of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+VARIANTS = ("bf16", "fp8", "torchao")
+
+
+def block_stack(d: int, layers: int, seed: int = 0) -> Any:
+    """``layers`` transformer MLP blocks of width ``d`` and a d -> d head, seeded."""
+    import torch
+
+    nn = torch.nn
+    torch.manual_seed(seed)
+    blocks: list[Any] = []
+    for _ in range(layers):
+        blocks += [nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)]
+    return nn.Sequential(*blocks, nn.Linear(d, d))
+
+
+def _nets(base: Any, recipe: str, auto_filter: bool) -> dict[str, tuple[Any, bool]]:
+    """The sides, each (net, whether its step runs under torch.autocast in bf16)."""
+    import mixedpolicy as mp
+    from mixedpolicy.bench.runners.float8 import torchao_float8
+
+    fp8 = mp.Policy(f"p=f32,c=bf16,float8={recipe}")
+    nets = {"bf16": (mp.apply_policy(copy.deepcopy(base), "mixed_bfloat16"), False),
+            "fp8": (mp.apply_policy(copy.deepcopy(base), fp8), False),
+            "torchao": (torchao_float8(copy.deepcopy(base), recipe), True)}
+    if auto_filter:
+        nets["fp8 auto"] = (mp.apply_policy(copy.deepcopy(base), mp.PolicyMap(fp8, float8_auto_filter=True)), False)
+        if recipe != "rowwise_with_gw_hp":  # torchao's auto filter has no thresholds for it
+            nets["torchao auto"] = (torchao_float8(copy.deepcopy(base), recipe, auto_filter=True), True)
+    return nets
+
+
+def _sides(nets: dict[str, tuple[Any, bool]], batch: tuple, loss: Callable, device: str,
+           compile_on: bool) -> dict[str, Callable[[], Any]]:
+    import torch
+
+    x, y = batch
+    steps = {}
+    for name, (net, autocast) in nets.items():
+        net.to(device)
+        opt = torch.optim.SGD(net.parameters(), lr=1e-4)
+        run = torch.compile(net) if compile_on else net
+
+        def step(run: Any = run, opt: Any = opt, autocast: bool = autocast) -> Any:
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+                out = run(x)
+            value = loss(out, y)
+            value.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return value.detach()
+
+        steps[name] = step
+    return steps
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _block_time(step: Callable[[], Any], n: int, device: str) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(n):
+        step()
+    _sync(device)
+    return (time.perf_counter() - start) / n
+
+
+def _spread(values: list[float]) -> tuple[float, float, float]:
+    q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
+    return statistics.median(values), q[0], q[2]
+
+
+def measure(d: int, layers: int, recipe: str, device: str, compile_on: bool, repeats: int,
+            warmup: int, min_block_time: float, tokens: int = 8192, auto_filter: bool = False) -> dict:
+    """One size of the block stack: each side's median step time and the ratios, with their spread."""
+    import torch
+
+    base = block_stack(d, layers)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(tokens, d, generator=g).to(device)
+    steps = _sides(_nets(base, recipe, auto_filter), (x, None), lambda out, _y: out.float().pow(2).mean(),
+                   device, compile_on)
+    return {"model": f"{layers} MLP blocks", "d_model": d, "layers": layers, "recipe": recipe,
+            **_timed(steps, repeats, warmup, min_block_time, device)}
+
+
+def measure_gpt2(batch_size: int, recipe: str, device: str, compile_on: bool, repeats: int, warmup: int,
+                 min_block_time: float, auto_filter: bool = True) -> dict:
+    """The bench's gpt2 (GPT-2 small's shape off the CPU) on synthetic tokens, the same sides."""
+    import torch
+
+    from mixedpolicy.bench import models
+    from mixedpolicy.bench.runners import torch as runner
+
+    cfg = models.config("gpt2", device, "synthetic")
+    base = runner.network("gpt2", cfg, models.init_weights("gpt2", cfg, 0), "cpu")
+    g = torch.Generator().manual_seed(1)
+    x, y = (torch.randint(0, cfg["vocab"], (batch_size, cfg["seq"]), generator=g).to(device) for _ in range(2))
+
+    def loss(out: Any, y: Any) -> Any:
+        return torch.nn.functional.cross_entropy(out.float().flatten(0, 1), y.flatten())
+
+    steps = _sides(_nets(base, recipe, auto_filter), (x, y), loss, device, compile_on)
+    return {"model": "gpt2", "d_model": cfg["d_model"], "layers": cfg["blocks"], "recipe": recipe,
+            **_timed(steps, repeats, warmup, min_block_time, device)}
+
+
+_RATIOS = {"fp8 / bf16": ("bf16", "fp8"), "fp8 / torchao": ("fp8", "torchao"),
+           "fp8 auto / bf16": ("bf16", "fp8 auto"), "fp8 auto / torchao auto": ("fp8 auto", "torchao auto")}
+
+
+def _timed(steps: dict[str, Callable[[], Any]], repeats: int, warmup: int, min_block_time: float,
+           device: str) -> dict:
+    """Interleaved blocks of each side; ratios are the medians of the per-round ratios (a speed-up
+    over bf16 above 1 is faster; an overhead against torchao of 1 is none)."""
+    first = {name: float(step()) for name, step in steps.items()}  # the same weights and data
+    for _ in range(warmup):
+        for step in steps.values():
+            step()
+    n = max(1, round(min_block_time / max(_block_time(steps["bf16"], 1, device), 1e-6)))
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            times[name].append(_block_time(step, n, device))
+    row: dict = {"steps_per_block": n, "first_loss": first,
+                 "ms": {k: 1e3 * statistics.median(v) for k, v in times.items()}}
+    for name, (num, den) in _RATIOS.items():
+        if num in times and den in times:
+            mid, lo, hi = _spread([a / b for a, b in zip(times[num], times[den])])
+            row[name] = {"median": mid, "q1": lo, "q3": hi}
+    return row
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m mixedpolicy.bench.float8_sweep",
+                                description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--model", choices=("blocks", "gpt2"), default="blocks",
+                   help="blocks: stacks of transformer MLP blocks at each --sizes; gpt2: the bench's gpt2 "
+                        "(GPT-2 small's shape off the CPU), which also times float8_auto_filter (default: blocks)")
+    p.add_argument("--sizes", default="1024,2048,4096,8192", help="blocks: d_model values, comma-separated")
+    p.add_argument("--layers", type=int, default=2, help="blocks: MLP blocks per stack (default: 2)")
+    p.add_argument("--tokens", type=int, default=8192, help="blocks: rows per step (default: 8192)")
+    p.add_argument("--batch-size", type=int, default=8, help="gpt2: sequences per step (default: 8)")
+    p.add_argument("--auto-filter", choices=("off", "on"), default=None,
+                   help="also time fp8 under PolicyMap(float8_auto_filter=True) against torchao's auto filter "
+                        "(default: on for gpt2, off for blocks)")
+    p.add_argument("--recipe", default="tensorwise", help="torchao's recipe: tensorwise, rowwise, rowwise_with_gw_hp")
+    p.add_argument("--device", default="cuda", help="cuda or cpu (default: cuda)")
+    p.add_argument("--compile", choices=("off", "on"), default="on", help="torch.compile every side (default: on)")
+    p.add_argument("--repeats", type=int, default=15, help="interleaved rounds (default: 15)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per side (default: 3)")
+    p.add_argument("--min-block-time", type=float, default=0.05, help="seconds per timed block (default: 0.05)")
+    p.add_argument("--out", default=None, help="write the rows to this JSON file")
+    return p
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or any(s <= 0 or s % 16 for s in sizes):
+        raise ValueError(f"--sizes {text!r}: expected positive multiples of 16 (fp8 kernels need them), "
+                         "comma-separated, e.g. --sizes 1024,4096")
+    return sizes
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    import torch
+
+    import mixedpolicy as mp
+
+    try:
+        sizes = _sizes(args.sizes)
+        mp.Policy(f"p=f32,c=bf16,float8={args.recipe}")
+        if args.recipe not in ("tensorwise", "rowwise", "rowwise_with_gw_hp"):
+            raise ValueError(f"--recipe {args.recipe!r}: torchao trains with tensorwise, rowwise or "
+                             "rowwise_with_gw_hp; pick one of those")
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda: torch sees no CUDA GPU here; pass --device cpu (emulated fp8)")
+    except ValueError as err:
+        print(f"float8_sweep: error: {err}", file=sys.stderr)
+        return 2
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    auto = (args.auto_filter or ("on" if args.model == "gpt2" else "off")) == "on"
+    what = (f"gpt2, batch {args.batch_size}" if args.model == "gpt2"
+            else f"{args.layers} MLP blocks, {args.tokens} tokens")
+    print(f"# {where}, torch {torch.__version__}, {args.recipe}, {what}, compile {args.compile}; "
+          f"ratios: median [q1, q3] of {args.repeats} interleaved rounds")
+    rows = []
+    for d in ([0] if args.model == "gpt2" else sizes):
+        common = (args.recipe, args.device, args.compile == "on", args.repeats, args.warmup, args.min_block_time)
+        row = (measure_gpt2(args.batch_size, *common, auto_filter=auto) if args.model == "gpt2"
+               else measure(d, args.layers, *common, tokens=args.tokens, auto_filter=auto))
+        rows.append(row)
+        times = ", ".join(f"{k} {v:.2f} ms" for k, v in row["ms"].items())
+        ratios = ", ".join(f"{k} {row[k]['median']:.3f} [{row[k]['q1']:.3f}, {row[k]['q3']:.3f}]"
+                           for k in _RATIOS if k in row)
+        print(f"d_model {row['d_model']}: {times}\n    {ratios}", flush=True)
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": where, "torch": torch.__version__, "compile": args.compile, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""`python -m mixedpolicy.bench.float8_sweep`: fp8 against bf16 by layer size and on gpt2 (its
+figures come from a GPU; on a CPU fp8 is emulated, so this checks what it runs, never speed)."""
+
+import json
+
+import pytest
+
+from conftest import require_module
+
+require_module("torch")
+require_module("torchao", "torch")
+
+from mixedpolicy.bench import float8_sweep  # noqa: E402
+
+
+def test_each_size_times_the_same_weights_and_data_on_every_side(tmp_path, capsys):
+    out = tmp_path / "sweep.json"
+    assert float8_sweep.main(["--device", "cpu", "--sizes", "32,64", "--layers", "1", "--tokens", "64",
+                              "--compile", "off", "--repeats", "2", "--warmup", "0", "--min-block-time", "0",
+                              "--auto-filter", "on", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["d_model"] for r in rows] == [32, 64]
+    for row in rows:
+        first = row["first_loss"]
+        assert first["fp8"] == first["torchao"] and first["fp8 auto"] == first["torchao auto"]
+        assert set(row) >= {"fp8 / bf16", "fp8 / torchao", "fp8 auto / bf16", "fp8 auto / torchao auto"}
+        assert row["fp8 / torchao"]["q1"] <= row["fp8 / torchao"]["median"] <= row["fp8 / torchao"]["q3"]
+    assert "fp8 auto / torchao auto" in capsys.readouterr().out
+
+
+def test_gpt2_compares_the_built_in_rules_and_the_auto_filter():
+    row = float8_sweep.measure_gpt2(2, "tensorwise", "cpu", compile_on=False, repeats=2, warmup=0,
+                                    min_block_time=0.0)
+    assert row["model"] == "gpt2" and row["first_loss"]["fp8"] == pytest.approx(row["first_loss"]["torchao"])
+    assert row["first_loss"]["fp8 auto"] == pytest.approx(row["first_loss"]["torchao auto"])
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--sizes", "100"], "positive multiples of 16"),
+    (["--sizes", "a,b"], "positive multiples of 16"),
+    (["--recipe", "delayed"], "tensorwise, rowwise or rowwise_with_gw_hp"),
+    (["--recipe", "nope"], "nope"),
+])
+def test_bad_arguments_are_refused_with_the_fix(argv, says, capsys):
+    assert float8_sweep.main(["--device", "cpu", *argv]) == 2
+    assert says in capsys.readouterr().err
