@@ -141,6 +141,16 @@ def unpack(packed: np.ndarray, bits: int, numel: int) -> np.ndarray:
     return ((packed[:, None] >> shifts) & ((1 << bits) - 1)).reshape(-1)[:numel].astype(np.uint8)
 
 
+def float8_scale(xp: Any, amax: Any, reduce_dtype: str) -> Any:
+    """`float8_scale_exponent`'s power-of-two scale, computed where `amax` lives (no host sync),
+    for numpy, jax.numpy or torch as `xp`: 1 for a tensor of zeros or one that is not finite."""
+    ok = xp.isfinite(amax) & (amax > 0)
+    exponent = xp.floor(xp.log2(FLOAT8_MAX[reduce_dtype] / xp.where(ok, amax, xp.ones_like(amax))))
+    exponent = xp.where(ok, xp.clip(exponent, -126, 126), xp.zeros_like(exponent))
+    exponent = exponent.astype(xp.int32) if hasattr(exponent, "astype") else exponent.to(xp.int32)
+    return xp.ldexp(xp.ones_like(amax), exponent)  # exact (XLA's exp2 is not: 2**115 off by 4 ulp)
+
+
 def nearest_index(xp: Any, table: Any, a: Any) -> Any:
     """The index of the table entry nearest each |value| (ties: the lower), for numpy, jax.numpy
     or torch as `xp`. Neighbours are compared by their differences, which float32 computes

@@ -118,3 +118,20 @@ def test_table_codec_zeros_stay_zero_and_a_non_finite_tensor_arrives_nan():
     assert mp.Policy("float32", reduce_dtype="Table-1").reduce_dtype == "table-1"
     with pytest.raises(ValueError, match="1, 2, 4 or 8 bits"):
         mp.Policy("float32", reduce_dtype="table-3")
+
+
+@pytest.mark.parametrize("xp_name", ["numpy", "torch", "jax.numpy"])
+@pytest.mark.parametrize("fmt", ["float8_e5m2", "float8_e4m3fn"])
+def test_the_on_device_float8_scale_is_the_reference_power_of_two(xp_name, fmt):
+    """DDP's hook and JAX's all_reduce share one scale kernel over the array namespace; it
+    gives the reference exponent's scale for every magnitude, zeros and non-finite ones."""
+    import importlib
+
+    from conftest import require_module
+
+    require_module(xp_name.split(".")[0])
+    xp = importlib.import_module(xp_name)
+    for amax in [0.0, 1e-30, 1e-3, 0.7, 1.0, 448.0, 5e4, 3e38, float("inf"), float("nan")]:
+        got = xp.asarray(codecs.float8_scale(xp, xp.asarray(amax, dtype=xp.float32), fmt))
+        want = 2.0 ** codecs.float8_scale_exponent(amax, fmt)
+        assert float(got) == np.float32(want), (xp_name, amax)

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from mixedpolicy.codecs import FLOAT8_MAX, is_float8, nearest_index, table_bits, table_quantiles, wire_bytes
+from mixedpolicy.codecs import float8_scale, is_float8, nearest_index, table_bits, table_quantiles, wire_bytes
 from mixedpolicy.layer_plan import check_class_keys, reduce_dtypes_at
 
 
@@ -90,9 +90,7 @@ def _reduce_leaf(g: Any, reduce_dtype: str, axis_name: Any, count: Any, mean: bo
     elif is_float8(reduce_dtype):
         x = g.astype(jnp.float32)
         amax = jnp.max(jnp.abs(x)) if g.size else jnp.float32(0)
-        finite = jnp.isfinite(amax) & (amax > 0)
-        exponent = jnp.floor(jnp.log2(jnp.float32(FLOAT8_MAX[reduce_dtype]) / jnp.where(finite, amax, 1.0)))
-        scale = jnp.exp2(jnp.where(finite, jnp.clip(exponent, -126, 126), 0.0)).astype(jnp.float32)
+        scale = float8_scale(jnp, amax, reduce_dtype).astype(jnp.float32)
         q = (x * scale).astype(getattr(jnp, reduce_dtype))
         gather = _gather_invariant()
         qs = gather(q, axis_name)

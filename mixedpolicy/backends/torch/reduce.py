@@ -26,7 +26,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from mixedpolicy.backends.torch.arrays import PARAMETER_POLICY, TORCH_DTYPES
-from mixedpolicy.codecs import FLOAT8_MAX, is_float8, nearest_index, table_bits, table_quantiles, wire_bytes
+from mixedpolicy.codecs import float8_scale, is_float8, nearest_index, table_bits, table_quantiles, wire_bytes
 from mixedpolicy.policy import as_policy
 from mixedpolicy.layer_plan import layer_chain
 from mixedpolicy.policy_map import PolicyMap
@@ -216,9 +216,7 @@ def _reduce(flat: torch.Tensor, dtype: str, group: Any, world: int) -> tuple:
     if is_float8(dtype):
         wide = flat.float()
         amax = wide.abs().max() if wide.numel() else torch.zeros((), device=flat.device)
-        ok = torch.isfinite(amax) & (amax > 0)
-        exponent = torch.floor(torch.log2(FLOAT8_MAX[dtype] / torch.where(ok, amax, torch.ones_like(amax))))
-        scale = torch.exp2(torch.where(ok, exponent.clamp(-126, 126), torch.zeros_like(exponent)))
+        scale = float8_scale(torch, amax, dtype)
         q = (wide * scale).to(_TORCH[dtype])
         qs = [torch.empty_like(q.view(torch.uint8)) for _ in range(world)]
         scales = [torch.empty_like(scale) for _ in range(world)]
