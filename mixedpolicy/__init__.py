@@ -37,7 +37,7 @@ _EXTRAS = {"torch": "torch", "jax": "jax", "jaxlib": "jax", "optax": "jax", "fla
 
 #: the submodules that load on first use as attributes (mp.jax...): the facades that import
 #: a framework, and the codecs
-_LAZY_MODULES = ("distributed", "jax", "tensorflow", "keras", "codecs", "lightning", "huggingface")
+_LAZY_MODULES = ("distributed", "torch", "jax", "tensorflow", "keras", "codecs", "lightning", "huggingface")
 
 
 def __getattr__(name: str):

@@ -118,7 +118,7 @@ GROUND = {"mixedpolicy._dtypes", "mixedpolicy._scale_checks", "mixedpolicy._impo
 
 
 #: public modules that name a framework's engine: on the top floor with the backends
-TOP_FACADES = {"mixedpolicy.__main__", "mixedpolicy.distributed", "mixedpolicy.jax", "mixedpolicy.tensorflow",
+TOP_FACADES = {"mixedpolicy.__main__", "mixedpolicy.distributed", "mixedpolicy.torch", "mixedpolicy.jax", "mixedpolicy.tensorflow",
                "mixedpolicy.keras", "mixedpolicy.lightning",
                "mixedpolicy.huggingface"}
 

@@ -36,7 +36,7 @@ def _grads(rank, policy=None, hook=None, poison=False, plain=False, tag=None, lo
     elif hook is not None:
         ddp.register_comm_hook(None, lambda state, bucket: hook(state, bucket))  # torch's own, the reference
     elif not plain:
-        state = mp.distributed.register(ddp, policy)
+        state = mp.torch.register(ddp, policy)
     torch.manual_seed(rank + 1)
     x = torch.randn(32, 8)
     if poison and rank == 1:

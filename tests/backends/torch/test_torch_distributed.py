@@ -88,3 +88,12 @@ def test_register_refuses_what_is_not_ddp():
         mp.distributed.register(torch.nn.Linear(2, 2), "mixed_float16")
     with pytest.raises(TypeError, match="mixedpolicy.jax.all_reduce"):
         mp.distributed.register(object())
+
+
+def test_the_torch_front_door_is_the_ddp_hook_of_mp_distributed():
+    """mp.torch.register beside mp.jax.all_reduce and mp.tensorflow.all_reduce; the older
+    name stays an alias of the same function."""
+    torch = require_module("torch")
+    assert mp.torch.register is mp.distributed.register
+    with pytest.raises(TypeError, match="expected a torch.nn.parallel.DistributedDataParallel module"):
+        mp.torch.register(torch.nn.Linear(2, 2))

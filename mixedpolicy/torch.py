@@ -1,0 +1,11 @@
+"""PyTorch: gradients reduced between DDP replicas in a policy's reduce dtype.
+
+The torch front door beside `mixedpolicy.jax.all_reduce` and `mixedpolicy.tensorflow`'s:
+``mp.torch.register(ddp_model, policy)`` registers the DDP communication hook.
+`mixedpolicy.distributed.register` is the same function under its older name.
+"""
+
+from mixedpolicy.codecs import wire_bytes
+from mixedpolicy.distributed import register
+
+__all__ = ["register", "wire_bytes"]
