@@ -1,5 +1,7 @@
-"""Keras: the callback that logs the loss scale. Importing this module imports Keras."""
+"""Keras: the callback that logs the loss scale, and the undo of mixedpolicy's changes to
+Keras's modules (`uninstall`). Importing this module imports Keras."""
 
 from mixedpolicy.backends.keras.callbacks import LossScaleCallback
+from mixedpolicy.backends.keras.patches import install, installed, uninstall
 
-__all__ = ["LossScaleCallback"]
+__all__ = ["LossScaleCallback", "install", "installed", "uninstall"]

@@ -18,7 +18,8 @@ operations serve them; the loss-scale optimizer is `mixedpolicy.backends.keras.o
   its ``layer.name``, a glob or its class) replaces it;
 - `describe` reads each layer's ``dtype_policy`` back, so it shows what Keras runs.
 - Keras keeps its global policy per thread; once mixedpolicy has set one, a thread
-  that never set its own sees mixedpolicy's (the documented "visible to every thread").
+  that never set its own sees mixedpolicy's (the documented "visible to every thread"),
+  through the wrapper of Keras's ``dtype_policy()`` in `mixedpolicy.backends.keras.patches`.
 
 Keras layers output their compute dtype; a policy with another output dtype
 (jmp-style ``o=f32``) has no Keras equivalent and is refused with the fix.
@@ -27,17 +28,15 @@ Keras layers output their compute dtype; a policy with another output dtype
 from __future__ import annotations
 
 import warnings
-import weakref
 from typing import Any
 
 import keras
 from keras.src.backend.common import global_state
-from keras.src.dtype_policies import dtype_policy as _keras_dtype_policy
 
 from mixedpolicy._adapter import ModelAdapter
 from mixedpolicy.table import LayerPolicy
 from mixedpolicy.policy import Policy
-from mixedpolicy.backends.keras import float8
+from mixedpolicy.backends.keras import float8, patches
 from mixedpolicy.backends.keras.compile import compile_with_loss_scale, use_bounded_loss_scale_in_compile
 from mixedpolicy.backends.keras.reduce import reduce_engine
 from mixedpolicy.layer_plan import plan
@@ -51,19 +50,6 @@ _NORM_TYPES = tuple(getattr(keras.layers, n) for n in _NORM_NAMES if hasattr(ker
 _FLOAT32_STAT_NORMS = tuple(getattr(keras.layers, n) for n in
                             ("BatchNormalization", "LayerNormalization", "GroupNormalization")
                             if hasattr(keras.layers, n))
-
-# Every Keras global DTypePolicy object seen: a layer built with dtype=None holds the very
-# object in force then, so a policy object not among these was written by the user.
-# (DTypePolicy defines __eq__ without __hash__: kept by id, weakly.)
-_globals: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
-_process_policy: list = [None]  # the Keras policy mixedpolicy's global policy maps to
-
-
-def _note_global() -> None:
-    current = global_state.get_global_attribute("dtype_policy", None)
-    if current is not None:
-        _globals[id(current)] = current
-
 
 def _original_policy(layer: Any) -> Any:
     """The layer's dtype policy before mixedpolicy set one."""
@@ -79,28 +65,11 @@ def _explicit_dtype(layer: Any, parent: Any) -> Any:
     MultiHeadAttention build their sublayers with ``dtype=self.dtype_policy``).
     """
     policy = _original_policy(layer)
-    if policy is None or _globals.get(id(policy)) is policy or isinstance(policy, keras.dtype_policies.DTypePolicyMap):
+    if policy is None or patches.seen_globals.get(id(policy)) is policy or isinstance(policy, keras.dtype_policies.DTypePolicyMap):
         return None
     if parent is not None and _original_policy(parent) is policy:
         return None
     return policy
-
-
-def _dtype_policy_for_this_thread() -> Any:
-    """Keras's ``dtype_policy()``: notes each global policy object it hands to a layer, and
-    falls back on mixedpolicy's global in a thread that set none."""
-    if global_state.get_global_attribute("dtype_policy", None) is None and _process_policy[0] is not None:
-        global_state.set_global_attribute("dtype_policy", _process_policy[0])
-    policy = _original_dtype_policy()
-    _globals[id(policy)] = policy
-    return policy
-
-
-_original_dtype_policy = _keras_dtype_policy.dtype_policy
-# Installed when Keras is imported (mixedpolicy's import hook loads this module then), so
-# every global policy object a layer is built with is known, whoever set it.
-_keras_dtype_policy.dtype_policy = _dtype_policy_for_this_thread
-_note_global()
 
 
 def keras_name(policy: Policy) -> str | None:
@@ -153,7 +122,7 @@ class KerasModels(ModelAdapter):
         return isinstance(obj, keras.Layer)
 
     def apply_policy(self, model: Any, policy_map: Any) -> Any:
-        _note_global()
+        patches.note_global()
         steps = plan(policy_map, _layers(model), reduce_engine=reduce_engine())
         by_path = {step.path: step.layer for step in steps}
         planned, kept = [], []
@@ -263,11 +232,11 @@ def sync_global_policy(policy: Policy) -> None:
         warnings.warn(f"The global policy {policy.name} asks for {policy.output_dtype} outputs; "
                       f"Keras layers output their compute dtype, so Keras follows {name}.",
                       UserWarning, stacklevel=4)
-    _note_global()
+    patches.install()
     keras.config.set_dtype_policy(name)
-    _note_global()
+    patches.note_global()
     # Keras keeps the policy per thread: a thread that set none sees this one.
-    _process_policy[0] = global_state.get_global_attribute("dtype_policy")
+    patches.process_policy[0] = global_state.get_global_attribute("dtype_policy")
     use_bounded_loss_scale_in_compile(name in ("float16", "mixed_float16"))
 
 
@@ -278,3 +247,6 @@ def to_keras(name: str, amax_history_len: int | None = None) -> Any:
         return keras.dtype_policies.QuantizedFloat8DTypePolicy(
             "float8", name[len("float8_from_"):], amax_history_length=amax_history_len or 1024)
     return keras.DTypePolicy(name)
+
+
+patches.install()  # when Keras is imported with mixedpolicy loaded (the import hook loads this module)
