@@ -16,7 +16,7 @@ import sys
 
 from mixedpolicy.bench import data, models, runners
 
-FRAMEWORKS = ("torch", "jax", "keras-jax", "keras-torch", "keras-tensorflow")
+FRAMEWORKS = tuple(r.framework for r in runners.RUNNERS if r.inspects)
 
 
 def parser() -> argparse.ArgumentParser:

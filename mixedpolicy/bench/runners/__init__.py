@@ -19,6 +19,7 @@ class Runner(NamedTuple):
     packages: tuple           # what must be installed (checked without importing)
     module: str               # the runner module
     keras_backend: str = ""   # KERAS_BACKEND of its worker process, where Keras runs
+    inspects: bool = True     # its module builds the model alone (`network`) for `mixedpolicy inspect`
 
     @property
     def backend(self) -> str:
@@ -30,7 +31,8 @@ RUNNERS = (
     Runner("torch", ("torch",), "mixedpolicy.bench.runners.torch"),
     Runner("jax", ("jax", "flax", "optax"), "mixedpolicy.bench.runners.jax"),
     # TensorFlow's optimizers are Keras's: Keras on its TensorFlow backend
-    Runner("tensorflow", ("tensorflow", "keras"), "mixedpolicy.bench.runners.tensorflow", "tensorflow"),
+    Runner("tensorflow", ("tensorflow", "keras"), "mixedpolicy.bench.runners.tensorflow", "tensorflow",
+           inspects=False),
     Runner("keras-jax", ("keras", "jax"), "mixedpolicy.bench.runners.keras", "jax"),
     Runner("keras-torch", ("keras", "torch"), "mixedpolicy.bench.runners.keras", "torch"),
     Runner("keras-tensorflow", ("keras", "tensorflow"), "mixedpolicy.bench.runners.keras", "tensorflow"),
