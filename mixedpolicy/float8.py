@@ -199,6 +199,11 @@ def too_small_to_gain(recipe: str, in_features: int, out_features: int) -> bool:
     auto filter; the per-tensor ones for ``"delayed"``, the per-row ones for the per-row and
     block recipes). A heuristic for H100-class GPUs: `PolicyMap(float8_auto_filter=True)`
     applies it; a key still puts any layer in fp8."""
+    if recipe not in RECIPES:
+        raise ValueError(f"Received recipe={show(recipe)}; expected one of {', '.join(RECIPES)}.")
+    for name, value in (("in_features", in_features), ("out_features", out_features)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"Received {name}={show(value)}; expected a positive integer (a matmul's size).")
     k, n = in_features, out_features
     if recipe in ("tensorwise", "delayed"):
         return k <= 4096 and n <= 1024

@@ -277,7 +277,8 @@ class PolicyMap:
             if recipe is not None and layer.kind in _FLOAT8_KEPT:
                 source = base.policy.source
                 return Resolution(source, f"built-in rule: fp8 keeps {_FLOAT8_KEPT[layer.kind]} in {source}", "rule")
-        if self.float8_auto_filter and recipe is not None and layer.matmul and too_small_to_gain(recipe.recipe, *layer.matmul):
+        if (self.float8_auto_filter and recipe is not None and layer.matmul and min(layer.matmul) > 0
+                and too_small_to_gain(recipe.recipe, *layer.matmul)):
             source = base.policy.source
             return Resolution(source, f"float8_auto_filter: {layer.matmul[0]} -> {layer.matmul[1]} is too small "
                                       f"to gain from {recipe.recipe} fp8; kept in {source}", "rule")

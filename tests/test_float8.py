@@ -114,3 +114,7 @@ def test_the_auto_filter_keeps_matmuls_too_small_to_gain_and_a_key_still_wins():
     assert auto.with_default("mixed_bfloat16").float8_auto_filter
     with pytest.raises(TypeError, match="float8_auto_filter='yes'; expected True or False"):
         mp.PolicyMap(fp8, float8_auto_filter="yes")
+    with pytest.raises(ValueError, match="recipe='rowwize'; expected one of tensorwise"):
+        too_small_to_gain("rowwize", 64, 64)
+    with pytest.raises(ValueError, match="in_features=0; expected a positive integer"):
+        too_small_to_gain("tensorwise", 0, 64)
