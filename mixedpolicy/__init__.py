@@ -9,7 +9,8 @@ True
 """
 
 from mixedpolicy.adaprec import AdaPrec
-from mixedpolicy.api import LossScaleOptimizer, apply_policy, describe, remove_policy
+from mixedpolicy.api import apply_policy, describe, remove_policy
+from mixedpolicy.optimizer import LossScaleOptimizer
 from mixedpolicy.table import LayerPolicy, PolicyTable
 from mixedpolicy.function import PolicyFunction
 from mixedpolicy.scope import global_policy, policy_scope, set_global_policy

@@ -1,17 +1,14 @@
-"""The public entry points that dispatch on an object's type to its framework's adapter."""
+"""The public entry points that dispatch a model to its framework's adapter: `apply_policy`,
+`remove_policy`, `describe` (the optimizer's is `mixedpolicy.optimizer.LossScaleOptimizer`)."""
 
 from __future__ import annotations
 
-import abc
 import logging
 from typing import Any, Mapping
 
 from mixedpolicy import _registry
 from mixedpolicy.table import LayerPolicy, PolicyTable
 from mixedpolicy.function import PolicyFunction
-from mixedpolicy._scale_checks import check_scale
-from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, summary
-from mixedpolicy.policy import as_policy
 from mixedpolicy.policy_map import PolicyMap, as_policy_map
 from mixedpolicy.scope import global_policy
 
@@ -126,153 +123,3 @@ def describe(model: Any) -> PolicyTable:
         name = getattr(model.fn, "__name__", type(model.fn).__name__)
         return PolicyTable([LayerPolicy("", f"function {name}", model.policy, model.source)])
     return PolicyTable(_model_adapter(model, "the result of apply_policy on a function, or ").describe(model))
-
-
-def _followed_policies(adapter: Any, inner: Any, policy: Any) -> tuple:
-    """The policies the optimizer runs under, read off its own arguments and state only.
-
-    `policy` when given (a policy, its name or a `PolicyMap`); else what the framework
-    knows of its variables (torch: the policies `apply_policy` put on them; Keras: its
-    global dtype policy); else the global policy. No other live object decides: an optax
-    or TensorFlow optimizer cannot see its model, so one whose model computes in float16
-    under a float32 global policy is given ``policy=``.
-    """
-    if policy is None:
-        known = adapter.policies_of(inner)
-        return known[0] if known is not None else (global_policy(),)
-    if isinstance(policy, PolicyMap):
-        return _policies_in(policy)
-    return (as_policy(policy, what="policy"),)
-
-
-class LossScaleOptimizer(abc.ABC):
-    """Wraps an optimizer of any supported framework with loss scaling that follows the policy.
-
-    Returns the wrapper that fits the framework's idiom (a ``torch.optim``-like
-    optimizer, an ``optax.GradientTransformation``, a Keras optimizer). Every wrapper
-    exposes ``loss_scale``, ``last_step_skipped``, ``num_skipped_steps`` and
-    ``loss_scaling`` (one line on what it chose). ``isinstance(x, LossScaleOptimizer)``
-    is true for each of them (an abstract base class: ``LossScaleOptimizer.register``
-    adds a wrapper class of one's own).
-
-    What it does to a step:
-
-    - with `loss_scale`, or any of the scale settings below: that scale (a bounded
-      dynamic one for the settings): a step whose gradients are not all finite is
-      skipped whole and a dynamic scale backs off;
-    - otherwise it follows the policy the optimizer runs under: `policy` when given,
-      else what the framework knows of its variables (torch: the policies
-      `apply_policy` put on the modules owning its parameters; Keras: its global
-      dtype policy too), else the global policy. Where any of those computes in
-      float16, a bounded `DynamicLossScale` with the defaults below; else (float32,
-      bfloat16) no scaling, but the same safety: a step whose gradients are not all
-      finite is skipped and counted (inside the compiled step under ``jax.jit`` and
-      Keras, through the fused optimizers' on-device flag in torch), and the wrapper
-      refuses what the scaling wrapper refuses (torch: half-precision master weights
-      the policy does not store, ``unscale_()`` twice), so one loop behaves alike under
-      every policy string. ``skip_nonfinite=False`` makes it a pass-through whose step
-      is exactly the inner optimizer's step, nothing added.
-
-    Args:
-      inner: the optimizer to wrap.
-      initial_scale: the first loss scale (default 2**15, Keras's).
-      dynamic_growth_steps: finite steps in a row before the scale grows (default 2000).
-      growth_factor, backoff_factor, min_scale, max_scale: see `DynamicLossScale`
-        (defaults 2, 0.5, 1, 2**24).
-      loss_scale: a ready `LossScale` (`DynamicLossScale`, `StaticLossScale`,
-        `NoLossScale`) used as it is, instead of the settings above and the policy.
-      policy: the policy (a `Policy`, its name, or a `PolicyMap`) whose compute dtypes
-        decide whether to scale; None reads it as described above.
-      skip_nonfinite: where no scaling is chosen: skip a step whose gradients are not
-        all finite (True, the default), or hand every step to the inner optimizer as it
-        is (False).
-      axis_name: JAX only: the ``pmap`` / ``shard_map`` axis over which replicas agree
-        to skip a step.
-      **kwargs: Keras only: what ``keras.optimizers.LossScaleOptimizer`` takes besides
-        (``name``, ``dynamic=True``); its base-optimizer arguments are refused as Keras
-        refuses them (ValueError: set them on the inner optimizer).
-
-    Raises:
-      TypeError: `inner` is not an optimizer of an installed framework, an argument
-        that belongs to the inner optimizer was passed here, or `loss_scale` came with
-        scale settings or a policy.
-      ValueError: a setting is out of range.
-    """
-
-    @classmethod
-    def __subclasshook__(cls, sub: type) -> Any:
-        # every framework's wrapper class named in the registry, once its module is loaded;
-        # `LossScaleOptimizer.register(cls)` adds a wrapper of one's own
-        if cls is LossScaleOptimizer and issubclass(sub, _registry.loss_scale_wrapper_types()):
-            return True
-        return NotImplemented
-
-    def __new__(cls, inner: Any, initial_scale: float | None = None, dynamic_growth_steps: int | None = None,
-                *, growth_factor: float | None = None, backoff_factor: float | None = None,
-                min_scale: float | None = None, max_scale: float | None = None,
-                loss_scale: LossScale | None = None, policy: Any = None,
-                skip_nonfinite: bool = True, axis_name: Any = None, **kwargs: Any):
-        adapter = _registry.optimizer_adapter(inner)
-        if kwargs and not (adapter is not None and adapter.takes_optimizer_options):
-            raise TypeError(
-                f"LossScaleOptimizer received unexpected arguments {sorted(kwargs)}. Settings "
-                f"such as learning_rate or weight_decay belong to the inner optimizer: pass "
-                f"them when you create it, then wrap it. The wrapper takes initial_scale, "
-                f"dynamic_growth_steps, growth_factor, backoff_factor, min_scale, max_scale, "
-                f"loss_scale, policy, skip_nonfinite and axis_name.")
-        if not isinstance(skip_nonfinite, bool):
-            raise TypeError(f"Received skip_nonfinite={skip_nonfinite!r:.60}; expected True or False.")
-        settings: dict[str, Any] = {name: value for name, value in (
-            ("loss_scale", initial_scale), ("dynamic_growth_steps", dynamic_growth_steps),
-            ("growth_factor", growth_factor), ("backoff_factor", backoff_factor),
-            ("min_scale", min_scale), ("max_scale", max_scale)) if value is not None}
-        if loss_scale is not None:
-            if not isinstance(loss_scale, LossScale):
-                raise TypeError(f"Received loss_scale of type {type(loss_scale).__name__}; expected "
-                                f"a DynamicLossScale, StaticLossScale or NoLossScale.")
-            if settings or policy is not None:
-                given = sorted(["initial_scale" if k == "loss_scale" else k for k in settings]
-                               + (["policy"] if policy is not None else []))
-                raise TypeError(f"Received loss_scale={loss_scale!r} together with {given}; the "
-                                f"loss_scale given is used as it is. Pass one or the other.")
-        if loss_scale is None and settings:  # checked before dispatch: a bad setting is named first
-            if "loss_scale" in settings:
-                check_scale(initial_scale, "initial_scale")
-            loss_scale = DynamicLossScale(**settings)
-        if adapter is None:
-            raise _no_adapter(inner, "optimizer")
-        followed: tuple = ()
-        if loss_scale is None:
-            followed = _followed_policies(adapter, inner, policy)
-            if any(p.needs_loss_scaling for p in followed):
-                loss_scale = DynamicLossScale()
-            else:
-                loss_scale = NoLossScale(skip_nonfinite=skip_nonfinite)
-            _log.info("LossScaleOptimizer(%s): %s, following the policy", type(inner).__name__,
-                      summary(loss_scale))
-        if getattr(adapter, "takes_reduce_policy", False):  # Keras: it carries reduce dtypes itself
-            reduce_policy = policy if policy is not None else global_policy()
-            if not isinstance(reduce_policy, PolicyMap) and as_policy(reduce_policy).reduce_dtype == "float32":
-                reduce_policy = None
-            if reduce_policy is not None:
-                kwargs["reduce_policy"] = reduce_policy
-        if kwargs:  # a framework's own options (Keras: name, dynamic, its base arguments)
-            wrapper = adapter.wrap_optimizer(inner, loss_scale, axis_name, **kwargs)
-        else:
-            wrapper = adapter.wrap_optimizer(inner, loss_scale, axis_name)
-        if followed and isinstance(loss_scale, NoLossScale):
-            adapter.follow_policies(wrapper, followed)  # refuses what the scaling wrapper refuses
-        return wrapper
-
-    @staticmethod
-    def from_config(config: Mapping[str, Any], custom_objects: Any = None) -> Any:
-        """Rebuilds a wrapper from its ``get_config()``, or from Keras's own LossScaleOptimizer's.
-
-        Raises:
-          TypeError: `config` is not a dict.
-          ValueError: no imported framework reads this config.
-        """
-        if not isinstance(config, Mapping):
-            raise TypeError(f"Received config of type {type(config).__name__}; expected the "
-                            f"dict from a LossScaleOptimizer's get_config().")
-        return _registry.optimizer_from_config(dict(config), custom_objects)

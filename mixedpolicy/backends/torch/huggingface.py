@@ -111,7 +111,7 @@ def trainer_class(transformers: Any) -> type:
         def create_optimizer(self, model: Any = None) -> Any:
             optimizer = super().create_optimizer(model) if model is not None else super().create_optimizer()
             if not isinstance(optimizer, TorchLossScaleOptimizer):
-                from mixedpolicy.api import LossScaleOptimizer
+                from mixedpolicy.optimizer import LossScaleOptimizer
 
                 settings = dict(self.scale_settings)
                 if "loss_scale" not in settings:  # the policy decides, its default the global one
