@@ -18,7 +18,8 @@ from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, Sta
 from mixedpolicy.float8 import Float8Recipe
 from mixedpolicy.policy import Policy
 from mixedpolicy.policy_map import LayerInfo, PolicyMap, Resolution
-from mixedpolicy.ranges import GradientReport, RangeStats, Recommendation, inspect_gradients
+from mixedpolicy.gradient_report import GradientReport, Recommendation, inspect_gradients
+from mixedpolicy.ranges import RangeStats
 from mixedpolicy.telemetry import LightningLossScaleCallback, metrics
 
 import logging as _logging

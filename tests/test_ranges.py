@@ -141,7 +141,7 @@ def test_bad_input_says_what_was_expected():
     with pytest.raises(ValueError, match="Received no batches"):
         mp.inspect_gradients(object(), None, [])
     with pytest.raises(ValueError, match="margin=0.5"):
-        ranges.GradientReport([], (1.0,), "numpy", 1).recommend(margin=0.5)
+        mp.GradientReport([], (1.0,), "numpy", 1).recommend(margin=0.5)
     torch = require_module("torch")
     with pytest.raises(KeyError, match="No weight_grad row for 'nope'; the report has: 0"):
         mp.inspect_gradients(torch.nn.Sequential(torch.nn.Linear(2, 2)),
@@ -177,7 +177,8 @@ def test_fp8_what_if_counts_what_per_tensor_scaling_loses_and_names_the_layers()
     """Per-tensor current scaling maps the largest |x| to the format's top, so what is lost is
     what lands below the smallest normal (subnormal) or half the smallest subnormal (zero)."""
     from mixedpolicy.float8_ranges import table
-    from mixedpolicy.ranges import GradientReport, RangeStats, numpy_stats
+    from mixedpolicy.gradient_report import GradientReport
+    from mixedpolicy.ranges import RangeStats, numpy_stats
 
     values = np.array([1.0] * 80 + [2.0**-31] * 10 + [2.0**-40] * 10, np.float32)
     rows = [RangeStats.from_vector("body", "activation_grad", numpy_stats(values, (1.0,)), (1.0,)),
