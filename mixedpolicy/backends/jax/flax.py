@@ -323,7 +323,7 @@ class PolicyLinen:
         if policy.float8_recipe is not None and type(module) is nn.Dense:  # Flax's own fp8 op
             changed["dot_general_cls"] = module.dot_general_cls
             object.__setattr__(module, "dot_general_cls",
-                               float8.linen_dot_general_cls(policy.float8_recipe.amax_history_len))
+                               float8.linen_dot_general_cls(policy.float8_recipe))
         try:
             # Only a layer that computes in its dtype gets its inputs cast: a container's
             # layers cast for themselves, so a float32 layer inside a half-precision model

@@ -117,29 +117,34 @@ class TensorwiseDotGeneral:
         return out if preferred_element_type is None else out.astype(preferred_element_type)
 
 
-# -- Flax linen: Flax's own delayed-scaling op ---------------------------------------------
+# -- Flax linen: Flax's own delayed-scaling op, and the tensorwise hook -------------------
 def linen_check(policy_map: Any) -> None:
-    """Refuses, before anything runs, a recipe in `policy_map` Flax linen's fp8 op cannot run."""
+    """Refuses, before anything runs, a recipe in `policy_map` linen has no fp8 path for."""
     for policy in (policy_map.default, *dict(policy_map.overrides).values()):
         recipe = policy.float8_recipe if policy is not None else None
-        if recipe is not None and recipe != Float8Recipe("delayed", amax_history_len=recipe.amax_history_len):
+        if recipe is None or recipe.recipe == "tensorwise":
+            continue
+        if recipe != Float8Recipe("delayed", amax_history_len=recipe.amax_history_len):
             _refuse_linen(recipe)
 
 
 def _refuse_linen(recipe: Float8Recipe) -> None:
     raise ValueError(
-        f"Received the fp8 recipe {recipe!r} for a Flax linen module: linen's own fp8 op "
-        f"(Fp8DirectDotGeneralOp) scales with an amax history ('delayed', margin 0, e4m3 forward, "
-        f"e5m2 gradients). Use float8_recipe='delayed' there (amax_history_len= may change); "
-        f"nothing was applied.")
+        f"Received the fp8 recipe {recipe!r} for a Flax linen module: linen runs 'tensorwise' "
+        f"(current scaling, the hook nnx.Linear takes) and 'delayed' through Flax's own fp8 op "
+        f"(Fp8DirectDotGeneralOp: margin 0, e4m3 forward, e5m2 gradients; amax_history_len= may "
+        f"change). Use one of those there; nothing was applied.")
 
 
 @functools.lru_cache(maxsize=None)
-def linen_dot_general_cls(amax_history_len: int) -> Any:
-    """What ``nn.Dense(dot_general_cls=...)`` takes for Flax's delayed fp8 (one per history length)."""
+def linen_dot_general_cls(recipe: Float8Recipe) -> Any:
+    """What ``nn.Dense(dot_general_cls=...)`` takes for `recipe`: Flax's own delayed op (one
+    per history length), or the tensorwise hook (stateless: no variables)."""
     import flax.linen as nn
 
-    return functools.partial(nn.Fp8DirectDotGeneralOp, amax_history_length=amax_history_len)
+    if recipe.recipe == "tensorwise":
+        return functools.partial(TensorwiseDotGeneral, recipe)
+    return functools.partial(nn.Fp8DirectDotGeneralOp, amax_history_length=recipe.amax_history_len)
 
 
 def linen_kind(module: Any, inputs: Any, head: str | None, path: str) -> str | None:

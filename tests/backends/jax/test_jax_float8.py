@@ -95,8 +95,51 @@ def test_what_nnx_cannot_run_is_refused_before_anything_changes():
         mp.apply_policy(net, "p=f32,c=bf16,float8=rowwise")
     assert all(r.source == "no policy applied" for r in mp.describe(net))
     linen = require_module("flax.linen", "jax")
-    with pytest.raises(ValueError, match="for a Flax linen module.*Fp8DirectDotGeneralOp.*'delayed'.*nothing was applied"):
-        mp.apply_policy(linen.Dense(4), "p=f32,c=bf16,float8=tensorwise")
+    with pytest.raises(ValueError, match="for a Flax linen module: linen runs 'tensorwise'.*'delayed'.*nothing was applied"):
+        mp.apply_policy(linen.Dense(4), "p=f32,c=bf16,float8=rowwise")
+
+
+def test_tensorwise_on_linen_is_the_nnx_hook_on_the_same_weights():
+    """linen's nn.Dense under 'tensorwise' takes the hook nnx.Linear takes (stateless: no fp8
+    variables): the same outputs and gradients as NNX on the same weights and inputs, within
+    float32 rounding (two programs); the head stays in the source precision."""
+    nn = require_module("flax.linen", "jax")
+
+    class Lin(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.relu(nn.Dense(64, name="a")(x))
+            x = nn.relu(nn.Dense(32, name="b")(x))
+            return nn.Dense(10, name="head")(x)
+
+    class Nnx(nnx.Module):
+        def __init__(self, rngs):
+            self.a, self.b, self.head = nnx.Linear(32, 64, rngs=rngs), nnx.Linear(64, 32, rngs=rngs), nnx.Linear(32, 10, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(jax.nn.relu(self.b(jax.nn.relu(self.a(x)))))
+
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(16, 32)).astype(np.float32))
+    policy = mp.Policy("float32", float8_recipe="tensorwise")
+    lin = mp.apply_policy(Lin(), policy)
+    variables = lin.init(jax.random.key(0), x)
+    assert set(variables) == {"params"}  # no fp8 state
+    net = Nnx(nnx.Rngs(0))
+    for name in ("a", "b", "head"):
+        getattr(net, name).kernel[...] = variables["params"][name]["kernel"]
+        getattr(net, name).bias[...] = variables["params"][name]["bias"]
+    mp.apply_policy(net, policy)
+    ours = lin.apply(variables, x)
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(net(x)), rtol=1e-5, atol=1e-5)
+    g_lin = jax.grad(lambda v: jnp.square(lin.apply(v, x)).sum())(variables)["params"]
+    g_nnx = nnx.grad(lambda m: jnp.square(m(x)).sum())(net)
+    for name in ("a", "b", "head"):
+        np.testing.assert_allclose(np.asarray(g_lin[name]["kernel"]), np.asarray(getattr(g_nnx, name).kernel[...]),
+                                   rtol=1e-4, atol=1e-4)
+    plain = Lin().apply(variables, x)  # fp8 changes the numbers where it applies
+    assert not np.allclose(np.asarray(ours), np.asarray(plain), rtol=1e-6, atol=1e-6)
+    rows = {r.path: r for r in mp.describe(lin)}
+    assert rows["a"].float8 == rows["b"].float8 == "tensorwise" and rows["head"].float8 == "-"
 
 
 def test_delayed_on_linen_is_flax_own_fp8_op_bit_for_bit():
