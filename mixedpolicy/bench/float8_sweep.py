@@ -3,21 +3,24 @@
 The bench compares frameworks on whole models; this sweep answers the question an fp8 user
 asks first: from which matmul size on does fp8 pay, and what does mixedpolicy's set-up cost
 against torchao's own? Each size builds one stack of transformer MLP blocks (LayerNorm,
-Linear d -> 4d, GELU, Linear 4d -> d) with a d -> d head, copies it three times with the
-same weights, and times a training step (forward, backward, SGD) of each side by side,
-interleaved, median of repeats:
+Linear d -> 4d, GELU, Linear 4d -> d) with a d -> d head (or, with ``--model gpt2``, the
+bench's GPT-2), copies it once per side with the same weights, and times a training step
+(forward, backward, SGD) of each side by side, interleaved, median of repeats:
 
 - ``bf16``: ``mp.apply_policy(net, "mixed_bfloat16")``;
 - ``fp8``: ``mp.apply_policy(net, "p=f32,c=bf16,float8=<recipe>")`` (the built-in rules keep
   the head and the norms out of fp8);
 - ``torchao``: torchao's own ``convert_to_float8_training`` with the same filter, under
-  ``torch.autocast`` in bf16: what a user writes by hand.
+  ``torch.autocast`` in bf16: what a user writes by hand;
+- with ``--auto-filter on`` (the default for gpt2), ``fp8 auto``: the fp8 policy in a
+  ``PolicyMap(..., float8_auto_filter=True)``, and ``torchao auto``: torchao's own
+  ``_auto_filter_for_recipe`` on top of the same filter.
 
 It prints, per size, ``fp8 / bf16`` (the speed-up; above 1 means fp8 is faster) and
-``fp8 / torchao`` (mixedpolicy's overhead; 1 means none), each the median of the per-round
-ratios with its interquartile range, and writes them to ``--out`` as JSON. On a CPU fp8 is
-emulated (the numbers say nothing about speed there); on an H100 or H200 with ``--compile on``
-it is the layer-size figure of docs/benchmarks.md.
+``fp8 / torchao`` (mixedpolicy's overhead; 1 means none), and the same two for the auto
+filter, each the median of the per-round ratios with its interquartile range, and writes
+them to ``--out`` as JSON. On a CPU fp8 is emulated (the numbers say nothing about speed
+there); on an H100 or H200 with ``--compile on`` these are the figures of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -29,9 +32,6 @@ import statistics
 import sys
 import time
 from typing import Any, Callable
-
-VARIANTS = ("bf16", "fp8", "torchao")
-
 
 def block_stack(d: int, layers: int, seed: int = 0) -> Any:
     """``layers`` transformer MLP blocks of width ``d`` and a d -> d head, seeded."""
