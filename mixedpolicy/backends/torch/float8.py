@@ -89,7 +89,20 @@ def convert(model: torch.nn.Module, layers: list[tuple[str, Float8Recipe]]) -> d
 
         convert_to_float8_training(model, config=_config(recipe),
                                    module_filter_fn=lambda _module, fqn, paths=paths: fqn in paths)
+        if recipe.recipe == "rowwise_with_gw_hp":
+            for path in paths:
+                model.get_submodule(path).register_forward_pre_hook(_autocast_input_off_cuda)
     return originals
+
+
+def _autocast_input_off_cuda(module: torch.nn.Module, args: tuple) -> tuple | None:
+    """What torchao's Float8Linear does under CUDA's autocast (casts its input to the autocast
+    dtype), under another device's: without it, ``rowwise_with_gw_hp``'s high-precision weight
+    gradient multiplies a bfloat16 output gradient by a float32 input and fails on a CPU."""
+    x = args[0] if args else None
+    if not isinstance(x, torch.Tensor) or x.device.type == "cuda" or not torch.is_autocast_enabled(x.device.type):
+        return None
+    return (x.to(torch.get_autocast_dtype(x.device.type)), *args[1:])
 
 
 def restore(model: torch.nn.Module, path: str, original: torch.nn.Module) -> None:

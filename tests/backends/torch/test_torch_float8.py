@@ -254,3 +254,17 @@ def test_the_auto_filter_converts_the_layers_torchaos_auto_filter_converts_and_t
             opt.step()
             losses[-1].append(loss.item())
     assert losses[0] == losses[1]
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_rowwise_with_gw_hp_trains_under_a_mixed_source_on_a_cpu(policy):
+    """torchao's Float8Linear casts its input to the autocast dtype under CUDA's autocast only;
+    on a CPU its high-precision weight gradient then met a float32 input and failed. The adapter
+    casts as torchao does on CUDA, on any device."""
+    require_module("torchao")
+    model = mp.apply_policy(_net(), mp.Policy(policy, float8_recipe="rowwise_with_gw_hp"))
+    losses = _train(model, steps=3, autocast=None)
+    assert all(v == v for v in losses) and losses[-1] < losses[0]
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model[2].parameters())
+    mp.remove_policy(model)
+    assert type(model[2]) is torch.nn.Linear and not model[2]._forward_pre_hooks
