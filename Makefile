@@ -19,6 +19,10 @@ $(STAMP): pyproject.toml constraints.txt
 	@# keras-hub's requirements would pull tensorflow-text and the full tensorflow wheel beside
 	@# tensorflow-cpu; what it imports is installed above, so it goes in without its requirements
 	$(PY) -m pip install --quiet --no-deps -c constraints.txt keras-hub
+	@# timm imports torchvision, and the registry's torchvision is a CUDA build whose operators do
+	@# not load beside the CPU torch; in the venv it would stop transformers' import too. Both go to
+	@# $(VENV)/zoo, off the venv's path: tests/zoo_helper.py adds it for the tests that use timm
+	$(PY) -m pip install --quiet --no-deps --upgrade -c constraints.txt --target $(VENV)/zoo timm torchvision
 	touch $(STAMP)
 
 # Two pytest workers (pytest-xdist): many tests wait on a process of their own (a Keras

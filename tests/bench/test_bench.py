@@ -17,6 +17,8 @@ from mixedpolicy.bench.cli import main as bench
 from mixedpolicy.bench import data
 from mixedpolicy.bench.data import batch_order
 
+import zoo_helper
+
 FIELDS = {"framework", "policy", "model", "batch_size", "steps", "step_time_s", "throughput_samples_per_s",
           "peak_memory_bytes", "final_loss", "accuracy", "skipped_steps", "final_loss_scale",
           "overhead_vs_native", "overhead_ci", "speedup_vs_float32", "speedup_ratios", "speedup_ci", "memory",
@@ -638,6 +640,9 @@ def test_a_user_model_runs_against_the_frameworks_own_from_the_same_weights(tmp_
 @pytest.mark.parametrize("factory, frameworks, policies", [
     # a Hugging Face model on torch: dict inputs of token ids, the default loss on its .logits
     ("hf_gpt2", "torch", "float32,16-mixed"),
+    # a timm model on torch: images of its own shape (batch, 3, 32, 32); float32 (a CPU without
+    # bf16 kernels takes seconds per half-precision step of a convolution net)
+    ("timm_resnet", "torch", "float32"),
     # a Flax NNX model taking two inputs, with a loss of its own (no accuracy: float targets)
     ("nnx_regression", "jax", "float32,mixed_bfloat16"),
     # a keras-hub model on every Keras backend, from one build's weights
@@ -645,8 +650,10 @@ def test_a_user_model_runs_against_the_frameworks_own_from_the_same_weights(tmp_
 ])
 def test_a_user_model_with_its_own_batches_and_loss(tmp_path, factory, frameworks, policies):
     names = frameworks.split(",")
-    needs = {"hf_gpt2": "transformers", "keras_hub_classifier": "keras_hub"}.get(factory)
-    if any(spec.missing_packages(f) for f in names) or (needs and importlib.util.find_spec(needs) is None):
+    needs = {"hf_gpt2": "transformers", "keras_hub_classifier": "keras_hub", "timm_resnet": "timm"}.get(factory)
+    found = (zoo_helper.ZOO / "timm").is_dir() or importlib.util.find_spec("timm") if needs == "timm" else (
+        needs is None or importlib.util.find_spec(needs))
+    if any(spec.missing_packages(f) for f in names) or not found:
         pytest.skip(f"needs {frameworks} and {needs}")
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"} | {"JAX_NUMPY_DTYPE_PROMOTION": "standard"}
@@ -661,7 +668,7 @@ def test_a_user_model_with_its_own_batches_and_loss(tmp_path, factory, framework
     runs = results["runs"]
     assert [(r["framework"], r["policy"]) for r in runs] == [(f, p) for f in names for p in policies.split(",")
                                                            for p in [spec.resolve_policies(p)[0]]]
-    size = {"hf_gpt2": 8, "nnx_regression": 16, "keras_hub_classifier": 8}[factory]
+    size = {"hf_gpt2": 8, "nnx_regression": 16, "keras_hub_classifier": 8, "timm_resnet": 8}[factory]
     assert all(r["own_data"] and r["batch_size"] == size and np.isfinite(r["final_loss"]) for r in runs)
     assert not (out / "digits_split.npz").exists()
     if factory == "nnx_regression":

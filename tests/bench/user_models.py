@@ -89,6 +89,27 @@ def hf_gpt2():
     return {"model": model, "batches": [(t[:, :-1], t[:, 1:]) for t in _tokens(4, 8, 16, 96)]}
 
 
+def timm_resnet():
+    """A timm ResNet (random weights, a small config) on batches of 32x32 images, class targets:
+    an input shape of its own (batch, 3, 32, 32) where digits' is (batch, 64)."""
+    import importlib.util
+    from pathlib import Path
+
+    import numpy as np
+    import torch
+
+    # timm comes from where `make setup` puts it (tests/zoo_helper.py says why)
+    spec = importlib.util.spec_from_file_location("zoo_helper", Path(__file__).parents[1] / "zoo_helper.py")
+    helper = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(helper)
+    timm = helper.import_timm()
+    torch.manual_seed(0)
+    model = timm.create_model("resnet10t", pretrained=False, num_classes=10)
+    rng = np.random.default_rng(0)
+    return {"model": model, "batches": [(rng.normal(size=(8, 3, 32, 32)).astype("float32"),
+                                         rng.integers(0, 10, 8)) for _ in range(3)]}
+
+
 def keras_hub_classifier():
     """A keras-hub BERT text classifier (random weights, a small backbone) on dicts of token
     ids, segment ids and padding masks; class targets."""

@@ -14,10 +14,12 @@ step whose gradients are not all finite; the scale and skip count go into the Tr
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, Iterator
 
 import torch
 
+from mixedpolicy.backends.torch.modules import cast_inputs, region_context
 from mixedpolicy.backends.torch.optimizer import TorchLossScaleOptimizer
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, summary
 from mixedpolicy.policy_map import PolicyMap, as_policy_map
@@ -99,6 +101,7 @@ def precision_class(pl: Any) -> type:
             self.precision = _LIGHTNING_NAMES.get(default.name, default.name)  # what trainer.precision shows
             self.optimizer: TorchLossScaleOptimizer | None = None  # the Trainer's optimizers, once connected
             self._pending_state: dict | None = None
+            self._module: torch.nn.Module | None = None  # the LightningModule, once converted
 
         @property
         def loss_scaling(self) -> str:
@@ -109,7 +112,25 @@ def precision_class(pl: Any) -> type:
         def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
             from mixedpolicy.api import apply_policy
 
-            return apply_policy(module, self.policy_map)
+            self._module = apply_policy(module, self.policy_map)
+            return self._module
+
+        @contextlib.contextmanager
+        def forward_context(self) -> Iterator[None]:
+            # the steps run in the LightningModule's region, as Lightning's own plugins run them in
+            # theirs: a training_step that calls self.net(x) rather than self(x) computes as
+            # describe says (the regions inside set their own state as usual)
+            module = self._module
+            if module is None:
+                yield
+                return
+            with region_context(module, module.device.type if hasattr(module, "device") else "cpu"):
+                yield
+
+        def convert_input(self, data: Any) -> Any:
+            # a pure (half-precision variables) policy: the batch's floating tensors in its compute
+            # dtype, as Lightning's own "bf16-true" casts them
+            return super().convert_input(data if self._module is None else cast_inputs(self._module, data))
 
         def connect(self, model: Any, optimizers: list, lr_schedulers: list) -> tuple:
             inners = [_unwrap(o) for o in optimizers]

@@ -29,6 +29,7 @@ How a policy reaches a module tree:
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any, Callable
 
@@ -110,6 +111,29 @@ def _device_type(args: tuple, kwargs: dict, module: torch.nn.Module) -> str:
     for p in module.parameters():
         return p.device.type
     return "cpu"
+
+
+def region_context(model: torch.nn.Module, device: str) -> Any:
+    """The autocast state that `model`'s own forward sets for the modules it calls: what a
+    call into a submodule that does not go through that forward needs (a LightningModule's
+    ``training_step`` calling ``self.net(x)``). Regions inside set their own state as usual;
+    a pure (half-precision variables) policy also needs its inputs cast (`cast_inputs`)."""
+    state = getattr(model, _STATE, None)
+    if state is None or "forward" not in state:  # no policy, or a plain float32 root
+        return contextlib.nullcontext()
+    policy = state["policy"]
+    if _autocasts(policy):
+        return torch.autocast(device, dtype=_TORCH_DTYPES[policy.compute_dtype])
+    return torch.autocast(device, enabled=False)
+
+
+def cast_inputs(model: torch.nn.Module, data: Any) -> Any:
+    """`data` with its floating tensors in the compute dtype of `model`'s region where that
+    region casts its inputs (a pure policy), as its forward would; otherwise `data` itself."""
+    state = getattr(model, _STATE, None)
+    if state is None or "forward" not in state or _autocasts(state["policy"]):
+        return data
+    return _cast_floating(data, _TORCH_DTYPES[state["policy"].compute_dtype])
 
 
 class _Region:

@@ -205,3 +205,24 @@ def test_manual_optimization_with_two_optimizers_after_one_backward():
     # the poisoned step: both optimizers skip, each backing the shared scale off once
     assert trainer.precision_plugin.optimizer.num_skipped_steps == 2
     assert torch.isfinite(_weights(module)).all()
+
+
+@pytest.mark.parametrize("policy, half", [("bf16-mixed", torch.bfloat16), ("bfloat16", torch.bfloat16),
+                                          (mp.PolicyMap("mixed_bfloat16", {"head": "float32"}), torch.float32)])
+def test_a_training_step_that_calls_its_layers_directly_computes_as_describe_says(policy, half):
+    # Lightning's own plugins run every step in their autocast; a step that skips self(x) for
+    # self.body / self.head still computes under the policy, pure ones with the batch cast
+    class Direct(Net):
+        def _loss(self, batch, batch_idx):
+            x, y = batch
+            hidden = self.body(x)
+            out = self.head(hidden)
+            self.dtypes = (hidden.dtype, out.dtype)
+            return torch.nn.functional.cross_entropy(out.float(), y)
+
+    module = Direct(poison=None)
+    _fit(module, steps=2, plugins=[mpl.Precision(policy)])
+    rows = {row.path: row for row in mp.describe(module)}
+    assert module.dtypes == (torch.bfloat16, half)
+    assert rows["head"].compute_dtype == str(half).split(".")[1] and rows["body.0"].compute_dtype == "bfloat16"
+    assert torch.isfinite(_weights(module)).all()
