@@ -126,6 +126,14 @@ class OptimizerAdapter(abc.ABC):
         """Told the policies a wrapper made without a scale of its own follows (where they chose
         no scaling): a framework that checks a scaling wrapper's variables checks them here too."""
 
+    def update_refusal(self, optimizer: Any, policy: Any) -> str | None:
+        """Why `optimizer` does not carry out `policy`'s update rounding and optimizer state
+        dtype (with the optimizer that does), or None where it does. By default no optimizer
+        of the framework is known to."""
+        return (f"mixedpolicy knows no {type(optimizer).__module__.split('.')[0]} optimizer that "
+                f"does this yet; the inner optimizer would round to nearest and keep its state "
+                f"in the variables' dtype")
+
     def policies_of(self, optimizer: Any) -> tuple[Any, str] | None:
         """(the policies the optimizer's variables are trained under, where that was read),
         or None where the framework cannot tell (the global policy then decides)."""

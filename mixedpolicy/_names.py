@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from mixedpolicy._dtypes import FLOATING_DTYPES, HALF_DTYPES, canonical_dtype, canonical_reduce_dtype, show
 from mixedpolicy.float8 import KERAS_SOURCES, Float8Recipe
+from mixedpolicy.memory import PRESETS, is_default, preset_for
 
 # Lightning's `precision=` strings, normalised to (variable, compute) dtypes.
 _LIGHTNING = {
@@ -37,8 +38,13 @@ _KERAS_NAMES = FLOATING_DTYPES + tuple(f"mixed_{d}" for d in HALF_DTYPES)
 _FLOAT8_KEYS = {"float8": None, "f8": None, "amax_history_len": "amax_history_len", "margin": "margin",
                 "float8_forward": "forward_dtype", "float8_backward": "backward_dtype"}
 
-#: what a name says: (variable, compute, output or None, reduce or None, fp8 recipe or None)
-Parsed = tuple[str, str, "str | None", "str | None", "Float8Recipe | None"]
+#: jmp-grammar keys of the optimizer settings -> Policy's keyword
+_MEMORY_KEYS = {"rounding": "update_rounding", "update_rounding": "update_rounding",
+                "state": "optimizer_state_dtype", "optimizer_state": "optimizer_state_dtype"}
+
+#: what a name says: (variable, compute, output or None, reduce or None, fp8 recipe or None,
+#: the optimizer settings it names: update_rounding / optimizer_state_dtype)
+Parsed = tuple[str, str, "str | None", "str | None", "Float8Recipe | None", dict]
 
 
 def _valid_names_hint() -> str:
@@ -46,7 +52,8 @@ def _valid_names_hint() -> str:
         f"Expected a Keras name ({', '.join(repr(n) for n in _KERAS_NAMES)}; fp8 matmuls: "
         f"'float8_from_mixed_bfloat16' and the other float8_from_ names), a jmp policy "
         f"('params=float32,compute=bfloat16,output=float32' or 'p=f32,c=bf16'; fp8 matmuls: "
-        f"'p=f32,c=bf16,float8=tensorwise') or a Lightning precision "
+        f"'p=f32,c=bf16,float8=tensorwise'; weight updates: 'p=bf16,rounding=stochastic,state=int8'), "
+        f"a memory preset ({', '.join(repr(n) for n in PRESETS)}) or a Lightning precision "
         f"({', '.join(repr(n) for n in _LIGHTNING)})."
     )
 
@@ -62,8 +69,8 @@ def parse_name(name: str) -> Parsed:
                 f"Received policy name {show(name)}: Keras's fp8 names take a source policy, one "
                 f"of {', '.join(repr(f'float8_from_{s}') for s in KERAS_SOURCES)}. For another "
                 f"source write the jmp form, e.g. 'params=float32,compute=bfloat16,float8=delayed'.")
-        variable, compute, output, reduce, _ = parse_name(source)
-        return variable, compute, output, reduce, Float8Recipe("delayed")  # what Keras means by it
+        variable, compute, output, reduce, _, _ = parse_name(source)
+        return variable, compute, output, reduce, Float8Recipe("delayed"), {}  # what Keras means by it
     if key.startswith("mixed_"):
         compute = canonical_dtype(key[len("mixed_"):], what=f"the dtype in {show(name)}")
         if compute not in HALF_DTYPES:
@@ -72,12 +79,15 @@ def parse_name(name: str) -> Parsed:
                 f"precision, so it must be 'mixed_float16' or 'mixed_bfloat16'. For "
                 f"full precision use {compute!r} itself."
             )
-        return "float32", compute, None, None, None
+        return "float32", compute, None, None, None, {}
+    if key in PRESETS:
+        dtype, rounding, state = PRESETS[key]
+        return dtype, dtype, None, None, None, {"update_rounding": rounding, "optimizer_state_dtype": state}
     if key in _AMBIGUOUS:
         raise ValueError(f"Received policy name {show(name)}, which is ambiguous: {_AMBIGUOUS[key]}")
     if key in _LIGHTNING:
         variable, compute = _LIGHTNING[key]
-        return variable, compute, None, None, None
+        return variable, compute, None, None, None, {}
     if "=" in key:
         return _parse_jmp(name)
     try:
@@ -87,16 +97,22 @@ def parse_name(name: str) -> Parsed:
         raise ValueError(f"Received policy name {show(name)}, which is not a policy "
                          f"mixedpolicy knows. {_valid_names_hint()}"
                          + (str(e)[str(e).index(" 8-bit"):] if float8 else "")) from None
-    return dtype, dtype, None, None, None
+    return dtype, dtype, None, None, None, {}
 
 
 def _parse_jmp(name: str) -> Parsed:
     found: dict[str, str] = {}
     float8: dict[str, object] = {}
+    memory: dict[str, str] = {}
     for part in name.split(","):
         key, sep, value = part.partition("=")
         key = key.strip().lower()
         field = _JMP_KEYS.get(key)
+        if sep and key in _MEMORY_KEYS:
+            if _MEMORY_KEYS[key] in memory:
+                raise ValueError(f"Received policy name {show(name)}, which sets {key!r} twice.")
+            memory[_MEMORY_KEYS[key]] = value.strip()
+            continue
         if sep and key in _FLOAT8_KEYS:
             setting = _FLOAT8_KEYS[key] or "recipe"
             if setting in float8:
@@ -108,8 +124,9 @@ def _parse_jmp(name: str) -> Parsed:
             raise ValueError(
                 f"Received policy name {show(name)}: the part {part.strip()!r} is not "
                 f"'key=dtype' with key one of 'params' ('p'), 'compute' ('c'), 'output' "
-                f"('o') or 'reduce' ('r'), or an fp8 setting ('float8', 'amax_history_len', "
-                f"'margin', 'float8_forward', 'float8_backward'). Example: "
+                f"('o') or 'reduce' ('r'), an fp8 setting ('float8', 'amax_history_len', "
+                f"'margin', 'float8_forward', 'float8_backward') or an optimizer setting "
+                f"('rounding', 'state'). Example: "
                 f"'params=float32,compute=bfloat16,output=float32'."
             )
         if field in found:
@@ -127,12 +144,23 @@ def _parse_jmp(name: str) -> Parsed:
     # jmp's rule: params default to float32, compute follows params, output follows compute.
     variable = found.get("params", "float32")
     compute = found.get("compute", variable)
-    return variable, compute, found.get("output"), found.get("reduce"), recipe
+    return variable, compute, found.get("output"), found.get("reduce"), recipe, memory
 
 
 def canonical_name(variable: str, compute: str, output: str, reduce: str,
-                   float8: Float8Recipe | None = None) -> str:
-    """The one name equal policies share: Keras's where Keras has one, else jmp's grammar."""
+                   float8: Float8Recipe | None = None, rounding: str = "nearest", state: str | None = None) -> str:
+    """The one name equal policies share: Keras's where Keras has one, a memory preset's, else
+    jmp's grammar."""
+    state = variable if state is None else state
+    if not is_default(variable, rounding, state):
+        preset = preset_for(variable, compute, output, rounding, state) if reduce == variable and not float8 else None
+        if preset is not None:
+            return preset
+        base = canonical_name(variable, compute, output, reduce)
+        jmp = base if "=" in base else f"params={variable},compute={compute},output={output}"
+        return ",".join([jmp, *(float8.name_parts() if float8 is not None else []),
+                         *([f"rounding={rounding}"] if rounding != "nearest" else []),
+                         *([f"state={state}"] if state != variable else [])])
     if float8 is not None:
         base = canonical_name(variable, compute, output, reduce)
         if float8.is_keras_default and base in KERAS_SOURCES:

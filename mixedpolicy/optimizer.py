@@ -35,6 +35,20 @@ def _followed_policies(adapter: Any, inner: Any, policy: Any) -> tuple:
     return (as_policy(policy, what="policy"),)
 
 
+def _check_updates(adapter: Any, inner: Any, policies: tuple) -> None:
+    """Refuses an inner optimizer that would not update as the policy says (update rounding,
+    optimizer state dtype), before anything is wrapped."""
+    for p in policies:
+        if p.updates_as_the_optimizer_does:
+            continue
+        why = adapter.update_refusal(inner, p)
+        if why is not None:
+            raise ValueError(
+                f"Received {type(inner).__name__} under the policy {p.name!r}, which asks for "
+                f"update_rounding={p.update_rounding!r} and optimizer_state_dtype={p.optimizer_state_dtype!r}: "
+                f"{why}. Or train under a policy without them (e.g. {p.variable_dtype!r}).")
+
+
 class LossScaleOptimizer(abc.ABC):
     """Wraps an optimizer of any supported framework with loss scaling that follows the policy.
 
@@ -134,6 +148,8 @@ class LossScaleOptimizer(abc.ABC):
         followed: tuple = ()
         if loss_scale is None:
             followed = _followed_policies(adapter, inner, policy)
+        _check_updates(adapter, inner, followed or _followed_policies(adapter, inner, policy))
+        if loss_scale is None:
             if any(p.needs_loss_scaling for p in followed):
                 loss_scale = DynamicLossScale()
             else:

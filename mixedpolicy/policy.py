@@ -10,6 +10,7 @@ from mixedpolicy._dtypes import canonical_dtype, canonical_reduce_dtype, show
 from mixedpolicy._names import canonical_name, parse_name
 from mixedpolicy._registry import cast_tree
 from mixedpolicy.float8 import Float8Recipe, as_float8_recipe, check_source
+from mixedpolicy import memory
 
 @dataclasses.dataclass(frozen=True, init=False, repr=False)
 class Policy:
@@ -44,6 +45,15 @@ class Policy:
         grammar ``float8=``.
       amax_history_len, margin: the ``"delayed"`` recipe's amax history (default 1024
         steps, Keras's) and headroom in powers of two (default 0).
+      update_rounding: how an update is rounded into half-precision variables kept without
+        a float32 master: ``"nearest"`` (default, what every optimizer does), ``"stochastic"``
+        (bfloat16 variables) or ``"kahan"``; in jmp's grammar ``rounding=``.
+      optimizer_state_dtype: what the optimizer keeps its state (moments) in: follows the
+        variables by default (as torch's and optax's optimizers do); ``"float32"``,
+        ``"bfloat16"`` or ``"int8"`` (8-bit block-quantized); in jmp's grammar ``state=``.
+        The presets ``"bfloat16_stochastic"`` and ``"bfloat16_stochastic_int8"`` name the
+        two common recipes. The `LossScaleOptimizer` following such a policy checks that its
+        inner optimizer carries the recipe out (see docs/memory.md).
 
     Raises:
       ValueError: the name or a dtype is not one mixedpolicy knows.
@@ -62,6 +72,8 @@ class Policy:
     Policy('params=float32,compute=bfloat16,output=bfloat16,float8=tensorwise')
     >>> Policy("float8_from_mixed_bfloat16").float8_recipe
     Float8Recipe('delayed', amax_history_len=1024, margin=0)
+    >>> Policy("bfloat16", update_rounding="stochastic", optimizer_state_dtype="int8")
+    Policy('bfloat16_stochastic_int8')
     """
 
     name: str
@@ -70,23 +82,30 @@ class Policy:
     output_dtype: str
     reduce_dtype: str
     float8_recipe: Float8Recipe | None
+    update_rounding: str
+    optimizer_state_dtype: str
 
     def __init__(self, name: str | int | None = "float32", *, compute_dtype: Any = None,
                  variable_dtype: Any = None, output_dtype: Any = None, reduce_dtype: Any = None,
-                 float8_recipe: Any = None, amax_history_len: int | None = None, margin: int | None = None):
+                 float8_recipe: Any = None, amax_history_len: int | None = None, margin: int | None = None,
+                 update_rounding: Any = None, optimizer_state_dtype: Any = None):
         reduce = None
         float8: Float8Recipe | None = None
+        named: dict = {}  # the optimizer settings the name gives
         if isinstance(name, Policy):
             variable, compute, output = name.variable_dtype, name.compute_dtype, name.output_dtype
             float8 = name.float8_recipe
             if name.reduce_dtype != name.variable_dtype:
                 reduce = name.reduce_dtype
+            named = {"update_rounding": name.update_rounding}
+            if name.optimizer_state_dtype != name.variable_dtype:
+                named["optimizer_state_dtype"] = name.optimizer_state_dtype
         elif name is None:
             variable, compute, output = "float32", None, None
         elif isinstance(name, str):
-            variable, compute, output, reduce, float8 = parse_name(name)
+            variable, compute, output, reduce, float8, named = parse_name(name)
         elif isinstance(name, int) and not isinstance(name, bool) and str(name) in ("32", "64"):
-            variable, compute, output, reduce, float8 = parse_name(str(name))  # Lightning's 32 and 64
+            variable, compute, output, reduce, float8, named = parse_name(str(name))  # Lightning's 32 and 64
         else:
             hint = ""
             if isinstance(name, int) and not isinstance(name, bool):
@@ -117,12 +136,19 @@ class Policy:
                                       amax_history_len=amax_history_len, margin=margin)
         if float8 is not None:
             check_source(compute, variable)
+        rounding = memory.canonical_rounding(update_rounding if update_rounding is not None
+                                             else named.get("update_rounding", "nearest"))
+        state = optimizer_state_dtype if optimizer_state_dtype is not None else named.get("optimizer_state_dtype")
+        state = variable if state is None else memory.canonical_state_dtype(state, variable)
+        memory.check(variable, rounding, state)
+        object.__setattr__(self, "update_rounding", rounding)
+        object.__setattr__(self, "optimizer_state_dtype", state)
         object.__setattr__(self, "variable_dtype", variable)
         object.__setattr__(self, "compute_dtype", compute)
         object.__setattr__(self, "output_dtype", output)
         object.__setattr__(self, "reduce_dtype", reduce)
         object.__setattr__(self, "float8_recipe", float8)
-        object.__setattr__(self, "name", canonical_name(variable, compute, output, reduce, float8))
+        object.__setattr__(self, "name", canonical_name(variable, compute, output, reduce, float8, rounding, state))
 
     def __repr__(self) -> str:
         return f"Policy({self.name!r})"
@@ -134,6 +160,12 @@ class Policy:
     def needs_loss_scaling(self) -> bool:
         """True when the compute dtype is float16, whose range needs a loss scale."""
         return self.compute_dtype == "float16"
+
+    @property
+    def updates_as_the_optimizer_does(self) -> bool:
+        """True when nothing is asked of the optimizer: nearest rounding, state in the variable
+        dtype (what torch's, optax's and Keras's optimizers do by themselves)."""
+        return memory.is_default(self.variable_dtype, self.update_rounding, self.optimizer_state_dtype)
 
     @property
     def source(self) -> "Policy":
@@ -252,7 +284,8 @@ class Policy:
 def _without_float8(policy: Policy) -> Policy:
     reduce = policy.reduce_dtype if policy.reduce_dtype != policy.variable_dtype else None
     return Policy(None, variable_dtype=policy.variable_dtype, compute_dtype=policy.compute_dtype,
-                  output_dtype=policy.output_dtype, reduce_dtype=reduce)
+                  output_dtype=policy.output_dtype, reduce_dtype=reduce, update_rounding=policy.update_rounding,
+                  optimizer_state_dtype=policy.optimizer_state_dtype)
 
 
 def _from_fields(obj: Any, kind: str, **fields: str) -> Policy:

@@ -335,6 +335,11 @@ class TorchOptimizers(OptimizerAdapter):
     def follow_policies(self, wrapper: Any, policies: tuple) -> None:
         wrapper._follow_policies(policies)
 
+    def update_refusal(self, optimizer: Any, policy: Any) -> str | None:
+        from mixedpolicy.backends.torch.updates import refusal
+
+        return refusal(list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer], policy)
+
     def policies_of(self, optimizer: Any) -> tuple[Any, str] | None:
         inners = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
         found = {p.__dict__[PARAMETER_POLICY] for opt in inners for group in opt.param_groups
