@@ -134,6 +134,11 @@ class OptimizerAdapter(abc.ABC):
                 f"does this yet; the inner optimizer would round to nearest and keep its state "
                 f"in the variables' dtype")
 
+    def with_updates(self, optimizer: Any, policy: Any) -> Any:
+        """`optimizer`, carrying out `policy`'s update rounding where this framework's adapter
+        adds it (once `update_refusal` found nothing wrong); by default the optimizer itself."""
+        return optimizer
+
     def policies_of(self, optimizer: Any) -> tuple[Any, str] | None:
         """(the policies the optimizer's variables are trained under, where that was read),
         or None where the framework cannot tell (the global policy then decides)."""

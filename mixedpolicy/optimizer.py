@@ -35,18 +35,25 @@ def _followed_policies(adapter: Any, inner: Any, policy: Any) -> tuple:
     return (as_policy(policy, what="policy"),)
 
 
-def _check_updates(adapter: Any, inner: Any, policies: tuple) -> None:
-    """Refuses an inner optimizer that would not update as the policy says (update rounding,
-    optimizer state dtype), before anything is wrapped."""
-    for p in policies:
-        if p.updates_as_the_optimizer_does:
-            continue
+def _with_updates(adapter: Any, inner: Any, policies: tuple) -> Any:
+    """`inner`, carrying out the update rounding and optimizer state dtype the policies ask for
+    (the framework's own optimizer, or a rule the adapter adds); refused, before anything is
+    wrapped, where it would update otherwise."""
+    asked = [p for p in policies if not p.updates_as_the_optimizer_does]
+    roundings = sorted({p.update_rounding for p in asked})
+    if len(roundings) > 1:
+        raise ValueError(
+            f"Received policies asking one optimizer for update_rounding {roundings} "
+            f"({', '.join(p.name for p in asked)}); an optimizer rounds its updates one way. Give "
+            f"the layers one rounding, or their parameters optimizers of their own.")
+    for p in asked:
         why = adapter.update_refusal(inner, p)
         if why is not None:
             raise ValueError(
                 f"Received {type(inner).__name__} under the policy {p.name!r}, which asks for "
                 f"update_rounding={p.update_rounding!r} and optimizer_state_dtype={p.optimizer_state_dtype!r}: "
                 f"{why}. Or train under a policy without them (e.g. {p.variable_dtype!r}).")
+    return adapter.with_updates(inner, asked[0]) if asked else inner
 
 
 class LossScaleOptimizer(abc.ABC):
@@ -148,7 +155,7 @@ class LossScaleOptimizer(abc.ABC):
         followed: tuple = ()
         if loss_scale is None:
             followed = _followed_policies(adapter, inner, policy)
-        _check_updates(adapter, inner, followed or _followed_policies(adapter, inner, policy))
+        inner = _with_updates(adapter, inner, followed or _followed_policies(adapter, inner, policy))
         if loss_scale is None:
             if any(p.needs_loss_scaling for p in followed):
                 loss_scale = DynamicLossScale()

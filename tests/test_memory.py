@@ -61,8 +61,9 @@ def test_an_unknown_name_lists_the_presets():
         mp.Policy("bfloat16_sr")
 
 
-def test_a_wrapper_with_no_optimizer_that_carries_the_recipe_refuses_it():
+def test_one_optimizer_rounds_one_way():
     optax = pytest.importorskip("optax")
-    with pytest.raises(ValueError, match="update_rounding='stochastic'.*no optax optimizer"):
-        mp.LossScaleOptimizer(optax.adam(1e-3), policy="bfloat16_stochastic")
-    mp.LossScaleOptimizer(optax.adam(1e-3), policy="bfloat16")  # nothing asked of the optimizer
+    mixed = mp.PolicyMap("bfloat16_stochastic", {"head": "p=bf16,rounding=kahan"})
+    with pytest.raises(ValueError, match=r"update_rounding \['kahan', 'stochastic'\].*one way"):
+        mp.LossScaleOptimizer(optax.sgd(0.1), policy=mixed)
+    mp.LossScaleOptimizer(optax.sgd(0.1), policy="bfloat16")  # nothing asked of the optimizer

@@ -1,0 +1,100 @@
+"""A policy's update rounding on optax: a transformation chained after the inner optimizer,
+inside the `LossScaleOptimizer` (so a skipped step keeps its state too).
+
+optax has no rounding of its own: ``optax.apply_updates`` adds each update to its parameter and
+rounds the sum to the nearest value of the parameter's dtype, so a bfloat16 weight loses every
+update below half its step. Here the updates are rewritten so that the same ``apply_updates``
+lands where the rounding puts the weight:
+
+- ``"stochastic"``: the float32 sum ``p + u`` is rounded into bfloat16 up or down with the
+  probability of its remainder (the low 16 bits of its float32 pattern plus 16 random bits,
+  then cut: torchao's rounding), and the update becomes ``rounded - p``;
+- ``"kahan"``: a half-precision compensation buffer per weight keeps what the nearest rounding
+  dropped and adds it back at the next step (Kahan summation).
+
+Either difference is one the parameter's dtype holds exactly whenever a step moves a weight by
+less than a factor of two (Sterbenz), so ``apply_updates`` lands exactly on the rounded value;
+a larger step lands within half a step of the update's own rounding. Only leaves in half
+precision are touched: float32 leaves (the norms a pure policy keeps in float32) update as
+always. The random key lives in the state, seeded: two runs from one seed round alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+_HALF = (jnp.bfloat16, jnp.float16)
+
+
+class RoundingState(NamedTuple):
+    """The rounding's state: the key of the next stochastic rounding, or the Kahan
+    compensation per half-precision leaf (None elsewhere)."""
+
+    key: Any
+    compensation: Any
+
+
+def _value(x: Any) -> Any:
+    return x.get_value() if hasattr(x, "get_value") and not isinstance(x, jax.Array) else x
+
+
+def stochastic_round_bfloat16(x: Any, key: Any) -> Any:
+    """`x` (float32) rounded into bfloat16 up or down with the probability of its remainder:
+    unbiased, ``E[round(x)] == x``."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    noise = jax.random.bits(key, x.shape, jnp.uint32) & jnp.uint32(0xFFFF)
+    cut = (bits + noise) & jnp.uint32(0xFFFF0000)
+    return jax.lax.bitcast_convert_type(cut, jnp.float32).astype(jnp.bfloat16)
+
+
+def update_rounding(rounding: str, seed: int = 0) -> optax.GradientTransformation:
+    """The optax transformation that rounds each update into half-precision weights as
+    `rounding` says (``"stochastic"`` or ``"kahan"``); it needs the parameters in ``update``."""
+    if rounding not in ("stochastic", "kahan"):
+        raise ValueError(f"Received rounding={rounding!r}; expected 'stochastic' or 'kahan' "
+                         f"(nearest is what optax.apply_updates does by itself).")
+
+    def init(params: Any) -> RoundingState:
+        params = jax.tree_util.tree_map(_value, params)
+        if rounding == "kahan":
+            return RoundingState(None, jax.tree_util.tree_map(
+                lambda p: jnp.zeros_like(p) if p.dtype in _HALF else None, params))
+        return RoundingState(jax.random.PRNGKey(seed), None)
+
+    def update(updates: Any, state: RoundingState, params: Any = None) -> tuple:
+        if params is None:
+            raise ValueError(f"update_rounding={rounding!r} needs the parameters: call "
+                             f"opt.update(grads, state, params) (nnx.Optimizer passes them).")
+        params = jax.tree_util.tree_map(_value, params)
+        leaves, tree = jax.tree_util.tree_flatten(updates)
+        p_leaves = tree.flatten_up_to(params)
+        if rounding == "stochastic":
+            key, *keys = jax.random.split(state.key, len(leaves) + 1)
+            out = [_stochastic(u, p, k) for u, p, k in zip(leaves, p_leaves, keys)]
+            return tree.unflatten(out), RoundingState(key, None)
+        c_leaves = tree.flatten_up_to(state.compensation)
+        pairs = [_kahan(u, p, c) for u, p, c in zip(leaves, p_leaves, c_leaves)]
+        return (tree.unflatten([u for u, _ in pairs]),
+                RoundingState(None, tree.unflatten([c for _, c in pairs])))
+
+    return optax.GradientTransformation(init, update)
+
+
+def _stochastic(u: Any, p: Any, key: Any) -> Any:
+    if p.dtype != jnp.bfloat16:
+        return u
+    rounded = stochastic_round_bfloat16(p.astype(jnp.float32) + u.astype(jnp.float32), key)
+    return (rounded.astype(jnp.float32) - p.astype(jnp.float32)).astype(u.dtype)
+
+
+def _kahan(u: Any, p: Any, c: Any) -> tuple:
+    if p.dtype not in _HALF:
+        return u, c
+    y = u.astype(jnp.float32) + c.astype(jnp.float32)  # the update plus what was dropped before
+    t = (p.astype(jnp.float32) + y).astype(p.dtype)  # where nearest rounding puts the weight
+    step = t.astype(jnp.float32) - p.astype(jnp.float32)
+    return step.astype(u.dtype), (y - step).astype(c.dtype)
