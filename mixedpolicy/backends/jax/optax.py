@@ -270,18 +270,18 @@ class OptaxOptimizers(OptimizerAdapter):
         return loss_scale_transformation(optimizer, loss_scale, axis_name)
 
     def update_refusal(self, optimizer: Any, policy: Any) -> str | None:
-        if policy.optimizer_state_dtype != policy.variable_dtype:
-            return (f"optax's optimizers keep their state in the gradients' dtype "
-                    f"({policy.variable_dtype} here) and optax has no 8-bit state; choose the dtype "
-                    f"with the optimizer's own argument where it has one (optax.adam(mu_dtype=...)) "
-                    f"under a policy without state=")
-        return None  # the rounding is chained after the inner optimizer (with_updates)
+        if policy.optimizer_state_dtype == "int8":
+            return ("optax has no 8-bit block-quantized state (linear int8 would zero Adam's small "
+                    "second moments); use state=bfloat16")
+        return None  # the rounding and the state's dtype wrap the inner optimizer (with_updates)
 
     def with_updates(self, optimizer: Any, policy: Any) -> Any:
-        from mixedpolicy.backends.jax.updates import update_rounding
+        from mixedpolicy.backends.jax.updates import state_storage, update_rounding
 
-        if policy.update_rounding == "nearest":
-            return optimizer
         if isinstance(optimizer, optax.MultiSteps):
             optimizer = optimizer.gradient_transformation()
-        return optax.chain(optimizer, update_rounding(policy.update_rounding))
+        if policy.optimizer_state_dtype != policy.variable_dtype:
+            optimizer = state_storage(optimizer, policy.optimizer_state_dtype)
+        if policy.update_rounding != "nearest":
+            optimizer = optax.chain(optimizer, update_rounding(policy.update_rounding))
+        return optimizer

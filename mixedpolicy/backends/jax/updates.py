@@ -88,7 +88,7 @@ def _stochastic(u: Any, p: Any, key: Any) -> Any:
     if p.dtype != jnp.bfloat16:
         return u
     rounded = stochastic_round_bfloat16(p.astype(jnp.float32) + u.astype(jnp.float32), key)
-    return (rounded.astype(jnp.float32) - p.astype(jnp.float32)).astype(u.dtype)
+    return (rounded.astype(jnp.float32) - p.astype(jnp.float32)).astype(p.dtype)  # exact: the weights' dtype
 
 
 def _kahan(u: Any, p: Any, c: Any) -> tuple:
@@ -97,4 +97,30 @@ def _kahan(u: Any, p: Any, c: Any) -> tuple:
     y = u.astype(jnp.float32) + c.astype(jnp.float32)  # the update plus what was dropped before
     t = (p.astype(jnp.float32) + y).astype(p.dtype)  # where nearest rounding puts the weight
     step = t.astype(jnp.float32) - p.astype(jnp.float32)
-    return step.astype(u.dtype), (y - step).astype(c.dtype)
+    return step.astype(p.dtype), (y - step).astype(c.dtype)
+
+
+def _is_moment(leaf: Any) -> bool:
+    """A floating array of the state with at least one axis: a per-parameter moment (scalar
+    floats are hyperparameters, e.g. an injected learning rate, and keep their dtype)."""
+    return hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating) and jnp.ndim(leaf) > 0
+
+
+def state_storage(inner: Any, dtype: str) -> optax.GradientTransformation:
+    """`inner` with its moments stored in `dtype`: the update reads them as stored and the new
+    ones are rounded to `dtype` when they are stored, which is what optax's own ``mu_dtype`` (Adam's
+    first moment) and ``accumulator_dtype`` (``trace``) do, here for every moment."""
+    target = jnp.dtype(dtype)
+    inner = optax.with_extra_args_support(inner)
+
+    def store(state: Any) -> Any:
+        return jax.tree_util.tree_map(lambda s: s.astype(target) if _is_moment(s) else s, state)
+
+    def init(params: Any) -> Any:
+        return store(inner.init(params))
+
+    def update(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple:
+        updates, state = inner.update(updates, state, params, **extra_args)
+        return updates, store(state)
+
+    return optax.GradientTransformationExtraArgs(init, update)

@@ -118,7 +118,7 @@ def test_in_an_nnx_optimizer_with_float32_norms_only_the_bfloat16_leaves_are_rou
 
 
 def test_what_optax_cannot_carry_is_refused_and_the_transformation_needs_params():
-    with pytest.raises(ValueError, match="optax has no 8-bit state"):
+    with pytest.raises(ValueError, match="optax has no 8-bit block-quantized state"):
         mp.LossScaleOptimizer(optax.adam(1e-3), policy="bfloat16_stochastic_int8")
     tx = update_rounding("stochastic")
     params = {"w": jnp.ones(3, jnp.bfloat16)}
@@ -126,3 +126,26 @@ def test_what_optax_cannot_carry_is_refused_and_the_transformation_needs_params(
         tx.update(params, tx.init(params))
     with pytest.raises(ValueError, match="expected 'stochastic' or 'kahan'"):
         update_rounding("nearest")
+
+
+def test_a_state_dtype_stores_every_moment_in_it_as_optax_stores_one():
+    params = {"w": jax.random.normal(jax.random.PRNGKey(0), (8, 4)), "b": jnp.zeros(4)}
+
+    def run(tx, steps=5):
+        p, s = params, tx.init(params)
+        for i in range(steps):
+            grads = jax.tree_util.tree_map(lambda a: jnp.sin(a * (i + 1)) * 0.3, p)
+            updates, s = tx.update(grads, s, p)
+            p = optax.apply_updates(p, updates)
+        return p, s
+
+    with jax.numpy_dtype_promotion("standard"):  # optax's own accumulator_dtype mixes dtypes
+        ours, state = run(mp.LossScaleOptimizer(optax.sgd(0.1, momentum=0.9),
+                                                policy=mp.Policy("mixed_bfloat16", optimizer_state_dtype="bf16")))
+        theirs, _ = run(optax.sgd(0.1, momentum=0.9, accumulator_dtype=jnp.bfloat16))
+        _, adam = run(mp.LossScaleOptimizer(optax.adamw(1e-2), policy="p=f32,c=bf16,state=bfloat16"))
+    assert all(jnp.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(theirs)))
+    assert {leaf.dtype for leaf in jax.tree_util.tree_leaves(state.inner_state)} == {jnp.dtype(jnp.bfloat16)}
+    moments = adam.inner_state[0]
+    assert {leaf.dtype for leaf in jax.tree_util.tree_leaves((moments.mu, moments.nu))} == {jnp.dtype(jnp.bfloat16)}
+    assert moments.count.dtype == jnp.int32  # counts stay what they are
