@@ -6,10 +6,14 @@ A mixin of `TorchLossScaleOptimizer`: the inner optimizers' state plus ``"loss_s
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from mixedpolicy.backends.torch.checks import config_from_scaler_state
+from mixedpolicy.backends.torch.updates import reconcile, state_kinds
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale
+
+_log = logging.getLogger("mixedpolicy")
 
 
 class Checkpoints:
@@ -101,11 +105,16 @@ class Checkpoints:
                 f"Received the state of a LossScaleOptimizer over {count} optimizer(s), but this "
                 f"one wraps {len(self._inners)}; nothing was loaded. Build the wrapper over the "
                 f"same optimizers, in the same order, as the one that saved the state.")
-        if len(self._inners) == 1:
-            self._inners[0].load_state_dict(state_dict)
-        else:
-            for opt, sd in zip(self._inners, saved, strict=True):
-                opt.load_state_dict(sd)
+        inner_dicts = [state_dict] if len(self._inners) == 1 else list(saved)
+        for opt, sd in zip(self._inners, inner_dicts, strict=True):
+            was = state_kinds(sd)
+            opt.load_state_dict(sd)
+            kept = reconcile(opt)
+            if was and kept and was != kept:  # converted, and said once, never silently
+                _log.warning("LossScaleOptimizer.load_state_dict: the optimizer state was saved in %s; %s "
+                             "keeps it in %s, so it was converted (to a float dtype: rounded to nearest; "
+                             "to 8 bits: block-quantized)", "/".join(sorted(was)), type(opt).__name__,
+                             "/".join(sorted(kept)))
         if scale is not None:
             self._set_scale_state(*scale)
         for hook in self._optimizer_load_state_dict_post_hooks.values():

@@ -48,3 +48,45 @@ def refusal(optimizers: list, policy: Any) -> str | None:
             return (f"{name} keeps its state in {kept}, the policy asks for {state}; use {want}"
                     + (", or a policy without state=" if state != policy.variable_dtype else ""))
     return None
+
+
+_SUBCLASS_KINDS = {"OptimState8bit": "int8", "OptimState4bit": "int4", "OptimStateFp8": "float8"}
+_UNSIGNED = ("exp_avg_sq", "max_exp_avg_sq")  # torchao's unsigned 8-bit moments
+
+
+def _kind(value: Any) -> str:
+    return _SUBCLASS_KINDS.get(type(value).__name__, str(value.dtype).replace("torch.", ""))
+
+
+def state_kinds(state_dict: dict) -> set:
+    """The forms a saved ``optimizer.state_dict()`` keeps its moments in ("float32", "int8"...)."""
+    import torch
+
+    return {_kind(v) for per_param in state_dict.get("state", {}).values() if isinstance(per_param, dict)
+            for k, v in per_param.items() if k != "step" and torch.is_tensor(v) and v.is_floating_point()}
+
+
+def reconcile(optimizer: Any) -> set:
+    """Brings each loaded moment to the form `optimizer` keeps it in, which torch's
+    ``load_state_dict`` does not: 8-bit state loaded into a float optimizer is dequantized,
+    float state loaded into torchao's 8-bit optimizer is quantized into its buffers (torch's load
+    has already rounded plain tensors to the parameter's dtype). Returns the forms now kept."""
+    import torch
+
+    kept = set()
+    eight_bit = _is_torchao(optimizer) and type(optimizer).__name__ in _EIGHT_BIT
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            for key, value in list(state.items()):
+                if key == "step" or not torch.is_tensor(value) or not value.is_floating_point():
+                    continue
+                if type(value).__name__ in _SUBCLASS_KINDS and not eight_bit:
+                    value = state[key] = value.dequantize().to(p.dtype)
+                elif eight_bit and type(value) is torch.Tensor:
+                    buffer = optimizer._new_buffer(p, key not in _UNSIGNED)
+                    if type(buffer) is not torch.Tensor:  # large enough to quantize, as torchao does
+                        buffer.copy_(value)
+                        value = state[key] = buffer
+                kept.add(_kind(value))
+    return kept

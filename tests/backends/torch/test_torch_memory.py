@@ -65,3 +65,30 @@ def test_stochastic_rounding_through_torchao_is_torchaos_own_bit_for_bit_and_ski
     _train(ours, opt, steps=1, poison=0)  # an infinite loss: skipped, as under every policy
     assert opt.num_skipped_steps == 1
     assert all(torch.equal(a, b) for a, b in zip(before, ours.parameters()))
+
+
+def test_a_checkpoint_moves_between_state_dtypes_converting_and_saying_so_once(caplog):
+    model = mp.apply_policy(torch.nn.Linear(64, 128), "bfloat16_stochastic")  # 8192 weights: 8-bit blocks
+    plain = mp.LossScaleOptimizer(torchao_optim._AdamW(model.parameters(), lr=1e-3, bf16_stochastic_round=True))
+    _train(model, plain, steps=2)
+    saved = plain.state_dict()
+    eight = mp.LossScaleOptimizer(torchao_optim.AdamW8bit(model.parameters(), lr=1e-3, bf16_stochastic_round=True),
+                                  policy="bfloat16_stochastic_int8")
+    with caplog.at_level("WARNING", logger="mixedpolicy"):
+        eight.load_state_dict(saved)
+    lines = [r.getMessage() for r in caplog.records if "load_state_dict" in r.getMessage()]
+    assert len(lines) == 1 and "saved in bfloat16" in lines[0] and "AdamW8bit keeps it in bfloat16/int8" in lines[0]
+    state = eight.inner_optimizer.state[model.weight]
+    assert type(state["exp_avg"]).__name__ == "OptimState8bit"  # torch's own load left it full width
+    torch.testing.assert_close(state["exp_avg"].dequantize().float(), saved["state"][0]["exp_avg"].float(),
+                               rtol=0.05, atol=1e-4)
+    # and back: dequantized, said once; the same recipe loads silently
+    back = mp.LossScaleOptimizer(torchao_optim._AdamW(model.parameters(), lr=1e-3, bf16_stochastic_round=True))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="mixedpolicy"):
+        back.load_state_dict(eight.state_dict())
+        assert type(back.inner_optimizer.state[model.weight]["exp_avg"]) is torch.Tensor
+        again = mp.LossScaleOptimizer(torchao_optim._AdamW(model.parameters(), lr=1e-3, bf16_stochastic_round=True))
+        again.load_state_dict(back.state_dict())
+    assert [r.getMessage() for r in caplog.records if "load_state_dict" in r.getMessage()] == [
+        next(r.getMessage() for r in caplog.records if "saved in bfloat16/int8" in r.getMessage())]
