@@ -165,8 +165,9 @@ class LossScaleOptimizer(abc.ABC):
                       summary(loss_scale))
         if getattr(adapter, "takes_reduce_policy", False):  # Keras: it carries reduce dtypes itself
             reduce_policy = policy if policy is not None else global_policy()
-            if not isinstance(reduce_policy, PolicyMap) and as_policy(reduce_policy).reduce_dtype == "float32":
-                reduce_policy = None
+            chosen = None if isinstance(reduce_policy, PolicyMap) else as_policy(reduce_policy)
+            if chosen is not None and chosen.reduce_dtype in ("float32", chosen.variable_dtype):
+                reduce_policy = None  # what Keras does by itself (a pure policy's gradients are its dtype)
             if reduce_policy is not None:
                 kwargs["reduce_policy"] = reduce_policy
         if kwargs:  # a framework's own options (Keras: name, dynamic, its base arguments)

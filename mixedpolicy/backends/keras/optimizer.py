@@ -32,6 +32,7 @@ from keras.src.saving import object_registration as _registry  # the name a clas
 from mixedpolicy._adapter import OptimizerAdapter
 from mixedpolicy.backends.keras.reduce import (already_summed, check_reduce_policy, reduce_from_config,
                                                reduce_to_config, sum_across_replicas)
+from mixedpolicy.backends.keras.updates import KerasUpdates
 from mixedpolicy.backends.keras.saving import (SkipCounts, constructor_arguments, load_keras_layout,
                                                save_keras_layout)
 from mixedpolicy.policy import Policy
@@ -319,15 +320,13 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(DynamicLossScale)
              if f.name in ("growth_factor", "backoff_factor", "min_scale", "max_scale")}
 
 
-class KerasOptimizers(OptimizerAdapter):
+class KerasOptimizers(KerasUpdates, OptimizerAdapter):
     """A Keras optimizer comes back as this module's `LossScaleOptimizer`."""
 
-    takes_optimizer_options = True
+    takes_optimizer_options = takes_reduce_policy = True
 
     def is_optimizer(self, obj: Any) -> bool:
         return isinstance(obj, keras.optimizers.Optimizer)
-
-    takes_reduce_policy = True
 
     def wrap_optimizer(self, optimizer: Any, loss_scale: Any, axis_name: Any = None, **options: Any) -> Any:
         if axis_name is not None:

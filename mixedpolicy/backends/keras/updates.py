@@ -1,0 +1,117 @@
+"""A policy's stochastic rounding on Keras (jax, torch, tensorflow), inside the optimizer.
+
+Keras's optimizers write every update through their own ``assign_add`` / ``assign_sub``, which
+round the new value to the nearest one of the variable's dtype: a bfloat16 weight loses every
+update below half its step. `install` gives the inner optimizer of a `LossScaleOptimizer`
+versions of the two that, for the model's bfloat16 variables, add in float32 and round the sum
+stochastically into bfloat16 (the optimizer's own variables, its moments, are written as
+before). The rounding adds to the float32 pattern 16 random bits and cuts the low 16, as torchao
+and the optax rule do; the bits come from a counter-based hash (murmur3's finaliser) of the
+element's index, the variable's index, the step and a seed, in `keras.ops` integer arithmetic:
+no random state to thread through ``stateless_apply``, and the same bits on every backend, so
+one model rounds alike on jax, torch and tensorflow.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from keras import ops
+from keras.backend import standardize_dtype
+
+_SEED = 0x5EED
+# murmur3's constants and the golden-ratio step, as signed 32-bit integers (the arithmetic wraps)
+_GOLDEN, _M1, _M2, _VARIABLE = -1640531535, -2048144789, -1028477387, 668265261
+
+
+def _shift_right(h: Any, k: int) -> Any:
+    """Logical right shift of int32 `h` (ops.right_shift is arithmetic on signed integers)."""
+    return ops.bitwise_and(ops.right_shift(h, k), (1 << (32 - k)) - 1)
+
+
+def _mix(h: Any) -> Any:
+    h = ops.bitwise_xor(h, _shift_right(h, 16))
+    h = ops.multiply(h, ops.convert_to_tensor(_M1, "int32"))
+    h = ops.bitwise_xor(h, _shift_right(h, 13))
+    h = ops.multiply(h, ops.convert_to_tensor(_M2, "int32"))
+    return ops.bitwise_xor(h, _shift_right(h, 16))
+
+
+def random_bits16(shape: tuple, step: Any, index: int, seed: int = _SEED) -> Any:
+    """16 uniform random bits per element (int32 in [0, 65536)), a function of the element's
+    position, `step`, the variable's `index` and `seed`."""
+    size = 1
+    for d in shape:
+        size *= int(d)
+    position = ops.reshape(ops.arange(size, dtype="int32"), shape)
+    start = ops.add(ops.multiply(ops.cast(step, "int32"), ops.convert_to_tensor(_GOLDEN, "int32")),
+                    ops.convert_to_tensor((index * _VARIABLE + seed) & 0x7FFFFFFF, "int32"))
+    h = _mix(ops.add(ops.multiply(position, ops.convert_to_tensor(_GOLDEN, "int32")), start))
+    return ops.bitwise_and(_mix(ops.add(h, start)), 0xFFFF)
+
+
+def stochastic_round_bfloat16(x: Any, bits16: Any) -> Any:
+    """float32 `x` rounded into bfloat16 up or down with the probability of its remainder, the
+    16 random bits given."""
+    pattern = ops.view(ops.cast(x, "float32"), "int32")
+    cut = ops.bitwise_and(ops.add(pattern, bits16), -65536)  # 0xFFFF0000
+    return ops.cast(ops.view(cut, "float32"), "bfloat16")  # exact: the low half is zero
+
+
+def install(optimizer: Any, rounding: str) -> Any:
+    """Makes `optimizer` round the updates of the model's bfloat16 variables as `rounding` says
+    (``"stochastic"``); returns it."""
+    if rounding != "stochastic":
+        raise ValueError(f"Received update_rounding={rounding!r} for a Keras optimizer; Keras is "
+                         f"given 'stochastic' (bfloat16 variables) so far.")
+    cls = type(optimizer)
+
+    def rounded(variable: Any, value: Any, sign: int) -> bool:
+        key = optimizer._var_key(variable)
+        index = getattr(optimizer, "_trainable_variables_indices", {}).get(key)
+        if (index is None or standardize_dtype(variable.dtype) != "bfloat16"
+                or type(value).__name__ == "IndexedSlices"):
+            return False  # the optimizer's own variables (moments), other dtypes, sparse updates
+        target = ops.add(ops.cast(variable, "float32"), ops.multiply(ops.cast(value, "float32"), float(sign)))
+        step = optimizer.iterations
+        bits = random_bits16(tuple(variable.shape), getattr(step, "value", step), index)  # the backend's tensor
+        cls.assign(optimizer, variable, stochastic_round_bfloat16(target, bits))
+        return True
+
+    def assign_add(variable: Any, value: Any) -> None:
+        if not rounded(variable, value, 1):
+            cls.assign_add(optimizer, variable, value)
+
+    def assign_sub(variable: Any, value: Any) -> None:
+        if not rounded(variable, value, -1):
+            cls.assign_sub(optimizer, variable, value)
+
+    optimizer.assign_add, optimizer.assign_sub = assign_add, assign_sub
+    if hasattr(optimizer, "_parallel_update_step"):
+        # Keras's torch optimizers update all variables at once with torch._foreach_* ops, past
+        # assign_add / assign_sub: they take Keras's per-variable path (update_step) instead
+        import torch
+        from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+        def update_each(grads: Any, trainable_variables: Any, learning_rate: Any) -> None:
+            with torch.no_grad():
+                BaseOptimizer._backend_update_step(optimizer, grads, trainable_variables, learning_rate)
+
+        optimizer._backend_update_step = update_each
+    optimizer._mixedpolicy_update_rounding = rounding
+    return optimizer
+
+
+class KerasUpdates:
+    """What the Keras optimizer adapter carries of a policy's update recipe (see above)."""
+
+    def update_refusal(self, optimizer: Any, policy: Any) -> str | None:
+        if policy.optimizer_state_dtype != policy.variable_dtype:
+            return ("Keras's optimizers keep their state in each variable's dtype, and Keras has no "
+                    "8-bit state; train under a policy without state=")
+        if policy.update_rounding != "stochastic":
+            return "Keras is given stochastic rounding so far, not Kahan summation; use rounding=stochastic"
+        return None
+
+    def with_updates(self, optimizer: Any, policy: Any) -> Any:
+        return install(optimizer, policy.update_rounding)
