@@ -16,8 +16,8 @@ import sys
 import time
 
 from mixedpolicy.bench import data, models, progress, replicas, report, runners
-from mixedpolicy.bench.spec import (BASELINES, FRAMEWORKS, MODELS, POLICIES, PURE, RunSpec, mp_float8,
-                                    resolve_compile, resolve_frameworks, resolve_model, resolve_policies,
+from mixedpolicy.bench.spec import (BASELINES, FRAMEWORKS, MODELS, POLICIES, PURE, RunSpec, memory_policy,
+                                    mp_float8, resolve_compile, resolve_frameworks, resolve_model, resolve_policies,
                                     user_model_info)
 from mixedpolicy.bench.spec import runs as runs_on
 
@@ -236,10 +236,11 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"Received --policies {args.policies!r} with --frameworks "
                              f"{','.join(frameworks)}: no framework there trains these fp8 recipes with "
                              f"its own tools (torch: tensorwise, rowwise, rowwise_with_gw_hp; Keras: "
-                             f"delayed). Add such a framework or policy.")
-        if args.replicas and any(mp_float8(p) for p in policies):
-            raise ValueError("Received fp8 policies with --replicas; the replica comparison runs "
-                             "the float and mixed policies. Drop the fp8 policies there.")
+                             f"delayed) or these update recipes with the bench's SGD (JAX; Keras: "
+                             f"stochastic rounding). Add such a framework or policy.")
+        if args.replicas and any(mp_float8(p) or memory_policy(p) for p in policies):
+            raise ValueError("Received fp8 policies or update recipes with --replicas; the replica "
+                             "comparison runs the float and mixed policies. Drop them there.")
     except ValueError as err:
         print(f"mixedpolicy bench: error: {err}", file=sys.stderr)
         return 2
@@ -264,7 +265,11 @@ def main(argv: list[str] | None = None) -> int:
              for f in frameworks for c in compiles for p in policies if runs_on(f, p)]
     for p in policies:
         left = [f for f in frameworks if not runs_on(f, p)]
-        if left:  # an fp8 recipe the framework's own tools have no set-up for
+        if left and memory_policy(p):  # an update recipe ours does not carry with SGD there
+            print(f"mixedpolicy bench: {p} is not run on {', '.join(left)}: the bench trains SGD, and "
+                  f"there its update recipe comes with other optimizers or none (torch: torchao's Adam "
+                  f"family; see docs/memory.md)", file=sys.stderr)
+        elif left:  # an fp8 recipe the framework's own tools have no set-up for
             print(f"mixedpolicy bench: {p} is not run on {', '.join(left)}: no fp8 set-up of "
                   f"{'their' if len(left) > 1 else 'its'} own trains with that recipe to compare "
                   f"with (see docs/float8.md)", file=sys.stderr)

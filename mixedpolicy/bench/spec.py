@@ -32,11 +32,44 @@ def mp_float8(policy: str) -> bool:
     return policy not in BASELINES and mp.Policy(policy).float8_recipe is not None
 
 
-def runs(framework: str, policy: str) -> bool:
-    """Whether the bench runs `policy` on `framework`: every policy but fp8 ones everywhere; an fp8
-    policy where the framework's own tools train with its recipe (`FLOAT8_RECIPES`)."""
+#: update recipes (rounding, optimizer state dtype) ours trains the bench's SGD with, by framework:
+#: the optax rule on JAX, Keras's optimizer on Keras; torch's come with torchao's Adam family only
+#: and TensorFlow has none, so their rows of such policies are left out
+MEMORY_RECIPES = {"jax": (("stochastic", "kahan"), ("float32", "bfloat16")),
+                  **{f"keras-{b}": (("stochastic",), ()) for b in ("jax", "torch", "tensorflow")}}
+
+
+def memory_policy(policy: str) -> bool:
+    """Whether a bench policy name asks the optimizer for an update recipe (docs/memory.md)."""
     import mixedpolicy as mp
 
+    return policy not in BASELINES and not mp.Policy(policy).updates_as_the_optimizer_does
+
+
+def model_part(policy: str) -> str:
+    """The policy's name without its optimizer part ("bfloat16_stochastic" -> "bfloat16"): what
+    the model runs under, and the framework's own side trains with."""
+    import mixedpolicy as mp
+
+    if not memory_policy(policy):
+        return policy
+    p = mp.Policy(policy)
+    return mp.Policy(p, update_rounding="nearest", optimizer_state_dtype=p.variable_dtype).name
+
+
+def runs(framework: str, policy: str) -> bool:
+    """Whether the bench runs `policy` on `framework`: every float policy everywhere; an fp8 policy
+    where the framework's own tools train with its recipe (`FLOAT8_RECIPES`); an update recipe
+    where ours trains the bench's SGD with it (`MEMORY_RECIPES`)."""
+    import mixedpolicy as mp
+
+    if memory_policy(policy):
+        p = mp.Policy(policy)
+        if framework not in MEMORY_RECIPES:
+            return False
+        roundings, states = MEMORY_RECIPES[framework]
+        return ((p.update_rounding == "nearest" or p.update_rounding in roundings)
+                and p.optimizer_state_dtype in states + (p.variable_dtype,))
     recipe = mp.Policy(policy).float8_recipe if policy not in BASELINES else None
     return recipe is None or (recipe.recipe in FLOAT8_RECIPES.get(framework, ())
                               and (recipe.recipe != "delayed" or recipe.margin == 0))
@@ -150,12 +183,17 @@ def resolve_policies(value: str) -> list[str]:
             names.append(policy.name)  # fp8 over a mixed or float32 source: run where it has a path
             valid += (policy.name,)
             continue
+        if not policy.updates_as_the_optimizer_does and model_part(policy.name) in POLICIES + PURE:
+            names.append(policy.name)  # an update recipe over a bench policy: run where ours has it
+            valid += (policy.name,)
+            continue
         if policy.name not in valid:
             raise ValueError(f"Received --policies {item!r} ({policy.name}); the bench runs policies that "
                              f"each framework can also train with its own tools: choose among "
-                             f"{', '.join(valid)} (any spelling), or an fp8 policy over one of "
+                             f"{', '.join(valid)} (any spelling), an fp8 policy over one of "
                              f"{', '.join(POLICIES)} ('float8_from_mixed_bfloat16' on Keras, "
-                             f"'p=f32,c=bf16,float8=tensorwise' on torch).")
+                             f"'p=f32,c=bf16,float8=tensorwise' on torch), or an update recipe over "
+                             f"one of them ('bfloat16_stochastic' on JAX and Keras).")
         names.append(policy.name)
     return _split(";".join(names), "policies", valid, sep=";")
 

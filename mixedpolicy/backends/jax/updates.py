@@ -8,7 +8,8 @@ lands where the rounding puts the weight:
 
 - ``"stochastic"``: the float32 sum ``p + u`` is rounded into bfloat16 up or down with the
   probability of its remainder (the low 16 bits of its float32 pattern plus 16 random bits,
-  then cut: torchao's rounding), and the update becomes ``rounded - p``;
+  then cut: torchao's rounding; the bits are a counter-based hash of the element, the leaf, the
+  step and a seed, the same as the Keras rule's), and the update becomes ``rounded - p``;
 - ``"kahan"``: a half-precision compensation buffer per weight keeps what the nearest rounding
   dropped and adds it back at the next step (Kahan summation).
 
@@ -16,7 +17,7 @@ Either difference is one the parameter's dtype holds exactly whenever a step mov
 less than a factor of two (Sterbenz), so ``apply_updates`` lands exactly on the rounded value;
 a larger step lands within half a step of the update's own rounding. Only leaves in half
 precision are touched: float32 leaves (the norms a pure policy keeps in float32) update as
-always. The random key lives in the state, seeded: two runs from one seed round alike.
+always. The step count lives in the state: two runs from one seed round alike.
 """
 
 from __future__ import annotations
@@ -25,16 +26,17 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 _HALF = (jnp.bfloat16, jnp.float16)
 
 
 class RoundingState(NamedTuple):
-    """The rounding's state: the key of the next stochastic rounding, or the Kahan
-    compensation per half-precision leaf (None elsewhere)."""
+    """The rounding's state: the step count the stochastic rounding's bits are drawn for, or the
+    Kahan compensation per half-precision leaf (None elsewhere)."""
 
-    key: Any
+    step: Any
     compensation: Any
 
 
@@ -42,12 +44,35 @@ def _value(x: Any) -> Any:
     return x.get_value() if hasattr(x, "get_value") and not isinstance(x, jax.Array) else x
 
 
-def stochastic_round_bfloat16(x: Any, key: Any) -> Any:
-    """`x` (float32) rounded into bfloat16 up or down with the probability of its remainder:
-    unbiased, ``E[round(x)] == x``."""
+# murmur3's finaliser constants and the golden-ratio step (the same hash as the Keras rule, so one
+# model rounds alike on optax and on Keras)
+_GOLDEN, _M1, _M2, _VARIABLE, _SEED = 0x9E3779B1, 0x85EBCA6B, 0xC2B2AE35, 668265261, 0x5EED
+
+
+def _mix(h: Any) -> Any:
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(_M1)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(_M2)
+    return h ^ (h >> 16)
+
+
+def random_bits16(shape: tuple, step: Any, index: int, seed: int = _SEED) -> Any:
+    """16 uniform random bits per element (uint32 in [0, 65536)), a counter-based hash of the
+    element's position, `step`, the leaf's `index` and `seed`: cheaper on a CPU than threefry, and
+    the bits Keras's rule draws."""
+    position = jax.lax.iota(jnp.uint32, max(1, int(np.prod(shape)))).reshape(shape)
+    start = jnp.asarray(step).astype(jnp.uint32) * jnp.uint32(_GOLDEN) + jnp.uint32(
+        (index * _VARIABLE + seed) & 0x7FFFFFFF)
+    h = _mix(position * jnp.uint32(_GOLDEN) + start)
+    return _mix(h + start) & jnp.uint32(0xFFFF)
+
+
+def stochastic_round_bfloat16(x: Any, bits16: Any) -> Any:
+    """`x` (float32) rounded into bfloat16 up or down with the probability of its remainder
+    (unbiased, ``E[round(x)] == x``), the 16 random bits given."""
     bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
-    noise = jax.random.bits(key, x.shape, jnp.uint32) & jnp.uint32(0xFFFF)
-    cut = (bits + noise) & jnp.uint32(0xFFFF0000)
+    cut = (bits + bits16.astype(jnp.uint32)) & jnp.uint32(0xFFFF0000)
     return jax.lax.bitcast_convert_type(cut, jnp.float32).astype(jnp.bfloat16)
 
 
@@ -63,7 +88,7 @@ def update_rounding(rounding: str, seed: int = 0) -> optax.GradientTransformatio
         if rounding == "kahan":
             return RoundingState(None, jax.tree_util.tree_map(
                 lambda p: jnp.zeros_like(p) if p.dtype in _HALF else None, params))
-        return RoundingState(jax.random.PRNGKey(seed), None)
+        return RoundingState(jnp.zeros((), jnp.uint32), None)
 
     def update(updates: Any, state: RoundingState, params: Any = None) -> tuple:
         if params is None:
@@ -73,9 +98,9 @@ def update_rounding(rounding: str, seed: int = 0) -> optax.GradientTransformatio
         leaves, tree = jax.tree_util.tree_flatten(updates)
         p_leaves = tree.flatten_up_to(params)
         if rounding == "stochastic":
-            key, *keys = jax.random.split(state.key, len(leaves) + 1)
-            out = [_stochastic(u, p, k) for u, p, k in zip(leaves, p_leaves, keys)]
-            return tree.unflatten(out), RoundingState(key, None)
+            out = [_stochastic(u, p, random_bits16(p.shape, state.step, i, seed))
+                   for i, (u, p) in enumerate(zip(leaves, p_leaves))]
+            return tree.unflatten(out), RoundingState(state.step + jnp.uint32(1), None)
         c_leaves = tree.flatten_up_to(state.compensation)
         pairs = [_kahan(u, p, c) for u, p, c in zip(leaves, p_leaves, c_leaves)]
         return (tree.unflatten([u for u, _ in pairs]),
@@ -84,10 +109,10 @@ def update_rounding(rounding: str, seed: int = 0) -> optax.GradientTransformatio
     return optax.GradientTransformation(init, update)
 
 
-def _stochastic(u: Any, p: Any, key: Any) -> Any:
+def _stochastic(u: Any, p: Any, bits16: Any) -> Any:
     if p.dtype != jnp.bfloat16:
         return u
-    rounded = stochastic_round_bfloat16(p.astype(jnp.float32) + u.astype(jnp.float32), key)
+    rounded = stochastic_round_bfloat16(p.astype(jnp.float32) + u.astype(jnp.float32), bits16)
     return (rounded.astype(jnp.float32) - p.astype(jnp.float32)).astype(p.dtype)  # exact: the weights' dtype
 
 

@@ -9,9 +9,11 @@ from typing import Any, Callable
 import keras
 
 
-def compile_with_loss_scale(model: Any, scaled: bool = True, reduce_policy: Any = None) -> Callable:
+def compile_with_loss_scale(model: Any, scaled: bool = True, reduce_policy: Any = None,
+                            updates: Any = None) -> Callable:
     """``model.compile`` wrapping a plain optimizer in this package's LossScaleOptimizer: with
-    a dynamic scale where `scaled`, else a pass-through; reducing in `reduce_policy`'s dtypes."""
+    a dynamic scale where `scaled`, else a pass-through; reducing in `reduce_policy`'s dtypes;
+    updating as the policy `updates` says (stochastic rounding), where one is given."""
     compile_ = type(model).compile
 
     def compile(*args: Any, optimizer: Any = "rmsprop", **kwargs: Any) -> Any:
@@ -21,6 +23,11 @@ def compile_with_loss_scale(model: Any, scaled: bool = True, reduce_policy: Any 
         if args:
             optimizer, args = args[0], args[1:]
         optimizer = keras.optimizers.get(optimizer)
+        if updates is not None and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            from mixedpolicy.optimizer import _with_updates
+            from mixedpolicy.backends.keras.optimizer import KerasOptimizers
+
+            optimizer = _with_updates(KerasOptimizers(), optimizer, (updates,))  # refused with the fix
         if kwargs.get("auto_scale_loss", True) and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             scale = {} if scaled else {"loss_scale": NoLossScale(skip_nonfinite=False)}
             optimizer = LossScaleOptimizer(optimizer, name="loss_scale_optimizer", reduce_policy=reduce_policy,

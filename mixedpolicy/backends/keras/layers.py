@@ -177,14 +177,15 @@ class KerasModels(ModelAdapter):
                      for _, name, _ in planned)
         # a reduce dtype other than the variables' is carried by our optimizer (tf.distribute)
         reduced = any(step.policy.reduce_dtype != step.policy.variable_dtype for step in steps)
-        if isinstance(model, keras.Model) and (reduced or scaled):
+        updates = next((step.policy for step in steps if not step.policy.updates_as_the_optimizer_does), None)
+        if isinstance(model, keras.Model) and (reduced or scaled or updates is not None):
             # this model's compile wraps in our optimizer itself (Keras's own compile wraps only
             # when the model is mixed_float16, and in its unbounded one): float16 layers anywhere
             # need the loss scale, and a reduce dtype our optimizer
             from mixedpolicy.backends.keras.reduce import by_layer_path
 
             object.__setattr__(model, "compile", compile_with_loss_scale(
-                model, scaled, by_layer_path(policy_map, steps) if reduced else None))
+                model, scaled, by_layer_path(policy_map, steps) if reduced else None, updates))
         return model
 
     def remove_policy(self, model: Any) -> Any:

@@ -12,6 +12,7 @@ import mixedpolicy as mp
 from mixedpolicy.bench.models import (BN_EPSILON, BN_MOMENTUM, LN_EPSILON, MOMENTUM, learning_rate,
                                       resnet_blocks, stem_stride)
 from mixedpolicy.bench import user_model
+from mixedpolicy.bench.spec import model_part
 from mixedpolicy.bench.runners import nnx_steps, nnx_user
 from mixedpolicy.bench.trainer import Trainer, memory, pin_tf32
 from mixedpolicy.bench.user_model import UserSetup
@@ -290,12 +291,13 @@ def trainers(model: str, cfg: dict, policy: str, weights: dict, device: str, com
              tf32: bool = False):
     """(ours, native); both steps are always compiled (nnx.jit), whatever `compile` says."""
     pin_tf32("jax", device, tf32)
+    base = model_part(policy)  # an update recipe is ours alone: the models and Flax's side run its base
     if ":" in model:
-        setup, native = nnx_user.build(model, policy)
+        setup, native = nnx_user.build(model, base)
         return (Ours(setup.model, policy, learning_rate(model), setup),
-                Native(native, policy, learning_rate(model), setup))
-    ours, native = _built_in(model, cfg, weights, policy)
-    return Ours(ours, policy, learning_rate(model)), Native(native, policy, learning_rate(model))
+                Native(native, base, learning_rate(model), setup))
+    ours, native = _built_in(model, cfg, weights, base)
+    return Ours(ours, policy, learning_rate(model)), Native(native, base, learning_rate(model))
 
 
 def network(model: str, cfg: dict, weights: dict, device: str) -> nnx.Module:

@@ -12,6 +12,7 @@ import mixedpolicy as mp
 from mixedpolicy.bench.models import (BN_EPSILON, BN_MOMENTUM, LN_EPSILON, MOMENTUM, learning_rate,
                                       resnet_blocks, stem_stride)
 from mixedpolicy.bench import user_model
+from mixedpolicy.bench.spec import model_part
 from mixedpolicy.bench.trainer import Trainer, memory, pin_tf32
 from mixedpolicy.bench.user_model import UserSetup
 from mixedpolicy.bench.runners.float8 import keras_float8
@@ -281,7 +282,8 @@ def trainers(model: str, cfg: dict, policy: str, weights: dict, device: str, com
     ours.compile(keras.optimizers.SGD(learning_rate(model), momentum=MOMENTUM), _loss(setup), jit_compile=jit)  # wraps under float16
     mp.set_global_policy(None)
     fp8 = mp.Policy(policy).float8_recipe
-    keras.config.set_dtype_policy(mp.Policy(policy).source.name)  # Keras's own
+    own = mp.Policy(model_part(policy)).source.name  # Keras's own: no fp8, no update recipe of ours
+    keras.config.set_dtype_policy(own)
     native = load(_user(model).model if user else _built_in(model, cfg), weights)
     if fp8 is not None:
         keras_float8(native)
@@ -293,7 +295,7 @@ def trainers(model: str, cfg: dict, policy: str, weights: dict, device: str, com
     native.compile(keras.optimizers.LossScaleOptimizer(sgd) if scaled else sgd, _loss(setup), jit_compile=jit)
     keras.config.set_dtype_policy("float32")
     native_side = _Keras(native, setup)
-    native_side.recipe = (f"Keras dtype policy {mp.Policy(policy).source.name!r}"
+    native_side.recipe = (f"Keras dtype policy {own!r}"
                           + (", model.quantize('float8') but the head" if fp8 is not None else "")
                           + (" + keras LossScaleOptimizer" if scaled else ""))
     return _Keras(ours, setup), native_side
