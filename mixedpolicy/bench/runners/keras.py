@@ -254,7 +254,9 @@ class _Keras(Trainer):
         return getattr(self.model.optimizer, "num_skipped_steps", 0)
 
     def loss_scale(self):
-        return getattr(self.model.optimizer, "loss_scale", None)
+        opt = self.model.optimizer  # a wrapper that does not scale (an update recipe's) has none
+        unscaled = str(getattr(opt, "loss_scaling", "")).startswith(("no scaling", "pass-through"))
+        return None if unscaled else getattr(opt, "loss_scale", None)
 
 
 def _float_weights(ours: keras.Model, native: keras.Model) -> list:
