@@ -236,8 +236,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"Received --policies {args.policies!r} with --frameworks "
                              f"{','.join(frameworks)}: no framework there trains these fp8 recipes with "
                              f"its own tools (torch: tensorwise, rowwise, rowwise_with_gw_hp; Keras: "
-                             f"delayed) or these update recipes with the bench's SGD (JAX; Keras: "
-                             f"stochastic rounding). Add such a framework or policy.")
+                             f"delayed) or these update recipes with the bench's SGD (torch and Keras: "
+                             f"stochastic rounding; JAX). Add such a framework or policy.")
         if args.replicas and any(mp_float8(p) or memory_policy(p) for p in policies):
             raise ValueError("Received fp8 policies or update recipes with --replicas; the replica "
                              "comparison runs the float and mixed policies. Drop them there.")
@@ -266,9 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     for p in policies:
         left = [f for f in frameworks if not runs_on(f, p)]
         if left and memory_policy(p):  # an update recipe ours does not carry with SGD there
-            print(f"mixedpolicy bench: {p} is not run on {', '.join(left)}: the bench trains SGD, and "
-                  f"there its update recipe comes with other optimizers or none (torch: torchao's Adam "
-                  f"family; see docs/memory.md)", file=sys.stderr)
+            print(f"mixedpolicy bench: {p} is not run on {', '.join(left)}: ours does not train the "
+                  f"bench's SGD with that update recipe there (see docs/memory.md)", file=sys.stderr)
         elif left:  # an fp8 recipe the framework's own tools have no set-up for
             print(f"mixedpolicy bench: {p} is not run on {', '.join(left)}: no fp8 set-up of "
                   f"{'their' if len(left) > 1 else 'its'} own trains with that recipe to compare "

@@ -33,9 +33,10 @@ def mp_float8(policy: str) -> bool:
 
 
 #: update recipes (rounding, optimizer state dtype) ours trains the bench's SGD with, by framework:
-#: the optax rule on JAX, Keras's optimizer on Keras; torch's come with torchao's Adam family only
-#: and TensorFlow has none, so their rows of such policies are left out
-MEMORY_RECIPES = {"jax": (("stochastic", "kahan"), ("float32", "bfloat16")),
+#: the rule around torch's optimizer, the optax rule on JAX, Keras's optimizer on Keras; TensorFlow
+#: has none, so its rows of such policies are left out
+MEMORY_RECIPES = {"torch": (("stochastic",), ("float32", "bfloat16")),
+                  "jax": (("stochastic", "kahan"), ("float32", "bfloat16")),
                   **{f"keras-{b}": (("stochastic",), ()) for b in ("jax", "torch", "tensorflow")}}
 
 

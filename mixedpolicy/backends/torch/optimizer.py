@@ -28,6 +28,7 @@ from mixedpolicy.backends.torch.checks import (check_capturable, check_half_mast
                                                params_by_device_and_dtype, unscaled_step_error)
 from mixedpolicy.backends.torch.closure import check_closure_optimizers, closure_step, reevaluates_closure
 from mixedpolicy.backends.torch.inner import InnerView
+from mixedpolicy.backends.torch.updates import TorchUpdates
 from mixedpolicy.backends.torch.state import Checkpoints
 from mixedpolicy.scope import global_policy
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, is_pass_through, summary
@@ -318,7 +319,7 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
         return f"LossScaleOptimizer({inner}, {self._scale_settings!r})"
 
 
-class TorchOptimizers(OptimizerAdapter):
+class TorchOptimizers(TorchUpdates, OptimizerAdapter):
     def is_optimizer(self, obj: Any) -> bool:
         if isinstance(obj, (list, tuple)):
             return bool(obj) and all(isinstance(o, torch.optim.Optimizer) for o in obj)
@@ -335,10 +336,6 @@ class TorchOptimizers(OptimizerAdapter):
     def follow_policies(self, wrapper: Any, policies: tuple) -> None:
         wrapper._follow_policies(policies)
 
-    def update_refusal(self, optimizer: Any, policy: Any) -> str | None:
-        from mixedpolicy.backends.torch.updates import refusal
-
-        return refusal(list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer], policy)
 
     def policies_of(self, optimizer: Any) -> tuple[Any, str] | None:
         inners = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]

@@ -109,7 +109,7 @@ class Checkpoints:
         for opt, sd in zip(self._inners, inner_dicts, strict=True):
             was = state_kinds(sd)
             opt.load_state_dict(sd)
-            kept = reconcile(opt)
+            kept = reconcile(opt, sd)
             if was and kept and was != kept:  # converted, and said once, never silently
                 _log.warning("LossScaleOptimizer.load_state_dict: the optimizer state was saved in %s; %s "
                              "keeps it in %s, so it was converted (to a float dtype: rounded to nearest; "

@@ -1,10 +1,13 @@
-"""Whether a torch optimizer carries out a policy's update rounding and optimizer state dtype.
+"""A policy's update rounding and optimizer state dtype on torch: torchao's optimizers, or a rule.
 
 torch's own optimizers round each update to the nearest value of the parameter's dtype and keep
 their state in it. torchao's Adam family adds the rest: ``bf16_stochastic_round=True`` (the update
 computed in float32, then rounded stochastically into bfloat16 weights) and 8-bit block-quantized
 state (``Adam8bit`` / ``AdamW8bit``). The wrapper takes these as they are (its scaling and its skip
-of non-finite steps compose with them) and refuses an optimizer that would silently do otherwise.
+of non-finite steps compose with them). Any other optimizer gets a rule around its step (`install`):
+the step runs on float32 copies, then the weights are rounded back (stochastically) and the
+moments stored in the state dtype, torchao's arithmetic around any optimizer; it costs float32
+copies of the bfloat16 parameters, gradients and moments for the length of the step.
 """
 
 from __future__ import annotations
@@ -26,28 +29,31 @@ def _state_dtypes(optimizer: Any, policy: Any) -> set:
 
 
 def refusal(optimizers: list, policy: Any) -> str | None:
-    """None where every optimizer carries the policy's update recipe out; else what is wrong and
-    the optimizer that does it."""
+    """None where the policy's update recipe can be carried out with these optimizers (torchao's
+    own, or the rule `install` adds to any other); else what is wrong and what does it."""
     rounding, state = policy.update_rounding, policy.optimizer_state_dtype
     for opt in optimizers:
         name = type(opt).__name__
-        sr = bool(getattr(opt, "bf16_stochastic_round", False)) and _is_torchao(opt)
         if rounding == "kahan":
-            return (f"torch has no Kahan-summation optimizer mixedpolicy can hand this to ({name} "
-                    f"rounds to nearest); use update_rounding='stochastic' with torchao's "
-                    f"_AdamW(..., bf16_stochastic_round=True)")
-        if (rounding == "stochastic") != sr:
-            want = ("torchao.optim._AdamW(params, bf16_stochastic_round=True) (or AdamW8bit(..., "
-                    "bf16_stochastic_round=True) for 8-bit state)" if rounding == "stochastic" else
-                    f"{name} without bf16_stochastic_round")
-            return f"{name} rounds each update {'stochastically' if sr else 'to nearest'}; use {want}"
-        if state not in _state_dtypes(opt, policy):
-            kept = sorted(_state_dtypes(opt, policy))[0]
-            want = ("torchao.optim.AdamW8bit (or Adam8bit)" if state == "int8" else
-                    "an optimizer that keeps its state in the parameters' dtype")
-            return (f"{name} keeps its state in {kept}, the policy asks for {state}; use {want}"
-                    + (", or a policy without state=" if state != policy.variable_dtype else ""))
+            return (f"torch has no Kahan-summation rule here yet ({name} rounds to nearest); use "
+                    f"update_rounding='stochastic'")
+        if _is_torchao(opt):
+            sr = bool(getattr(opt, "bf16_stochastic_round", False))
+            if (rounding == "stochastic") != sr:
+                return (f"{name} rounds each update {'stochastically' if sr else 'to nearest'}; give it "
+                        f"bf16_stochastic_round={rounding == 'stochastic'}")
+            if state not in _state_dtypes(opt, policy):
+                kept = sorted(_state_dtypes(opt, policy))[0]
+                return f"{name} keeps its state in {kept}, the policy asks for {state}"
+        elif state == "int8":
+            return (f"{name} keeps float state; 8-bit block-quantized state is torchao's: use "
+                    f"torchao.optim.AdamW8bit(params, bf16_stochastic_round=True)")
     return None
+
+
+def carried_by_itself(optimizers: list) -> bool:
+    """torchao's optimizers carry their recipe themselves (checked by `refusal`)."""
+    return all(_is_torchao(o) for o in optimizers)
 
 
 _SUBCLASS_KINDS = {"OptimState8bit": "int8", "OptimState4bit": "int4", "OptimStateFp8": "float8"}
@@ -66,15 +72,26 @@ def state_kinds(state_dict: dict) -> set:
             for k, v in per_param.items() if k != "step" and torch.is_tensor(v) and v.is_floating_point()}
 
 
-def reconcile(optimizer: Any) -> set:
+def reconcile(optimizer: Any, saved: dict) -> set:
     """Brings each loaded moment to the form `optimizer` keeps it in, which torch's
     ``load_state_dict`` does not: 8-bit state loaded into a float optimizer is dequantized,
-    float state loaded into torchao's 8-bit optimizer is quantized into its buffers (torch's load
-    has already rounded plain tensors to the parameter's dtype). Returns the forms now kept."""
+    float state loaded into torchao's 8-bit optimizer is quantized into its buffers, and under the
+    rule `install` adds, the moments are read again from `saved` (the state dict just loaded) in
+    the rule's state dtype, where torch's load rounded them to the parameter's dtype. Returns the
+    forms now kept."""
     import torch
 
     kept = set()
     eight_bit = _is_torchao(optimizer) and type(optimizer).__name__ in _EIGHT_BIT
+    rule_dtype = getattr(optimizer, "_mixedpolicy_state_dtype", None)
+    ids = [i for group in saved.get("param_groups", []) for i in group.get("params", [])]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for p, saved_id in zip(params, ids):
+        state, keys = _moments(optimizer, p)
+        for key in keys if rule_dtype is not None else []:
+            value = saved.get("state", {}).get(saved_id, {}).get(key)
+            if torch.is_tensor(value) and type(value) is torch.Tensor:
+                state[key] = value.to(device=p.device, dtype=rule_dtype)
     for group in optimizer.param_groups:
         for p in group["params"]:
             state = optimizer.state.get(p, {})
@@ -90,3 +107,110 @@ def reconcile(optimizer: Any) -> set:
                         value = state[key] = buffer
                 kept.add(_kind(value))
     return kept
+
+
+# -- stochastic rounding after any optimizer's step ------------------------------------------
+# murmur3's finaliser and the golden-ratio step: the counter-based hash the optax and Keras rules
+# use, in int64 arithmetic masked to 32 bits, so one model rounds alike on torch, optax and Keras
+_MASK, _GOLDEN, _M1, _M2, _VARIABLE, _SEED = 0xFFFFFFFF, 0x9E3779B1, 0x85EBCA6B, 0xC2B2AE35, 668265261, 0x5EED
+STEP_KEY = "stochastic_rounding_step"  # in the first param group: saved and loaded with the optimizer
+
+
+def _mix(h: Any) -> Any:
+    h = h ^ (h >> 16)
+    h = (h * _M1) & _MASK
+    h = h ^ (h >> 13)
+    h = (h * _M2) & _MASK
+    return h ^ (h >> 16)
+
+
+def random_bits16(shape: tuple, step: int, index: int, device: Any = None, seed: int = _SEED) -> Any:
+    """16 random bits per element (int32 in [0, 65536)): the hash of the element's position, the
+    step, the parameter's index and the seed that the optax and Keras rules draw."""
+    import torch
+
+    size = 1
+    for d in shape:
+        size *= int(d)
+    position = torch.arange(max(size, 1), dtype=torch.int64, device=device).reshape(shape)
+    start = (step * _GOLDEN + ((index * _VARIABLE + seed) & 0x7FFFFFFF)) & _MASK
+    h = _mix((position * _GOLDEN + start) & _MASK)
+    return (_mix((h + start) & _MASK) & 0xFFFF).to(torch.int32)
+
+
+def stochastic_round_bfloat16(x: Any, bits16: Any) -> Any:
+    """float32 `x` rounded into bfloat16 up or down with the probability of its remainder."""
+    import torch
+
+    pattern = x.float().view(torch.int32)
+    cut = (pattern + bits16) & -65536  # 0xFFFF0000 as int32
+    return cut.view(torch.float32).to(torch.bfloat16)  # exact: the low half is zero
+
+
+def _moments(optimizer: Any, p: Any) -> Any:
+    """(state dict, keys of its per-element floating moments) of parameter `p`."""
+    import torch
+
+    state = optimizer.state.get(p, {})
+    return state, [k for k, v in state.items() if k != "step" and torch.is_tensor(v)
+                   and v.is_floating_point() and v.shape == p.shape]
+
+
+def install(optimizer: Any, policy: Any) -> Any:
+    """Gives `optimizer` a step that updates as `policy` says: the inner step runs on float32
+    copies of the bfloat16 parameters, their gradients and every parameter's moments, then the
+    weights are rounded back into bfloat16 (stochastically under ``update_rounding="stochastic"``)
+    and the moments stored in ``optimizer_state_dtype``. Returns it."""
+    import torch
+
+    step_of_class = type(optimizer).step
+    stochastic = policy.update_rounding == "stochastic"
+    state_dtype = getattr(torch, policy.optimizer_state_dtype)
+    optimizer.param_groups[0].setdefault(STEP_KEY, 0)
+
+    def step(closure: Any = None) -> Any:
+        widened = []
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                state, keys = _moments(optimizer, p)
+                for key in keys:
+                    state[key] = state[key].float()
+                if p.dtype == torch.bfloat16:
+                    grad, p.grad = p.grad, None
+                    p.data = p.data.float()
+                    p.grad = None if grad is None else grad.float()
+                    widened.append((p, grad))
+        try:
+            result = step_of_class(optimizer) if closure is None else step_of_class(optimizer, closure)
+        finally:
+            count = optimizer.param_groups[0][STEP_KEY]
+            for index, (p, grad) in enumerate(widened):
+                new, p.grad = p.data, None
+                p.data = (stochastic_round_bfloat16(new, random_bits16(tuple(new.shape), count, index, new.device))
+                          if stochastic else new.to(torch.bfloat16))
+                p.grad = grad
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    state, keys = _moments(optimizer, p)
+                    for key in keys:
+                        state[key] = state[key].to(state_dtype)
+            optimizer.param_groups[0][STEP_KEY] = count + 1
+        return result
+
+    optimizer.step = step
+    optimizer._mixedpolicy_state_dtype = state_dtype  # what a loaded state is read back in
+    return optimizer
+
+
+class TorchUpdates:
+    """What the torch optimizer adapter carries of a policy's update recipe (see above)."""
+
+    def update_refusal(self, optimizer: Any, policy: Any) -> str | None:
+        return refusal(list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer], policy)
+
+    def with_updates(self, optimizer: Any, policy: Any) -> Any:
+        inners = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        if not carried_by_itself(inners):
+            for opt in inners:
+                install(opt, policy)
+        return optimizer
