@@ -142,6 +142,12 @@ def precision_class(pl: Any) -> type:
                         "gradients would be scaled twice. Return the plain torch optimizer "
                         "(opt.inner_optimizer); pass the scale settings to Precision(...).")
             if inners:
+                from mixedpolicy.backends.torch.optimizer import TorchOptimizers
+                from mixedpolicy.optimizer import _with_updates
+
+                # an update recipe (stochastic rounding, a state dtype): the optimizers carry it out
+                _with_updates(TorchOptimizers(), inners, (self.policy_map.default,
+                                                          *(p for _, p in self.policy_map.overrides)))
                 wrapper = TorchLossScaleOptimizer(inners, self._loss_scale)
                 if isinstance(self._loss_scale, NoLossScale):
                     wrapper._follow_policies((self.policy_map.default, *(p for _, p in self.policy_map.overrides)))

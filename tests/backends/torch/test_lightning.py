@@ -226,3 +226,13 @@ def test_a_training_step_that_calls_its_layers_directly_computes_as_describe_say
     assert module.dtypes == (torch.bfloat16, half)
     assert rows["head"].compute_dtype == str(half).split(".")[1] and rows["body.0"].compute_dtype == "bfloat16"
     assert torch.isfinite(_weights(module)).all()
+
+
+def test_an_update_recipe_on_the_trainer_rounds_the_optimizers_updates():
+    module = Net(poison=None)
+    trainer = _fit(module, steps=3, plugins=[mpl.Precision("bfloat16_stochastic")])
+    inner = trainer.precision_plugin.optimizer.inner_optimizer
+    assert "step" in vars(inner) and inner.param_groups[0]["stochastic_rounding_step"] == 3
+    assert module.head.weight.dtype == torch.bfloat16 and torch.isfinite(_weights(module)).all()
+    with pytest.raises(ValueError, match="8-bit block-quantized state is torchao's"):
+        _fit(Net(poison=None), steps=1, plugins=[mpl.Precision("bfloat16_stochastic_int8")])
