@@ -32,6 +32,16 @@ class LayerPolicy(NamedTuple):
         return self.policy.reduce_dtype
 
     @property
+    def update_rounding(self) -> str:
+        """How its variables' updates are rounded (``"nearest"``, ``"stochastic"``, ``"kahan"``)."""
+        return self.policy.update_rounding
+
+    @property
+    def optimizer_state_dtype(self) -> str:
+        """What the optimizer keeps its variables' moments in."""
+        return self.policy.optimizer_state_dtype
+
+    @property
     def float8(self) -> str:
         """The fp8 recipe its matmuls run under (``"tensorwise"``...), or ``"-"``."""
         recipe = self.policy.float8_recipe
@@ -50,11 +60,14 @@ class PolicyTable(tuple):
     _HEADER = ("path", "type", "variable", "compute", "output", "reduce", "source")
 
     def _rows(self, path: str) -> tuple[tuple, list[tuple]]:
-        """(header, cells): an fp8 column after reduce where any layer runs fp8 matmuls."""
+        """(header, cells): an fp8 column after reduce where any layer runs fp8 matmuls; rounding
+        and state columns where any layer's policy asks the optimizer for an update recipe."""
         fp8 = any(r.policy.float8_recipe is not None for r in self)
-        header = self._HEADER[:6] + ("fp8",) * fp8 + self._HEADER[6:]
+        updates = any(not r.policy.updates_as_the_optimizer_does for r in self)
+        header = self._HEADER[:6] + ("fp8",) * fp8 + ("rounding", "state") * updates + self._HEADER[6:]
         return header, [(path.format(r.path or "(root)"), r.layer_type, r.variable_dtype, r.compute_dtype,
-                         r.output_dtype, r.reduce_dtype, *((r.float8,) * fp8), r.source) for r in self]
+                         r.output_dtype, r.reduce_dtype, *((r.float8,) * fp8),
+                         *((r.update_rounding, r.optimizer_state_dtype) * updates), r.source) for r in self]
 
     def __str__(self) -> str:
         header, rows = self._rows("{}")

@@ -155,3 +155,16 @@ def test_a_checkpoint_moves_between_state_dtypes_converting_and_saying_so_once(c
         again.load_state_dict(back.state_dict())
     assert [r.getMessage() for r in caplog.records if "load_state_dict" in r.getMessage()] == [
         next(r.getMessage() for r in caplog.records if "saved in bfloat16/int8" in r.getMessage())]
+
+
+def test_per_layer_a_float32_master_beside_stochastic_rounding_and_describe_shows_both():
+    policy = mp.PolicyMap("bfloat16_stochastic", {"3": "mixed_bfloat16"})  # the head keeps a float32 master
+    model = mp.apply_policy(_model(), policy)
+    rows = {row.path: row for row in mp.describe(model)}
+    assert (rows["0"].update_rounding, rows["0"].optimizer_state_dtype) == ("stochastic", "bfloat16")
+    assert (rows["3"].update_rounding, rows["3"].variable_dtype) == ("nearest", "float32")
+    assert "rounding" in str(mp.describe(model)).splitlines()[0]
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), policy=policy)
+    _train(model, opt, steps=2)
+    assert model[0].weight.dtype == torch.bfloat16 and model[3].weight.dtype == torch.float32
+    assert opt.inner_optimizer.param_groups[0]["stochastic_rounding_step"] == 2
