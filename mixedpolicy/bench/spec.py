@@ -35,7 +35,7 @@ def mp_float8(policy: str) -> bool:
 #: update recipes (rounding, optimizer state dtype) ours trains the bench's SGD with, by framework:
 #: the rule around torch's optimizer, the optax rule on JAX, Keras's optimizer on Keras; TensorFlow
 #: has none, so its rows of such policies are left out
-MEMORY_RECIPES = {"torch": (("stochastic",), ("float32", "bfloat16")),
+MEMORY_RECIPES = {"torch": (("stochastic", "kahan"), ("float32", "bfloat16")),
                   "jax": (("stochastic", "kahan"), ("float32", "bfloat16")),
                   **{f"keras-{b}": (("stochastic",), ()) for b in ("jax", "torch", "tensorflow")}}
 

@@ -295,27 +295,30 @@ def test_fp8_policies_run_against_each_frameworks_own_fp8_set_up(tmp_path):
 def test_update_recipes_run_where_ours_trains_the_benchs_sgd_with_them(tmp_path):
     """A memory policy: ours rounds the bench's SGD stochastically (torch: the rule around its
     optimizer; JAX: the optax rule) against the framework's own pure bfloat16 training on the same
-    weights (nearest); a recipe ours does not carry there (Kahan on torch) is left out and says so;
+    weights (nearest); where ours carries no update recipe (TensorFlow) the row is left out and says so;
     bytes per parameter counted from the live tensors."""
     from conftest import require_module
 
     require_module("jax")
     require_module("torch")
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "mixedpolicy", "bench", "--frameworks", "torch,jax",
+    require_module("tensorflow")
+    proc = subprocess.run([sys.executable, "-m", "mixedpolicy", "bench", "--frameworks", "torch,jax,tensorflow",
                            "--policies", "p=bf16,rounding=stochastic;p=bf16,rounding=kahan",
                            "--steps", "4", "--repeats", "2", "--warmup", "1", "--out", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     kahan = "params=bfloat16,compute=bfloat16,output=bfloat16,rounding=kahan"
-    assert f"{kahan} is not run on torch: ours does not train" in proc.stderr
+    assert f"{kahan} is not run on tensorflow: ours does not train" in proc.stderr
     runs = json.loads((out / "results.json").read_text())["runs"]
     assert [(r["framework"], r["policy"]) for r in runs] == [
-        ("torch", "bfloat16_stochastic"), ("jax", "bfloat16_stochastic"), ("jax", kahan)]
+        ("torch", "bfloat16_stochastic"), ("torch", kahan), ("jax", "bfloat16_stochastic"), ("jax", kahan)]
     for rounded in runs:
         assert "bfloat16" in rounded["native_recipe"]  # the framework's own pure bfloat16: nearest
-        # weights, gradients and SGD's momentum, all bfloat16 (no float32 master)
-        assert rounded["memory"]["ours"]["bytes_per_parameter"] == pytest.approx(6, abs=0.01)
+        # weights, gradients and SGD's momentum, all bfloat16 (no float32 master); Kahan's
+        # compensation, bfloat16 too, is two bytes more
+        expected = 8 if rounded["policy"] == kahan else 6
+        assert rounded["memory"]["ours"]["bytes_per_parameter"] == pytest.approx(expected, abs=0.01)
         assert rounded["overhead_vs_native"] > 0 and np.isfinite(rounded["final_loss"])
     with pytest.raises(ValueError, match="update recipe over one of them"):
         spec.resolve_policies("p=f64,state=float32")

@@ -34,9 +34,9 @@ def refusal(optimizers: list, policy: Any) -> str | None:
     rounding, state = policy.update_rounding, policy.optimizer_state_dtype
     for opt in optimizers:
         name = type(opt).__name__
-        if rounding == "kahan":
-            return (f"torch has no Kahan-summation rule here yet ({name} rounds to nearest); use "
-                    f"update_rounding='stochastic'")
+        if _is_torchao(opt) and rounding == "kahan":
+            return (f"{name} rounds inside its own step, where no Kahan compensation can reach; use "
+                    f"a torch optimizer (the rule around it sums with Kahan's compensation)")
         if _is_torchao(opt):
             sr = bool(getattr(opt, "bf16_stochastic_round", False))
             if (rounding == "stochastic") != sr:
@@ -114,6 +114,7 @@ def reconcile(optimizer: Any, saved: dict) -> set:
 # use, in int64 arithmetic masked to 32 bits, so one model rounds alike on torch, optax and Keras
 _MASK, _GOLDEN, _M1, _M2, _VARIABLE, _SEED = 0xFFFFFFFF, 0x9E3779B1, 0x85EBCA6B, 0xC2B2AE35, 668265261, 0x5EED
 STEP_KEY = "stochastic_rounding_step"  # in the first param group: saved and loaded with the optimizer
+KAHAN_KEY = "kahan_compensation"  # per bfloat16 parameter, in the optimizer's state
 
 
 def _mix(h: Any) -> Any:
@@ -152,7 +153,7 @@ def _moments(optimizer: Any, p: Any) -> Any:
     import torch
 
     state = optimizer.state.get(p, {})
-    return state, [k for k, v in state.items() if k != "step" and torch.is_tensor(v)
+    return state, [k for k, v in state.items() if k not in ("step", KAHAN_KEY) and torch.is_tensor(v)
                    and v.is_floating_point() and v.shape == p.shape]
 
 
@@ -164,7 +165,7 @@ def install(optimizer: Any, policy: Any) -> Any:
     import torch
 
     step_of_class = type(optimizer).step
-    stochastic = policy.update_rounding == "stochastic"
+    stochastic, kahan = policy.update_rounding == "stochastic", policy.update_rounding == "kahan"
     state_dtype = getattr(torch, policy.optimizer_state_dtype)
     optimizer.param_groups[0].setdefault(STEP_KEY, 0)
 
@@ -176,18 +177,24 @@ def install(optimizer: Any, policy: Any) -> Any:
                 for key in keys:
                     state[key] = state[key].float()
                 if p.dtype == torch.bfloat16:
-                    grad, p.grad = p.grad, None
-                    p.data = p.data.float()
+                    grad, p.grad, old = p.grad, None, p.data
+                    p.data = old.float()
                     p.grad = None if grad is None else grad.float()
-                    widened.append((p, grad))
+                    widened.append((p, grad, old))
         try:
             result = step_of_class(optimizer) if closure is None else step_of_class(optimizer, closure)
         finally:
             count = optimizer.param_groups[0][STEP_KEY]
-            for index, (p, grad) in enumerate(widened):
+            for index, (p, grad, old) in enumerate(widened):
                 new, p.grad = p.data, None
-                p.data = (stochastic_round_bfloat16(new, random_bits16(tuple(new.shape), count, index, new.device))
-                          if stochastic else new.to(torch.bfloat16))
+                if kahan:  # what nearest rounding dropped is kept, and added back at the next step
+                    state = optimizer.state[p]
+                    update = new - old.float() + state.get(KAHAN_KEY, torch.zeros_like(old)).float()
+                    p.data = (old.float() + update).to(torch.bfloat16)
+                    state[KAHAN_KEY] = (update - (p.data.float() - old.float())).to(torch.bfloat16)
+                else:
+                    p.data = (stochastic_round_bfloat16(new, random_bits16(tuple(new.shape), count, index, new.device))
+                              if stochastic else new.to(torch.bfloat16))
                 p.grad = grad
             for group in optimizer.param_groups:
                 for p in group["params"]:
