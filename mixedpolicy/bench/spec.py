@@ -37,7 +37,7 @@ def mp_float8(policy: str) -> bool:
 #: has none, so its rows of such policies are left out
 MEMORY_RECIPES = {"torch": (("stochastic", "kahan"), ("float32", "bfloat16")),
                   "jax": (("stochastic", "kahan"), ("float32", "bfloat16")),
-                  **{f"keras-{b}": (("stochastic",), ()) for b in ("jax", "torch", "tensorflow")}}
+                  **{f"keras-{b}": (("stochastic", "kahan"), ()) for b in ("jax", "torch", "tensorflow")}}
 
 
 def memory_policy(policy: str) -> bool:

@@ -32,7 +32,7 @@ from keras.src.saving import object_registration as _registry  # the name a clas
 from mixedpolicy._adapter import OptimizerAdapter
 from mixedpolicy.backends.keras.reduce import (already_summed, check_reduce_policy, reduce_from_config,
                                                reduce_to_config, sum_across_replicas)
-from mixedpolicy.backends.keras.updates import KerasUpdates
+from mixedpolicy.backends.keras.updates import KerasUpdates, rounding_to_config
 from mixedpolicy.backends.keras.saving import (SkipCounts, constructor_arguments, load_keras_layout,
                                                save_keras_layout)
 from mixedpolicy.policy import Policy
@@ -275,7 +275,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         A default wrapper's config is exactly Keras's (``name``, ``inner_optimizer``,
         ``initial_scale``, ``dynamic_growth_steps``).
         """
-        config = super().get_config()
+        config = {**super().get_config(), **rounding_to_config(self.inner_optimizer)}
         reduce_config = reduce_to_config(self._reduce_policy)
         if reduce_config is not None:
             config["reduce_policy"] = reduce_config

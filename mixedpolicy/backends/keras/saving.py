@@ -83,6 +83,11 @@ def constructor_arguments(config: dict, custom_objects: Any = None) -> tuple[Any
 
     config = dict(config)
     inner = keras.saving.deserialize_keras_object(config.pop("inner_optimizer"), custom_objects=custom_objects)
+    rounding = config.pop("update_rounding", None)
+    if rounding is not None:  # saved by a wrapper whose optimizer rounded its updates (docs/memory.md)
+        from mixedpolicy.backends.keras.updates import install
+
+        install(inner, rounding)
     if config.pop("pass_through", False):
         for key in ("initial_scale", "dynamic_growth_steps"):
             config.pop(key, None)

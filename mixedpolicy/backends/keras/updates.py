@@ -58,13 +58,32 @@ def stochastic_round_bfloat16(x: Any, bits16: Any) -> Any:
     return ops.cast(ops.view(cut, "float32"), "bfloat16")  # exact: the low half is zero
 
 
+def _compensations(optimizer: Any, variables: Any) -> None:
+    """Kahan's compensation, one optimizer variable per bfloat16 model variable (zeros), made
+    with the optimizer's own variables so that they are saved and threaded through
+    ``stateless_apply`` with them."""
+    optimizer._mixedpolicy_kahan = {
+        optimizer._var_key(v): optimizer.add_variable_from_reference(v, "kahan_compensation")
+        for v in variables if standardize_dtype(v.dtype) == "bfloat16"}
+
+
 def install(optimizer: Any, rounding: str) -> Any:
     """Makes `optimizer` round the updates of the model's bfloat16 variables as `rounding` says
-    (``"stochastic"``); returns it."""
-    if rounding != "stochastic":
-        raise ValueError(f"Received update_rounding={rounding!r} for a Keras optimizer; Keras is "
-                         f"given 'stochastic' (bfloat16 variables) so far.")
+    (``"stochastic"``, or ``"kahan"``: a bfloat16 compensation per variable keeps what nearest
+    rounding dropped and adds it back at the next step); returns it."""
+    if rounding not in ("stochastic", "kahan"):
+        raise ValueError(f"Received update_rounding={rounding!r} for a Keras optimizer; expected "
+                         f"'stochastic' or 'kahan' (nearest is what Keras does by itself).")
     cls = type(optimizer)
+    if rounding == "kahan":
+        if optimizer.built:
+            _compensations(optimizer, optimizer._trainable_variables)
+        else:
+            def build(variables: Any) -> None:
+                cls.build(optimizer, variables)
+                _compensations(optimizer, optimizer._trainable_variables)
+
+            optimizer.build = build
 
     def rounded(variable: Any, value: Any, sign: int) -> bool:
         key = optimizer._var_key(variable)
@@ -72,10 +91,18 @@ def install(optimizer: Any, rounding: str) -> Any:
         if (index is None or standardize_dtype(variable.dtype) != "bfloat16"
                 or type(value).__name__ == "IndexedSlices"):
             return False  # the optimizer's own variables (moments), other dtypes, sparse updates
-        target = ops.add(ops.cast(variable, "float32"), ops.multiply(ops.cast(value, "float32"), float(sign)))
+        old = ops.cast(variable, "float32")
+        update = ops.multiply(ops.cast(value, "float32"), float(sign))
+        if rounding == "kahan":
+            compensation = optimizer._mixedpolicy_kahan[key]
+            update = ops.add(update, ops.cast(compensation, "float32"))
+            new = ops.cast(ops.add(old, update), "bfloat16")  # nearest
+            cls.assign(optimizer, compensation, ops.subtract(update, ops.subtract(ops.cast(new, "float32"), old)))
+            cls.assign(optimizer, variable, new)
+            return True
         step = optimizer.iterations
         bits = random_bits16(tuple(variable.shape), getattr(step, "value", step), index)  # the backend's tensor
-        cls.assign(optimizer, variable, stochastic_round_bfloat16(target, bits))
+        cls.assign(optimizer, variable, stochastic_round_bfloat16(ops.add(old, update), bits))
         return True
 
     def assign_add(variable: Any, value: Any) -> None:
@@ -102,6 +129,13 @@ def install(optimizer: Any, rounding: str) -> Any:
     return optimizer
 
 
+def rounding_to_config(optimizer: Any) -> dict:
+    """The wrapper's config entry for the rounding `install` gave its inner optimizer (none if
+    none): a saved model's optimizer rounds alike once loaded, its Kahan variables loaded too."""
+    rounding = getattr(optimizer, "_mixedpolicy_update_rounding", None)
+    return {} if rounding is None else {"update_rounding": rounding}
+
+
 class KerasUpdates:
     """What the Keras optimizer adapter carries of a policy's update recipe (see above)."""
 
@@ -109,8 +143,6 @@ class KerasUpdates:
         if policy.optimizer_state_dtype != policy.variable_dtype:
             return ("Keras's optimizers keep their state in each variable's dtype, and Keras has no "
                     "8-bit state; train under a policy without state=")
-        if policy.update_rounding != "stochastic":
-            return "Keras is given stochastic rounding so far, not Kahan summation; use rounding=stochastic"
         return None
 
     def with_updates(self, optimizer: Any, policy: Any) -> Any:
