@@ -40,12 +40,12 @@ def _with_updates(adapter: Any, inner: Any, policies: tuple) -> Any:
     (the framework's own optimizer, or a rule the adapter adds); refused, before anything is
     wrapped, where it would update otherwise."""
     asked = [p for p in policies if not p.updates_as_the_optimizer_does]
-    roundings = sorted({p.update_rounding for p in asked})
-    if len(roundings) > 1:
+    recipes = sorted({(p.update_rounding, p.optimizer_state_dtype) for p in asked})
+    if len(recipes) > 1:
         raise ValueError(
-            f"Received policies asking one optimizer for update_rounding {roundings} "
-            f"({', '.join(p.name for p in asked)}); an optimizer rounds its updates one way. Give "
-            f"the layers one rounding, or their parameters optimizers of their own.")
+            f"Received policies asking one optimizer for the update recipes (rounding, state) {recipes} "
+            f"({', '.join(p.name for p in asked)}); an optimizer rounds and stores one way. Give "
+            f"the layers one recipe, or their parameters optimizers of their own.")
     for p in asked:
         why = adapter.update_refusal(inner, p)
         if why is not None:

@@ -64,6 +64,6 @@ def test_an_unknown_name_lists_the_presets():
 def test_one_optimizer_rounds_one_way():
     optax = pytest.importorskip("optax")
     mixed = mp.PolicyMap("bfloat16_stochastic", {"head": "p=bf16,rounding=kahan"})
-    with pytest.raises(ValueError, match=r"update_rounding \['kahan', 'stochastic'\].*one way"):
+    with pytest.raises(ValueError, match=r"\('kahan', 'bfloat16'\), \('stochastic', 'bfloat16'\).*one way"):
         mp.LossScaleOptimizer(optax.sgd(0.1), policy=mixed)
     mp.LossScaleOptimizer(optax.sgd(0.1), policy="bfloat16")  # nothing asked of the optimizer

@@ -157,20 +157,17 @@ def _moments(optimizer: Any, p: Any) -> Any:
                    and v.is_floating_point() and v.shape == p.shape]
 
 
-def install(optimizer: Any, policy: Any) -> Any:
-    """Gives `optimizer` a step that updates as `policy` says: the inner step runs on float32
-    copies of the bfloat16 parameters, their gradients and every parameter's moments, then the
-    weights are rounded back into bfloat16 (stochastically under ``update_rounding="stochastic"``)
-    and the moments stored in ``optimizer_state_dtype``. Returns it."""
-    import torch
+class _RoundedStep:
+    """The step `install` puts on an optimizer: an object holding the optimizer (not a closure),
+    so ``copy.deepcopy`` gives the copy a step of its own and the optimizer still pickles."""
 
-    step_of_class = type(optimizer).step
-    stochastic, kahan = policy.update_rounding == "stochastic", policy.update_rounding == "kahan"
-    state_dtype = getattr(torch, policy.optimizer_state_dtype)
-    optimizer.param_groups[0].setdefault(STEP_KEY, 0)
+    def __init__(self, optimizer: Any, policy: Any):
+        self.optimizer, self.rounding, self.state_dtype = optimizer, policy.update_rounding, policy.optimizer_state_dtype
 
-    def step(closure: Any = None) -> Any:
-        widened = []
+    def __call__(self, closure: Any = None) -> Any:
+        import torch
+
+        optimizer, widened = self.optimizer, []
         for group in optimizer.param_groups:
             for p in group["params"]:
                 state, keys = _moments(optimizer, p)
@@ -181,21 +178,24 @@ def install(optimizer: Any, policy: Any) -> Any:
                     p.data = old.float()
                     p.grad = None if grad is None else grad.float()
                     widened.append((p, grad, old))
+        step_of_class = type(optimizer).step
         try:
             result = step_of_class(optimizer) if closure is None else step_of_class(optimizer, closure)
         finally:
             count = optimizer.param_groups[0][STEP_KEY]
             for index, (p, grad, old) in enumerate(widened):
                 new, p.grad = p.data, None
-                if kahan:  # what nearest rounding dropped is kept, and added back at the next step
+                if self.rounding == "kahan":  # what nearest rounding dropped is added back next step
                     state = optimizer.state[p]
                     update = new - old.float() + state.get(KAHAN_KEY, torch.zeros_like(old)).float()
                     p.data = (old.float() + update).to(torch.bfloat16)
                     state[KAHAN_KEY] = (update - (p.data.float() - old.float())).to(torch.bfloat16)
+                elif self.rounding == "stochastic":
+                    p.data = stochastic_round_bfloat16(new, random_bits16(tuple(new.shape), count, index, new.device))
                 else:
-                    p.data = (stochastic_round_bfloat16(new, random_bits16(tuple(new.shape), count, index, new.device))
-                              if stochastic else new.to(torch.bfloat16))
+                    p.data = new.to(torch.bfloat16)
                 p.grad = grad
+            state_dtype = getattr(torch, self.state_dtype)
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     state, keys = _moments(optimizer, p)
@@ -204,8 +204,18 @@ def install(optimizer: Any, policy: Any) -> Any:
             optimizer.param_groups[0][STEP_KEY] = count + 1
         return result
 
-    optimizer.step = step
-    optimizer._mixedpolicy_state_dtype = state_dtype  # what a loaded state is read back in
+
+def install(optimizer: Any, policy: Any) -> Any:
+    """Gives `optimizer` a step that updates as `policy` says: the inner step runs on float32
+    copies of the bfloat16 parameters, their gradients and every parameter's moments, then the
+    weights are rounded back into bfloat16 (stochastically under ``update_rounding="stochastic"``,
+    with a Kahan compensation under ``"kahan"``) and the moments stored in
+    ``optimizer_state_dtype``. Returns it."""
+    import torch
+
+    optimizer.param_groups[0].setdefault(STEP_KEY, 0)
+    optimizer.step = _RoundedStep(optimizer, policy)
+    optimizer._mixedpolicy_state_dtype = getattr(torch, policy.optimizer_state_dtype)  # a loaded state's dtype
     return optimizer
 
 

@@ -170,3 +170,16 @@ def test_per_layer_a_float32_master_beside_stochastic_rounding_and_describe_show
     _train(model, opt, steps=2)
     assert model[0].weight.dtype == torch.bfloat16 and model[3].weight.dtype == torch.float32
     assert opt.inner_optimizer.param_groups[0]["stochastic_rounding_step"] == 2
+
+
+def test_a_copied_optimizer_under_the_rule_steps_its_own_parameters():
+    import copy
+
+    model = mp.apply_policy(_model(), "bfloat16_stochastic")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), policy="bfloat16_stochastic")
+    twin_model = copy.deepcopy(model)
+    twin = copy.deepcopy({"model": model, "opt": opt.inner_optimizer})  # one memo: the copy's own params
+    before = [p.detach().clone() for p in model.parameters()]
+    _train(twin["model"], twin["opt"], steps=1)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # the original untouched
+    assert not all(torch.equal(a, b) for a, b in zip(twin_model.parameters(), twin["model"].parameters()))
