@@ -191,10 +191,10 @@ def resolve_policies(value: str) -> list[str]:
         if policy.name not in valid:
             raise ValueError(f"Received --policies {item!r} ({policy.name}); the bench runs policies that "
                              f"each framework can also train with its own tools: choose among "
-                             f"{', '.join(valid)} (any spelling), an fp8 policy over one of "
+                             f"{', '.join(valid)} (any spelling), or an fp8 policy over one of "
                              f"{', '.join(POLICIES)} ('float8_from_mixed_bfloat16' on Keras, "
                              f"'p=f32,c=bf16,float8=tensorwise' on torch), or an update recipe over "
-                             f"one of them ('bfloat16_stochastic' on JAX and Keras).")
+                             f"one of them ('bfloat16_stochastic' on torch, JAX and Keras).")
         names.append(policy.name)
     return _split(";".join(names), "policies", valid, sep=";")
 
