@@ -76,7 +76,7 @@ def stochastic_round_bfloat16(x: Any, bits16: Any) -> Any:
     return jax.lax.bitcast_convert_type(cut, jnp.float32).astype(jnp.bfloat16)
 
 
-def update_rounding(rounding: str, seed: int = 0) -> optax.GradientTransformation:
+def update_rounding(rounding: str, seed: int = _SEED) -> optax.GradientTransformation:
     """The optax transformation that rounds each update into half-precision weights as
     `rounding` says (``"stochastic"`` or ``"kahan"``); it needs the parameters in ``update``."""
     if rounding not in ("stochastic", "kahan"):

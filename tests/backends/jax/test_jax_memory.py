@@ -152,3 +152,25 @@ def test_a_state_dtype_stores_every_moment_in_it_as_optax_stores_one():
     moments = adam.inner_state[0]
     assert {leaf.dtype for leaf in jax.tree_util.tree_leaves((moments.mu, moments.nu))} == {jnp.dtype(jnp.bfloat16)}
     assert moments.count.dtype == jnp.int32  # counts stay what they are
+
+
+def test_one_weight_rounds_alike_on_optax_and_on_torch():
+    torch = pytest.importorskip("torch")
+    weight = np.random.default_rng(0).normal(size=(16, 8)).astype(np.float32)
+    grad = np.random.default_rng(1).normal(size=(16, 8)).astype(np.float32) * 1e-3  # below a bfloat16 step
+    params = {"w": jnp.asarray(weight).astype(jnp.bfloat16)}
+    # a power-of-two rate: the update lr * g is exact in bfloat16 and float32 alike, so both sides
+    # add the same float32 numbers (one IEEE add each) and round them with the same bits
+    tx = mp.LossScaleOptimizer(optax.sgd(0.125), policy="bfloat16_stochastic")
+    state = tx.init(params)
+    for _ in range(3):
+        updates, state = tx.update({"w": jnp.asarray(grad).astype(jnp.bfloat16)}, state, params)
+        params = optax.apply_updates(params, updates)
+    w = torch.nn.Parameter(torch.tensor(weight).to(torch.bfloat16))
+    opt = mp.LossScaleOptimizer(torch.optim.SGD([w], lr=0.125), policy="bfloat16_stochastic")
+    for _ in range(3):
+        w.grad = torch.tensor(grad).to(torch.bfloat16)
+        opt.step()
+    np.testing.assert_array_equal(np.asarray(params["w"].astype(jnp.float32)), w.detach().float().numpy())
+    assert not np.array_equal(np.asarray(params["w"].astype(jnp.float32)),
+                              np.asarray(jnp.asarray(weight).astype(jnp.bfloat16).astype(jnp.float32)))
