@@ -104,3 +104,13 @@ def test_without_a_policy_the_global_one_decides(tmp_path):
                           overrides={"lm_head": "float32"})
         trainer.train()
     assert trainer.loss_scale_optimizer.loss_scaling.startswith("dynamic")
+
+
+def test_an_update_recipe_rounds_the_trainers_own_optimizer(tmp_path):
+    trainer = Trainer(model=_model(), args=_args(tmp_path, max_steps=3), train_dataset=_data(),
+                      policy="bfloat16_stochastic")
+    trainer.train()
+    inner = trainer.loss_scale_optimizer.inner_optimizer  # the Trainer's own AdamW, under the rule
+    assert inner.param_groups[0]["stochastic_rounding_step"] == 3
+    assert trainer.model.lm_head.weight.dtype == torch.bfloat16
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
