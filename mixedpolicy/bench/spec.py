@@ -6,18 +6,16 @@ import importlib.util
 from typing import NamedTuple
 
 from mixedpolicy.bench.models import MODELS
+from mixedpolicy.bench.recipes import BASELINES, MEMORY_RECIPES, memory_policy, model_part
 from mixedpolicy.bench.runners import FRAMEWORKS, runner
 
-__all__ = ["FRAMEWORKS", "MODELS", "POLICIES", "PURE", "RunSpec"]
+__all__ = ["BASELINES", "FRAMEWORKS", "MODELS", "POLICIES", "PURE", "RunSpec", "memory_policy", "model_part"]
 
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
 #: Pure half precision (variables and math in the half dtype), run on request: the native
 #: side is the framework's own pure-precision training (``module.to(dtype)``, Flax's
 #: ``param_dtype``, Keras's "bfloat16"/"float16" dtype policy, variables made in the dtype).
 PURE = ("bfloat16", "float16")
-#: Baselines beside the policies: "tf32" is float32 with TF32 math allowed (GPUs from
-#: Ampere on; the same as float32 on a CPU), the speed-up a GPU gives for free.
-BASELINES = ("tf32",)
 #: fp8 recipes each framework's own tools train with, which the bench compares against:
 #: torchao's Float8Linear on torch, Keras's float8 quantization on Keras; Flax NNX and
 #: TensorFlow have no fp8 set-up of their own to compare with (their fp8 rows are skipped)
@@ -30,32 +28,6 @@ def mp_float8(policy: str) -> bool:
     import mixedpolicy as mp
 
     return policy not in BASELINES and mp.Policy(policy).float8_recipe is not None
-
-
-#: update recipes (rounding, optimizer state dtype) ours trains the bench's SGD with, by framework:
-#: the rule around torch's optimizer, the optax rule on JAX, Keras's optimizer on Keras; TensorFlow
-#: has none, so its rows of such policies are left out
-MEMORY_RECIPES = {"torch": (("stochastic", "kahan"), ("float32", "bfloat16")),
-                  "jax": (("stochastic", "kahan"), ("float32", "bfloat16")),
-                  **{f"keras-{b}": (("stochastic", "kahan"), ()) for b in ("jax", "torch", "tensorflow")}}
-
-
-def memory_policy(policy: str) -> bool:
-    """Whether a bench policy name asks the optimizer for an update recipe (docs/memory.md)."""
-    import mixedpolicy as mp
-
-    return policy not in BASELINES and not mp.Policy(policy).updates_as_the_optimizer_does
-
-
-def model_part(policy: str) -> str:
-    """The policy's name without its optimizer part ("bfloat16_stochastic" -> "bfloat16"): what
-    the model runs under, and the framework's own side trains with."""
-    import mixedpolicy as mp
-
-    if not memory_policy(policy):
-        return policy
-    p = mp.Policy(policy)
-    return mp.Policy(p, update_rounding="nearest", optimizer_state_dtype=p.variable_dtype).name
 
 
 def runs(framework: str, policy: str) -> bool:

@@ -12,7 +12,7 @@ import mixedpolicy as mp
 from mixedpolicy.bench.models import (BN_EPSILON, BN_MOMENTUM, LN_EPSILON, MOMENTUM, learning_rate,
                                       resnet_blocks, stem_stride)
 from mixedpolicy.bench import user_model
-from mixedpolicy.bench.spec import model_part
+from mixedpolicy.bench.recipes import model_part
 from mixedpolicy.bench.runners import nnx_steps, nnx_user
 from mixedpolicy.bench.trainer import Trainer, memory, pin_tf32
 from mixedpolicy.bench.user_model import UserSetup

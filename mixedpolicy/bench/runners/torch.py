@@ -10,8 +10,7 @@ import torch
 import mixedpolicy as mp
 from mixedpolicy.bench.models import (BN_EPSILON, BN_MOMENTUM, LN_EPSILON, MOMENTUM, learning_rate,
                                       resnet_blocks, stem_stride)
-from mixedpolicy.bench import user_model
-from mixedpolicy.bench.spec import model_part
+from mixedpolicy.bench import recipes, user_model
 from mixedpolicy.bench.trainer import Trainer, memory, pin_tf32
 from mixedpolicy.bench.user_model import UserSetup
 from mixedpolicy.bench.runners.float8 import torchao_float8
@@ -325,7 +324,7 @@ def trainers(model: str, cfg: dict, policy: str, weights: dict, device: str, com
     net = setup.model.to(device) if setup else _built_in(model, cfg, weights, device)
     twin = copy.deepcopy(net)  # the same initial weights on both sides (a user's model too)
     ours = Ours(net, policy, device, learning_rate(model), setup)
-    native = Native(twin, model_part(policy), device, learning_rate(model), setup)  # no update recipe: nearest
+    native = Native(twin, recipes.model_part(policy), device, learning_rate(model), setup)  # no update recipe: nearest
     if compile:
         for side in (ours, native):
             side.model = torch.compile(side.model)
