@@ -76,7 +76,8 @@ def test_pure_bfloat16_with_stochastic_rounding_or_kahan_trains_like_the_float32
     _, _, stochastic = _train("bfloat16_stochastic")
     _, _, kahan = _train("p=bf16,rounding=kahan")
     # measured on a 2-core AMD EPYC: 85.9 (master), 77.1 (nearest), 85.9 (stochastic), 85.6 (kahan)
-    assert abs(stochastic - master) <= 1.0 and abs(kahan - master) <= 1.0, (master, stochastic, kahan)
+    # (another CPU's float32 accumulation moves both runs by a sample or two: 2.5 points of room)
+    assert abs(stochastic - master) <= 2.5 and abs(kahan - master) <= 2.5, (master, stochastic, kahan)
     assert nearest < master - 4, (nearest, master)  # would fail if the rounding were silently nearest
 
 
