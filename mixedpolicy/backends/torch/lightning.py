@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from mixedpolicy.backends.torch.modules import cast_inputs, region_context
+from mixedpolicy.backends.torch.regions import cast_inputs, region_context
 from mixedpolicy.backends.torch.optimizer import TorchLossScaleOptimizer
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, summary
 from mixedpolicy.policy_map import PolicyMap, as_policy_map

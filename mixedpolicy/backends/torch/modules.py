@@ -22,6 +22,9 @@ How a policy reaches a module tree:
   output dtype is its compute dtype, outputs are left as autocast makes them (half
   for matmul-like ops, float32 for autocast's float32 ops and for layers overridden
   to float32), as in hand-written AMP;
+- every other module inside a region gets an *entry* (regions.py), so that calling it
+  directly (``model.encoder(x)``, timm's ``forward_features``) computes as its region
+  does; called from within the region, an entry costs one thread-local read;
 - parameters (and floating buffers) are stored in the variable dtype.
 
 `remove_policy` undoes all of it: forwards and parameter dtypes are restored.
@@ -29,12 +32,10 @@ How a policy reaches a module tree:
 
 from __future__ import annotations
 
-import contextlib
 import warnings
-from typing import Any, Callable
+from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
 from mixedpolicy._adapter import ModelAdapter
 from mixedpolicy.backends.torch.arrays import NAMES as _NAMES, PARAMETER_POLICY, TORCH_DTYPES as _TORCH_DTYPES
@@ -44,9 +45,9 @@ from mixedpolicy.layer_plan import dotted_chains, join, plan
 from mixedpolicy.policy_map import (EMBEDDING, HEAD, LOSS, NO_FLOAT8, NORMALIZATION, SMALL_MATMUL, LayerInfo,
                                     Resolution)
 from mixedpolicy.backends.torch import float8
+from mixedpolicy.backends.torch.regions import STATE as _STATE, _autocasts, install, uninstall
 
-_STATE = "_mixedpolicy"
-_FLOAT32 = Policy("float32")  # attribute holding what apply_policy changed on a module
+_FLOAT32 = Policy("float32")
 
 # Norms whose PyTorch kernels compute in float32 from half inputs and float32 parameters.
 _FLOAT32_KERNEL_NORMS = (torch.nn.modules.batchnorm._NormBase, torch.nn.LayerNorm, torch.nn.GroupNorm)
@@ -80,111 +81,6 @@ def _head(model: torch.nn.Module) -> torch.nn.Module | None:
     return linears[-1] if linears else None
 
 
-_PLAIN = (torch.Tensor, int, float, bool, str, type(None))
-
-
-def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
-    """`tree` with its floating tensors in `dtype`. A tensor, or a tuple, list or dict of
-    tensors and plain values (a forward's usual arguments and outputs), is cast without
-    torch's pytree flatten and unflatten, which cost tens of microseconds on each call."""
-    def leaf(x):
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
-            return x.to(dtype)
-        return x
-    kind = type(tree)
-    if kind is torch.Tensor or kind in _PLAIN[1:]:
-        return leaf(tree)
-    if kind in (tuple, list) and all(isinstance(v, _PLAIN) for v in tree):
-        return kind(leaf(v) for v in tree)
-    if kind is dict and all(isinstance(v, _PLAIN) for v in tree.values()):
-        return {k: leaf(v) for k, v in tree.items()}
-    return pytree.tree_map(leaf, tree)
-
-
-def _device_type(args: tuple, kwargs: dict, module: torch.nn.Module) -> str:
-    for value in args:
-        if isinstance(value, torch.Tensor):
-            return value.device.type
-    for value in kwargs.values():
-        if isinstance(value, torch.Tensor):
-            return value.device.type
-    for p in module.parameters():
-        return p.device.type
-    return "cpu"
-
-
-def region_context(model: torch.nn.Module, device: str) -> Any:
-    """The autocast state that `model`'s own forward sets for the modules it calls: what a
-    call into a submodule that does not go through that forward needs (a LightningModule's
-    ``training_step`` calling ``self.net(x)``). Regions inside set their own state as usual;
-    a pure (half-precision variables) policy also needs its inputs cast (`cast_inputs`)."""
-    state = getattr(model, _STATE, None)
-    if state is None or "forward" not in state:  # no policy, or a plain float32 root
-        return contextlib.nullcontext()
-    policy = state["policy"]
-    if _autocasts(policy):
-        return torch.autocast(device, dtype=_TORCH_DTYPES[policy.compute_dtype])
-    return torch.autocast(device, enabled=False)
-
-
-def cast_inputs(model: torch.nn.Module, data: Any) -> Any:
-    """`data` with its floating tensors in the compute dtype of `model`'s region where that
-    region casts its inputs (a pure policy), as its forward would; otherwise `data` itself."""
-    state = getattr(model, _STATE, None)
-    if state is None or "forward" not in state or _autocasts(state["policy"]):
-        return data
-    return _cast_floating(data, _TORCH_DTYPES[state["policy"].compute_dtype])
-
-
-class _Region:
-    """A module's forward run under a policy: what `apply_policy` puts on ``module.forward``.
-
-    An object rather than a closure, so the model pickles (``torch.save(model)``) and
-    ``copy.deepcopy`` gives a copy whose region runs the copy's own forward on the
-    copy's weights (the module is an attribute, which deepcopy and pickle remap).
-    """
-
-    def __init__(self, module: torch.nn.Module, policy: Policy, inner: Callable | None = None):
-        self.module, self.policy, self.inner = module, policy, inner
-        self._prepare()
-
-    def _prepare(self) -> None:
-        policy = self.policy
-        self._compute = _TORCH_DTYPES[policy.compute_dtype]
-        self._output = _TORCH_DTYPES[policy.output_dtype]
-        self._autocast = _autocasts(policy)
-        # Under autocast with output == compute, outputs are left as autocast makes them
-        # (half for matmul-like ops, float32 for float32 ops and float32 sub-regions).
-        self._cast_out = not (self._autocast and policy.output_dtype == policy.compute_dtype)
-
-    def __getstate__(self) -> dict:
-        return {"module": self.module, "policy": self.policy, "inner": self.inner}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._prepare()
-
-    @property
-    def __wrapped__(self) -> Callable:
-        return self.inner if self.inner is not None else type(self.module).forward.__get__(self.module)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        module = self.module
-        forward = self.inner if self.inner is not None else type(module).forward.__get__(module)
-        if self._autocast:
-            with torch.autocast(_device_type(args, kwargs, module), dtype=self._compute):
-                out = forward(*args, **kwargs)
-        else:
-            args, kwargs = _cast_floating(args, self._compute), _cast_floating(kwargs, self._compute)
-            device = _device_type(args, kwargs, module)
-            if torch.is_autocast_enabled(device):
-                with torch.autocast(device, enabled=False):
-                    out = forward(*args, **kwargs)
-            else:
-                out = forward(*args, **kwargs)
-        return _cast_floating(out, self._output) if self._cast_out else out
-
-
 class TorchModels(ModelAdapter):
     runs_float8 = True  # fp8 matmuls on the framework's own path (see float8.py beside)
 
@@ -206,7 +102,8 @@ class TorchModels(ModelAdapter):
         # fp8 layers become torchao's Float8Linear (same parameters) before anything else changes
         swapped = float8.convert(model, [(step.path, step.policy.float8_recipe) for step in steps
                                          if step.policy.float8_recipe is not None and float8.eligible(step.layer)])
-        changed = {}
+        changed: dict = {}
+        regions: dict = {}  # path -> the policy of the region it computes in
         for step in steps:
             module, policy, resolution, path = step.layer, step.policy, step.resolution, step.path
             if path in swapped:
@@ -230,9 +127,13 @@ class TorchModels(ModelAdapter):
             # A region where the policy changes; a plain float32 root needs none (plain
             # PyTorch). A loss or norm root still casts its half-precision inputs.
             plain_root = parent_policy is None and policy == _FLOAT32 and info.kind not in (NORMALIZATION, LOSS)
+            parent = regions.get(path.rpartition(".")[0]) if path else None
             if step.changes_policy and not plain_root and not _kernel_norm(module, resolution, parent_policy):
-                state["forward"] = module.__dict__.get("forward")
-                module.forward = _Region(module, policy, state["forward"])
+                state["forward"] = install(module, policy, region=True)
+                regions[path] = policy
+            elif parent is not None:  # inside a region: an entry, for calls from outside it
+                state["entry"] = install(module, parent, region=False)
+                regions[path] = parent
             if path in swapped:
                 state["float8_original"] = swapped[path]
             changed[path] = state
@@ -293,10 +194,6 @@ def _own_parameters(module: torch.nn.Module, path: str) -> list:
     return [(join(path, name), _NAMES.get(p.dtype)) for name, p in module.named_parameters(recurse=False)]
 
 
-def _autocasts(policy: Policy) -> bool:
-    return policy.compute_dtype in ("float16", "bfloat16") and policy.variable_dtype != policy.compute_dtype
-
-
 def _kernel_norm(module: torch.nn.Module, resolution: Any, parent_policy: Policy | None) -> bool:
     """Whether a norm's float32 rule is met by PyTorch's kernel inside its parent's autocast."""
     policy = resolution.policy
@@ -319,11 +216,9 @@ def remove_policy(model: torch.nn.Module) -> torch.nn.Module:
             float8.restore(model, path, state["float8_original"])
         for p in module.parameters(recurse=False):
             p.__dict__.pop(PARAMETER_POLICY, None)
-        if "forward" in state:
-            if state["forward"] is None:
-                module.__dict__.pop("forward", None)
-            else:
-                module.forward = state["forward"]
+        for key in ("forward", "entry"):
+            if key in state:
+                uninstall(module, state[key])
         originals = state.get("originals", {})
         for name, dtype in state["dtypes"].items():
             tensor = getattr(module, name)

@@ -114,3 +114,17 @@ def test_an_update_recipe_rounds_the_trainers_own_optimizer(tmp_path):
     assert inner.param_groups[0]["stochastic_rounding_step"] == 3
     assert trainer.model.lm_head.weight.dtype == torch.bfloat16
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+@pytest.mark.parametrize("policy, half", [("mixed_bfloat16", "bfloat16"), ("mixed_float16", "float16")])
+def test_the_base_model_called_directly_computes_as_under_autocast(policy, half):
+    # model.transformer(...) (a Hugging Face model's body, as feature extraction calls it)
+    # computes in the policy describe shows for it, as under hand-written autocast.
+    plain, ids = _model().eval(), _data()[0]["input_ids"][None]
+    ours = mp.apply_policy(_model().eval(), policy)
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=getattr(torch, half)):
+            expected = plain.transformer(ids).last_hidden_state
+        got = ours.transformer(ids).last_hidden_state
+    assert {r.path: r.compute_dtype for r in mp.describe(ours)}["transformer.h.0.attn.c_attn"] == half
+    assert torch.equal(got, expected)

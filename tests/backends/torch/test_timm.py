@@ -52,6 +52,10 @@ def test_a_timm_model_computes_as_autocast_does_and_as_describe_says(name, half)
         got = ours(x)
     assert got.dtype == expected.dtype == half
     assert torch.equal(got, expected)
+    with torch.no_grad():  # timm's own entry points beside forward: the stages' policies hold there too
+        with torch.autocast("cpu", dtype=half):
+            features = plain.forward_features(x)
+        assert torch.equal(ours.forward_features(x), features)
     outputs = {}
     for path, module in ours.named_modules():
         module.register_forward_hook(lambda m, i, o, path=path: outputs.__setitem__(path, o))

@@ -53,6 +53,11 @@ def assert_float32_then_rounded(out, exact):
     assert ((out.float() - exact).abs() <= ulp).all()
 
 
+def has_region(module):
+    """Whether `module` got a region of its own (not just an entry into its parent's)."""
+    return type(vars(module).get("forward")).__name__ == "_Region"
+
+
 @pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("norm", [lambda: torch.nn.BatchNorm2d(6), lambda: torch.nn.GroupNorm(2, 6),
                                   lambda: torch.nn.LayerNorm([6, 5, 5]), lambda: torch.nn.InstanceNorm2d(6, affine=True),
@@ -64,7 +69,7 @@ def test_norms_compute_in_float32_inside_the_autocast_region(norm, half):
     policy = {torch.bfloat16: "mixed_bfloat16", torch.float16: "mixed_float16"}[half]
     model = mp.apply_policy(torch.nn.Sequential(torch.nn.Conv2d(3, 6, 3, padding=1), norm(), torch.nn.ReLU()),
                             policy)
-    assert ("forward" in vars(model[1])) == (model[1].weight is None) and "forward" in vars(model)
+    assert has_region(model[1]) == (model[1].weight is None) and has_region(model)
     assert {row.path: row for row in mp.describe(model)}["1"].policy.compute_dtype == "float32"
     seen = record_dtypes(model)
     x = torch.randn(4, 3, 5, 5) * 4 + 3
@@ -114,6 +119,7 @@ def test_pure_policy_casts_parameters_but_not_norms_and_removal_restores():
     assert dtypes["encoder.0.weight"] == torch.bfloat16 and dtypes["head.bias"] == torch.bfloat16
     assert dtypes["encoder.1.weight"] == torch.float32  # the norm rule
     assert model(torch.randn(2, 8)).dtype == torch.bfloat16
+    assert model.encoder[0](torch.randn(2, 8)).dtype == torch.bfloat16  # called directly: cast in
     mp.remove_policy(model)
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert not any("forward" in m.__dict__ for m in model.modules())
@@ -204,3 +210,30 @@ def test_torch_compile_has_no_graph_breaks():
 def test_explicit_output_dtype_is_honoured():
     model = mp.apply_policy(make(), "p=f32,c=bf16,o=f32")
     assert model(torch.randn(2, 8)).dtype == torch.float32
+
+
+def test_a_submodule_called_directly_computes_as_describe_says():
+    # model.encoder(x), timm's forward_features, a Hugging Face model.bert(...): a submodule
+    # called outside its parent's forward computes in its region's policy, as a Keras layer
+    # called on its own does; inside the region, or inside the user's own autocast, the
+    # entry leaves the autocast state as it finds it.
+    model, x = mp.apply_policy(make(), "mixed_float16"), torch.randn(3, 8)
+    assert {row.path: row.policy.compute_dtype for row in mp.describe(model)}["encoder.0"] == "float16"
+    with torch.autocast("cpu", dtype=torch.float16):
+        expected = model.encoder(x)
+    assert torch.equal(model.encoder(x), expected) and model.encoder[0](x).dtype == torch.float16
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the user's own autocast is theirs
+        assert model.encoder[0](x).dtype == torch.bfloat16
+
+    class Float32Head(Net):  # a model whose own code turns autocast off for its head
+        def forward(self, x):
+            with torch.autocast("cpu", enabled=False):
+                return self.head(self.encoder(x).float())
+
+    assert mp.apply_policy(Float32Head(), "mixed_float16")(x).dtype == torch.float32
+    override = mp.apply_policy(make(), mp.PolicyMap("mixed_float16", {"encoder": "float32"}))
+    assert override.encoder[0](x.half()).dtype == torch.float32  # the float32 region casts in
+    copied = copy.deepcopy(model)
+    assert copied.encoder[0](x).dtype == torch.float16
+    mp.remove_policy(model)
+    assert model.encoder(x).dtype == torch.float32 and not any("forward" in vars(m) for m in model.modules())

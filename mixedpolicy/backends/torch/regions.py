@@ -1,0 +1,175 @@
+"""Regions: the forwards `apply_policy` installs on a torch module tree (see modules.py).
+
+A *region* (`_Region`) is where the policy changes: its forward runs under the policy's
+autocast state (or casts its inputs, for a pure or a float32 policy). An *entry*
+(`_Entry`) sits on every other module inside a region, so that a module called
+directly - ``model.encoder(x)``, timm's ``model.forward_features(x)`` (which calls the
+stages), a Hugging Face ``model.bert(...)`` - computes as `describe` says, as a
+Keras layer or a Flax module called on its own does. Inside its region an entry is
+one thread-local read; it steps in only where no region is running in this thread
+and no autocast is on: a user's own ``torch.autocast`` block, and the autocast a
+checkpointed recompute restores, are left as they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Callable
+
+import torch
+from torch.utils import _pytree as pytree
+
+from mixedpolicy.backends.torch.arrays import TORCH_DTYPES as _TORCH_DTYPES
+from mixedpolicy.policy import Policy
+
+STATE = "_mixedpolicy"  # attribute holding what apply_policy changed on a module
+
+# How many regions this thread is inside (an entry called from within one does nothing).
+_running = threading.local()
+
+
+_PLAIN = (torch.Tensor, int, float, bool, str, type(None))
+
+
+def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    """`tree` with its floating tensors in `dtype`. A tensor, or a tuple, list or dict of
+    tensors and plain values (a forward's usual arguments and outputs), is cast without
+    torch's pytree flatten and unflatten, which cost tens of microseconds on each call."""
+    def leaf(x):
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+    kind = type(tree)
+    if kind is torch.Tensor or kind in _PLAIN[1:]:
+        return leaf(tree)
+    if kind in (tuple, list) and all(isinstance(v, _PLAIN) for v in tree):
+        return kind(leaf(v) for v in tree)
+    if kind is dict and all(isinstance(v, _PLAIN) for v in tree.values()):
+        return {k: leaf(v) for k, v in tree.items()}
+    return pytree.tree_map(leaf, tree)
+
+
+def _device_type(args: tuple, kwargs: dict, module: torch.nn.Module) -> str:
+    for value in args:
+        if isinstance(value, torch.Tensor):
+            return value.device.type
+    for value in kwargs.values():
+        if isinstance(value, torch.Tensor):
+            return value.device.type
+    for p in module.parameters():
+        return p.device.type
+    return "cpu"
+
+
+def region_context(model: torch.nn.Module, device: str) -> Any:
+    """The autocast state that `model`'s own forward sets for the modules it calls: what a
+    call into a submodule that does not go through that forward needs (a LightningModule's
+    ``training_step`` calling ``self.net(x)``). Regions inside set their own state as usual;
+    a pure (half-precision variables) policy also needs its inputs cast (`cast_inputs`)."""
+    state = getattr(model, STATE, None)
+    if state is None or "forward" not in state:  # no policy, or a plain float32 root
+        return contextlib.nullcontext()
+    policy = state["policy"]
+    if _autocasts(policy):
+        return torch.autocast(device, dtype=_TORCH_DTYPES[policy.compute_dtype])
+    return torch.autocast(device, enabled=False)
+
+
+def cast_inputs(model: torch.nn.Module, data: Any) -> Any:
+    """`data` with its floating tensors in the compute dtype of `model`'s region where that
+    region casts its inputs (a pure policy), as its forward would; otherwise `data` itself."""
+    state = getattr(model, STATE, None)
+    if state is None or "forward" not in state or _autocasts(state["policy"]):
+        return data
+    return _cast_floating(data, _TORCH_DTYPES[state["policy"].compute_dtype])
+
+
+class _Region:
+    """A module's forward run under a policy: what `apply_policy` puts on ``module.forward``.
+
+    An object rather than a closure, so the model pickles (``torch.save(model)``) and
+    ``copy.deepcopy`` gives a copy whose region runs the copy's own forward on the
+    copy's weights (the module is an attribute, which deepcopy and pickle remap).
+    """
+
+    def __init__(self, module: torch.nn.Module, policy: Policy, inner: Callable | None = None):
+        self.module, self.policy, self.inner = module, policy, inner
+        self._prepare()
+
+    def _prepare(self) -> None:
+        policy = self.policy
+        self._compute = _TORCH_DTYPES[policy.compute_dtype]
+        self._output = _TORCH_DTYPES[policy.output_dtype]
+        self._autocast = _autocasts(policy)
+        # Under autocast with output == compute, outputs are left as autocast makes them
+        # (half for matmul-like ops, float32 for float32 ops and float32 sub-regions).
+        self._cast_out = not (self._autocast and policy.output_dtype == policy.compute_dtype)
+
+    def __getstate__(self) -> dict:
+        return {"module": self.module, "policy": self.policy, "inner": self.inner}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._prepare()
+
+    @property
+    def __wrapped__(self) -> Callable:
+        return self.inner if self.inner is not None else type(self.module).forward.__get__(self.module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        _running.depth = getattr(_running, "depth", 0) + 1
+        try:
+            return self._run(*args, **kwargs)
+        finally:
+            _running.depth -= 1
+
+    def _run(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module
+        forward = self.inner if self.inner is not None else type(module).forward.__get__(module)
+        if self._autocast:
+            with torch.autocast(_device_type(args, kwargs, module), dtype=self._compute):
+                out = forward(*args, **kwargs)
+        else:
+            args, kwargs = _cast_floating(args, self._compute), _cast_floating(kwargs, self._compute)
+            device = _device_type(args, kwargs, module)
+            if torch.is_autocast_enabled(device):
+                with torch.autocast(device, enabled=False):
+                    out = forward(*args, **kwargs)
+            else:
+                out = forward(*args, **kwargs)
+        return _cast_floating(out, self._output) if self._cast_out else out
+
+
+
+def _autocasts(policy: Policy) -> bool:
+    return policy.compute_dtype in ("float16", "bfloat16") and policy.variable_dtype != policy.compute_dtype
+
+
+
+
+class _Entry(_Region):
+    """The forward of a module that has no region of its own: its region's policy, applied
+    only when the module is called from outside every region with autocast off."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if getattr(_running, "depth", 0) or torch.is_autocast_enabled(_device_type(args, kwargs, self.module)):
+            forward = self.inner if self.inner is not None else type(self.module).forward.__get__(self.module)
+            return forward(*args, **kwargs)
+        return _Region.__call__(self, *args, **kwargs)
+
+
+def install(module: torch.nn.Module, policy: Policy, region: bool) -> Any:
+    """Puts a region (or, with ``region=False``, an entry of `policy`'s region) on
+    ``module.forward``; returns what the instance had there before (``None`` for the
+    class's own forward), for `uninstall`."""
+    before = module.__dict__.get("forward")
+    module.forward = (_Region if region else _Entry)(module, policy, before)
+    return before
+
+
+def uninstall(module: torch.nn.Module, before: Any) -> None:
+    if before is None:
+        module.__dict__.pop("forward", None)
+    else:
+        module.forward = before
