@@ -108,6 +108,21 @@ def test_16_mixed_matches_lightnings_own_plugin_losses_skips_and_scale(manual):
     assert {row.compute_dtype for row in table if row.path == "head"} == {"float16"}
 
 
+@pytest.mark.parametrize("trainer_kw", [dict(gradient_clip_val=0.5),
+                                        dict(gradient_clip_val=0.05, gradient_clip_algorithm="value"),
+                                        dict(accumulate_grad_batches=2, gradient_clip_val=0.5)],
+                         ids=["clip-norm", "clip-value", "accumulate-and-clip"])
+def test_clipping_and_accumulation_equal_lightnings_own_plugin_step_for_step(trainer_kw):
+    # the Trainer clips unscaled gradients (the plugin unscales first) and steps every
+    # accumulate_grad_batches batches: the same losses, weights and scales as Lightning's own
+    theirs, ours = Net(), Net()
+    _fit(theirs, plugins=[pl.plugins.precision.MixedPrecision("16-mixed", "cpu")], **trainer_kw)
+    _fit(ours, plugins=[mpl.Precision("16-mixed", initial_scale=2.0**16)], **trainer_kw)
+    assert ours.scales == theirs.scales and min(ours.scales) < max(ours.scales)  # the poisoned step backed off
+    assert len(ours.losses) == len(theirs.losses) and ours.losses == theirs.losses
+    torch.testing.assert_close(_weights(ours), _weights(theirs), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual"])
 def test_bf16_mixed_matches_lightnings_own_plugin_and_skips_what_it_would_apply(manual):
     theirs = Net(manual, poison=None)
