@@ -8,7 +8,10 @@ the dtypes per layer and loss scaling following it. Reading ``Trainer`` imports 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what the API reference and type checkers read; at run time, __getattr__ below
+    from mixedpolicy.backends.torch.huggingface import PolicyTrainer as Trainer
 
 
 def __getattr__(name: str) -> Any:

@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mixedpolicy._registry import LIGHTNING_CALLBACKS
+
+if TYPE_CHECKING:  # what the API reference and type checkers read; at run time, __getattr__ below
+    from mixedpolicy.backends.torch.lightning import PolicyLossScaleCallback as LossScaleCallback
+    from mixedpolicy.backends.torch.lightning import PolicyPrecision as Precision
 
 _PACKAGES = tuple(gate for gate, _ in LIGHTNING_CALLBACKS)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Iterable, NamedTuple
 
 from mixedpolicy.policy import Policy
 
@@ -58,6 +58,9 @@ class PolicyTable(tuple):
     """
 
     _HEADER = ("path", "type", "variable", "compute", "output", "reduce", "source")
+
+    def __new__(cls, rows: Iterable[LayerPolicy] = ()) -> "PolicyTable":
+        return super().__new__(cls, rows)
 
     def _rows(self, path: str) -> tuple[tuple, list[tuple]]:
         """(header, cells): an fp8 column after reduce where any layer runs fp8 matmuls; rounding

@@ -1,6 +1,10 @@
 """A griffe extension for the API reference (mkdocs.yml): a docstring's doctest examples, the
 ``>>>`` lines and the output under them, become fenced ``pycon`` blocks, so Markdown renders
-them as code instead of nested blockquotes. The docstrings themselves stay plain doctests."""
+them as code instead of nested blockquotes. The docstrings themselves stay plain doctests.
+
+A class built by ``__new__`` alone (``LossScaleOptimizer``, a factory) gets its heading's
+signature from ``__new__``, and a ``NamedTuple`` one from its fields, as other classes get
+theirs from ``__init__``."""
 
 from __future__ import annotations
 
@@ -37,3 +41,23 @@ class DoctestBlocks(griffe.Extension):
     def on_instance(self, *, obj: griffe.Object, **kwargs: Any) -> None:
         if obj.docstring is not None:
             obj.docstring.value = fence_doctests(obj.docstring.value)
+
+
+class ConstructorSignatures(griffe.Extension):
+    """Gives a class with a ``__new__`` and no ``__init__`` of its own the ``__new__`` signature."""
+
+    def on_class_members(self, *, cls: griffe.Class, **kwargs: Any) -> None:
+        if "__init__" in cls.members:
+            return
+        new = cls.members.get("__new__")
+        if isinstance(new, griffe.Function):
+            parameters = new.parameters
+        elif any(str(base).endswith("NamedTuple") for base in cls.bases):
+            fields = [m for m in cls.members.values()
+                      if isinstance(m, griffe.Attribute) and m.annotation is not None and not m.name.startswith("_")]
+            parameters = griffe.Parameters(griffe.Parameter("self"), *(
+                griffe.Parameter(f.name, annotation=f.annotation, default=f.value) for f in fields))
+        else:
+            return
+        cls.set_member("__init__", griffe.Function("__init__", lineno=cls.lineno, endlineno=cls.lineno,
+                                                   parameters=parameters, returns=None))

@@ -53,188 +53,190 @@ def _unwrap(optimizer: Any) -> Any:
     return getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer holds the torch one
 
 
+class PolicyPrecision:
+    """A Lightning precision plugin that trains under a mixedpolicy policy or `PolicyMap`.
+
+    ``Trainer(plugins=[mixedpolicy.lightning.Precision("mixed_float16", {"head": "float32"})])``:
+    the policy with its overrides goes on the LightningModule (per-layer autocast regions,
+    norms in float32), the loss is scaled where a layer computes in float16 over float32
+    weights, gradients are unscaled before clipping, a step whose gradients are not all
+    finite is skipped and counted under every policy, and the scale with its counters is
+    saved in and restored from the Trainer's checkpoint. Return plain torch optimizers from
+    ``configure_optimizers``: the plugin wraps them.
+
+    Args:
+      policy: a `Policy`, its name (Lightning's ``"16-mixed"``, ``"bf16-mixed"`` too) or a
+        `PolicyMap`; None takes the global policy.
+      overrides: per-layer overrides, as for `PolicyMap` (not with a `PolicyMap`).
+      initial_scale, dynamic_growth_steps, growth_factor, backoff_factor, min_scale,
+        max_scale: settings of the dynamic scale, as `LossScaleOptimizer` takes them.
+      loss_scale: a ready `LossScale`, used as it is.
+
+    Raises:
+      ValueError, TypeError: a bad policy or setting, named with what is valid.
+    """
+
+    def __init__(self, policy: Any = None, overrides: Any = None, *, initial_scale: Any = None,
+                 dynamic_growth_steps: Any = None, growth_factor: Any = None, backoff_factor: Any = None,
+                 min_scale: Any = None, max_scale: Any = None, loss_scale: LossScale | None = None):
+        super().__init__()
+        self.policy_map = as_policy_map(policy, overrides)
+        if self.policy_map.default is None:  # the global policy now, as a script would read it
+            self.policy_map = self.policy_map.with_default(global_policy())
+        settings = {k: v for k, v in (("loss_scale", initial_scale), ("dynamic_growth_steps", dynamic_growth_steps),
+                                      ("growth_factor", growth_factor), ("backoff_factor", backoff_factor),
+                                      ("min_scale", min_scale), ("max_scale", max_scale)) if v is not None}
+        if loss_scale is not None and not isinstance(loss_scale, LossScale):
+            raise TypeError(f"Received loss_scale of type {type(loss_scale).__name__}; expected a "
+                            f"DynamicLossScale, StaticLossScale or NoLossScale.")
+        self._loss_scale = _loss_scale_for(self.policy_map, settings, loss_scale)
+        default = self.policy_map.default
+        self.precision = _LIGHTNING_NAMES.get(default.name, default.name)  # what trainer.precision shows
+        self.optimizer: TorchLossScaleOptimizer | None = None  # the Trainer's optimizers, once connected
+        self._pending_state: dict | None = None
+        self._module: torch.nn.Module | None = None  # the LightningModule, once converted
+
+    @property
+    def loss_scaling(self) -> str:
+        """What the plugin does to each step (dynamic scaling, or none with the skip)."""
+        return summary(self._loss_scale)
+
+    # -- the module ---------------------------------------------------------------
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        from mixedpolicy.api import apply_policy
+
+        self._module = apply_policy(module, self.policy_map)
+        return self._module
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Iterator[None]:
+        # the steps run in the LightningModule's region, as Lightning's own plugins run them in
+        # theirs: a training_step that calls self.net(x) rather than self(x) computes as
+        # describe says (the regions inside set their own state as usual)
+        module = self._module
+        if module is None:
+            yield
+            return
+        with region_context(module, module.device.type if hasattr(module, "device") else "cpu"):
+            yield
+
+    def convert_input(self, data: Any) -> Any:
+        # a pure (half-precision variables) policy: the batch's floating tensors in its compute
+        # dtype, as Lightning's own "bf16-true" casts them
+        return super().convert_input(data if self._module is None else cast_inputs(self._module, data))
+
+    def connect(self, model: Any, optimizers: list, lr_schedulers: list) -> tuple:
+        inners = [_unwrap(o) for o in optimizers]
+        for opt in inners:
+            if isinstance(opt, TorchLossScaleOptimizer):
+                raise TypeError(
+                    "Received a mixedpolicy LossScaleOptimizer from configure_optimizers together "
+                    "with mixedpolicy.lightning.Precision, which scales the loss itself: the "
+                    "gradients would be scaled twice. Return the plain torch optimizer "
+                    "(opt.inner_optimizer); pass the scale settings to Precision(...).")
+        if inners:
+            from mixedpolicy.backends.torch.optimizer import TorchOptimizers
+            from mixedpolicy.optimizer import _with_updates
+
+            # an update recipe (stochastic rounding, a state dtype): the optimizers carry it out
+            _with_updates(TorchOptimizers(), inners, (self.policy_map.default,
+                                                      *(p for _, p in self.policy_map.overrides)))
+            wrapper = TorchLossScaleOptimizer(inners, self._loss_scale)
+            if isinstance(self._loss_scale, NoLossScale):
+                wrapper._follow_policies((self.policy_map.default, *(p for _, p in self.policy_map.overrides)))
+            self.optimizer = wrapper
+            if self._pending_state is not None:
+                self.optimizer.load_scaler_state_dict(self._pending_state)
+                self._pending_state = None
+        return super().connect(model, optimizers, lr_schedulers)
+
+    # -- backward and step --------------------------------------------------------
+    def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
+        if self.optimizer is not None:
+            tensor = self.optimizer.scale_loss(tensor)
+        return super().pre_backward(tensor, module)
+
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        if self.optimizer is None:
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        inner = _unwrap(optimizer)
+        if isinstance(inner, torch.optim.LBFGS):
+            raise TypeError("Received torch.optim.LBFGS with mixedpolicy.lightning.Precision: it "
+                            "re-evaluates the closure inside its step, which the plugin's check of "
+                            "the gradients cannot follow. Use a first-order optimizer.")
+        closure_result = closure()
+        # automatic optimization whose training_step returned None: no backward, no step
+        skip_backward = closure_result is None and getattr(model, "automatic_optimization", True)
+        with self.optimizer.acting_on(inner):
+            if not skip_backward and not self.optimizer._unscaled:
+                self.optimizer.unscale_()  # clipping and on_before_optimizer_step see true gradients
+            self._after_closure(model, optimizer)
+            if skip_backward:
+                self.optimizer._after_step()
+                return closure_result
+            self.optimizer.step(**kwargs)
+        return closure_result
+
+    def clip_gradients(self, optimizer: Any, clip_val: Any = 0.0, gradient_clip_algorithm: Any = None) -> None:
+        if self.optimizer is not None and clip_val and clip_val > 0 and not self.optimizer._unscaled:
+            with self.optimizer.acting_on(_unwrap(optimizer)):
+                self.optimizer.unscale_()  # manual optimization: clip true gradients, not scaled ones
+        kwargs = {} if gradient_clip_algorithm is None else {"gradient_clip_algorithm": gradient_clip_algorithm}
+        super().clip_gradients(optimizer, clip_val=clip_val, **kwargs)
+
+    # -- checkpoints ----------------------------------------------------------------
+    def state_dict(self) -> dict:
+        if self.optimizer is None:
+            return {}
+        return self.optimizer.state_dict()["loss_scale"]
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if not state_dict:
+            return
+        if self.optimizer is None:  # restored before the optimizers are connected
+            self._pending_state = dict(state_dict)
+            return
+        self.optimizer.load_scaler_state_dict(state_dict)
+
+
 def precision_class(pl: Any) -> type:
-    """The ``Precision`` plugin subclass for the Lightning package `pl` (built once)."""
+    """The ``Precision`` plugin subclass for the Lightning package `pl` (built once): `PolicyPrecision`
+    over the package's own ``Precision`` base."""
     key = ("precision", pl.__name__)
-    if key in _built:
-        return _built[key]
-    base = pl.plugins.precision.Precision
+    if key not in _built:
+        _built[key] = type("Precision", (PolicyPrecision, pl.plugins.precision.Precision),
+                           {"__module__": "mixedpolicy.lightning", "__qualname__": "Precision",
+                            "__doc__": PolicyPrecision.__doc__})
+    return _built[key]
 
-    class Precision(base):  # type: ignore[misc, valid-type]
-        """A Lightning precision plugin that trains under a mixedpolicy policy or `PolicyMap`.
 
-        ``Trainer(plugins=[mixedpolicy.lightning.Precision("mixed_float16", {"head": "float32"})])``:
-        the policy with its overrides goes on the LightningModule (per-layer autocast regions,
-        norms in float32), the loss is scaled where a layer computes in float16 over float32
-        weights, gradients are unscaled before clipping, a step whose gradients are not all
-        finite is skipped and counted under every policy, and the scale with its counters is
-        saved in and restored from the Trainer's checkpoint. Return plain torch optimizers from
-        ``configure_optimizers``: the plugin wraps them.
+class PolicyLossScaleCallback(LightningLossScaleCallback):
+    """Logs the loss scale, the skipped steps and whether the last step was skipped through
+    ``pl_module.log_dict`` every `every_n_steps` training batches: of the mixedpolicy
+    `Precision` plugin, else of each mixedpolicy `LossScaleOptimizer` among the Trainer's
+    optimizers (reading them syncs with the device once per log). A Lightning ``Callback``:
+    ``Trainer(callbacks=[mixedpolicy.lightning.LossScaleCallback(every_n_steps=50)])``.
 
-        Args:
-          policy: a `Policy`, its name (Lightning's ``"16-mixed"``, ``"bf16-mixed"`` too) or a
-            `PolicyMap`; None takes the global policy.
-          overrides: per-layer overrides, as for `PolicyMap` (not with a `PolicyMap`).
-          initial_scale, dynamic_growth_steps, growth_factor, backoff_factor, min_scale,
-            max_scale: settings of the dynamic scale, as `LossScaleOptimizer` takes them.
-          loss_scale: a ready `LossScale`, used as it is.
+    Args:
+      every_n_steps: log every this many training batches.
+      prefix: put before each metric's name.
+    """
 
-        Raises:
-          ValueError, TypeError: a bad policy or setting, named with what is valid.
-        """
-
-        def __init__(self, policy: Any = None, overrides: Any = None, *, initial_scale: Any = None,
-                     dynamic_growth_steps: Any = None, growth_factor: Any = None, backoff_factor: Any = None,
-                     min_scale: Any = None, max_scale: Any = None, loss_scale: LossScale | None = None):
-            super().__init__()
-            self.policy_map = as_policy_map(policy, overrides)
-            if self.policy_map.default is None:  # the global policy now, as a script would read it
-                self.policy_map = self.policy_map.with_default(global_policy())
-            settings = {k: v for k, v in (("loss_scale", initial_scale), ("dynamic_growth_steps", dynamic_growth_steps),
-                                          ("growth_factor", growth_factor), ("backoff_factor", backoff_factor),
-                                          ("min_scale", min_scale), ("max_scale", max_scale)) if v is not None}
-            if loss_scale is not None and not isinstance(loss_scale, LossScale):
-                raise TypeError(f"Received loss_scale of type {type(loss_scale).__name__}; expected a "
-                                f"DynamicLossScale, StaticLossScale or NoLossScale.")
-            self._loss_scale = _loss_scale_for(self.policy_map, settings, loss_scale)
-            default = self.policy_map.default
-            self.precision = _LIGHTNING_NAMES.get(default.name, default.name)  # what trainer.precision shows
-            self.optimizer: TorchLossScaleOptimizer | None = None  # the Trainer's optimizers, once connected
-            self._pending_state: dict | None = None
-            self._module: torch.nn.Module | None = None  # the LightningModule, once converted
-
-        @property
-        def loss_scaling(self) -> str:
-            """What the plugin does to each step (dynamic scaling, or none with the skip)."""
-            return summary(self._loss_scale)
-
-        # -- the module ---------------------------------------------------------------
-        def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
-            from mixedpolicy.api import apply_policy
-
-            self._module = apply_policy(module, self.policy_map)
-            return self._module
-
-        @contextlib.contextmanager
-        def forward_context(self) -> Iterator[None]:
-            # the steps run in the LightningModule's region, as Lightning's own plugins run them in
-            # theirs: a training_step that calls self.net(x) rather than self(x) computes as
-            # describe says (the regions inside set their own state as usual)
-            module = self._module
-            if module is None:
-                yield
-                return
-            with region_context(module, module.device.type if hasattr(module, "device") else "cpu"):
-                yield
-
-        def convert_input(self, data: Any) -> Any:
-            # a pure (half-precision variables) policy: the batch's floating tensors in its compute
-            # dtype, as Lightning's own "bf16-true" casts them
-            return super().convert_input(data if self._module is None else cast_inputs(self._module, data))
-
-        def connect(self, model: Any, optimizers: list, lr_schedulers: list) -> tuple:
-            inners = [_unwrap(o) for o in optimizers]
-            for opt in inners:
-                if isinstance(opt, TorchLossScaleOptimizer):
-                    raise TypeError(
-                        "Received a mixedpolicy LossScaleOptimizer from configure_optimizers together "
-                        "with mixedpolicy.lightning.Precision, which scales the loss itself: the "
-                        "gradients would be scaled twice. Return the plain torch optimizer "
-                        "(opt.inner_optimizer); pass the scale settings to Precision(...).")
-            if inners:
-                from mixedpolicy.backends.torch.optimizer import TorchOptimizers
-                from mixedpolicy.optimizer import _with_updates
-
-                # an update recipe (stochastic rounding, a state dtype): the optimizers carry it out
-                _with_updates(TorchOptimizers(), inners, (self.policy_map.default,
-                                                          *(p for _, p in self.policy_map.overrides)))
-                wrapper = TorchLossScaleOptimizer(inners, self._loss_scale)
-                if isinstance(self._loss_scale, NoLossScale):
-                    wrapper._follow_policies((self.policy_map.default, *(p for _, p in self.policy_map.overrides)))
-                self.optimizer = wrapper
-                if self._pending_state is not None:
-                    self.optimizer.load_scaler_state_dict(self._pending_state)
-                    self._pending_state = None
-            return super().connect(model, optimizers, lr_schedulers)
-
-        # -- backward and step --------------------------------------------------------
-        def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
-            if self.optimizer is not None:
-                tensor = self.optimizer.scale_loss(tensor)
-            return super().pre_backward(tensor, module)
-
-        def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
-            if self.optimizer is None:
-                return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
-            inner = _unwrap(optimizer)
-            if isinstance(inner, torch.optim.LBFGS):
-                raise TypeError("Received torch.optim.LBFGS with mixedpolicy.lightning.Precision: it "
-                                "re-evaluates the closure inside its step, which the plugin's check of "
-                                "the gradients cannot follow. Use a first-order optimizer.")
-            closure_result = closure()
-            # automatic optimization whose training_step returned None: no backward, no step
-            skip_backward = closure_result is None and getattr(model, "automatic_optimization", True)
-            with self.optimizer.acting_on(inner):
-                if not skip_backward and not self.optimizer._unscaled:
-                    self.optimizer.unscale_()  # clipping and on_before_optimizer_step see true gradients
-                self._after_closure(model, optimizer)
-                if skip_backward:
-                    self.optimizer._after_step()
-                    return closure_result
-                self.optimizer.step(**kwargs)
-            return closure_result
-
-        def clip_gradients(self, optimizer: Any, clip_val: Any = 0.0, gradient_clip_algorithm: Any = None) -> None:
-            if self.optimizer is not None and clip_val and clip_val > 0 and not self.optimizer._unscaled:
-                with self.optimizer.acting_on(_unwrap(optimizer)):
-                    self.optimizer.unscale_()  # manual optimization: clip true gradients, not scaled ones
-            kwargs = {} if gradient_clip_algorithm is None else {"gradient_clip_algorithm": gradient_clip_algorithm}
-            super().clip_gradients(optimizer, clip_val=clip_val, **kwargs)
-
-        # -- checkpoints ----------------------------------------------------------------
-        def state_dict(self) -> dict:
-            if self.optimizer is None:
-                return {}
-            return self.optimizer.state_dict()["loss_scale"]
-
-        def load_state_dict(self, state_dict: dict) -> None:
-            if not state_dict:
-                return
-            if self.optimizer is None:  # restored before the optimizers are connected
-                self._pending_state = dict(state_dict)
-                return
-            self.optimizer.load_scaler_state_dict(state_dict)
-
-    Precision.__module__, Precision.__qualname__ = "mixedpolicy.lightning", "Precision"
-    _built[key] = Precision
-    return Precision
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        plugin = getattr(getattr(trainer, "strategy", None), "precision_plugin", None)
+        if not isinstance(getattr(plugin, "optimizer", None), TorchLossScaleOptimizer):
+            # no mixedpolicy plugin: each LossScaleOptimizer among the Trainer's optimizers
+            return LightningLossScaleCallback.on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx)
+        if batch_idx % self.every_n_steps == 0:
+            pl_module.log_dict({k: float(v) for k, v in metrics(plugin.optimizer, self.prefix).items()})
 
 
 def callback_class(pl: Any) -> type:
-    """The ``Callback`` subclass for the Lightning package `pl` (built once)."""
+    """The ``Callback`` subclass for the Lightning package `pl` (built once): `PolicyLossScaleCallback`
+    over the package's own ``Callback``."""
     key = ("callback", pl.__name__)
-    if key in _built:
-        return _built[key]
-
-    class LossScaleCallback(pl.Callback, LightningLossScaleCallback):  # type: ignore[misc, name-defined]
-        """Logs the loss scale, the skipped steps and whether the last step was skipped through
-        ``pl_module.log_dict`` every `every_n_steps` training batches: of the mixedpolicy
-        `Precision` plugin, else of each mixedpolicy `LossScaleOptimizer` among the Trainer's
-        optimizers (reading them syncs with the device once per log)."""
-
-        def __init__(self, every_n_steps: int = 50, prefix: str = "loss_scale/"):
-            pl.Callback.__init__(self)
-            LightningLossScaleCallback.__init__(self, every_n_steps, prefix)
-
-        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            plugin = getattr(getattr(trainer, "strategy", None), "precision_plugin", None)
-            if not isinstance(getattr(plugin, "optimizer", None), TorchLossScaleOptimizer):
-                # no mixedpolicy plugin: each LossScaleOptimizer among the Trainer's optimizers
-                return LightningLossScaleCallback.on_train_batch_end(self, trainer, pl_module, outputs, batch,
-                                                                     batch_idx)
-            if batch_idx % self.every_n_steps == 0:
-                pl_module.log_dict({k: float(v) for k, v in metrics(plugin.optimizer, self.prefix).items()})
-
-    LossScaleCallback.__module__, LossScaleCallback.__qualname__ = "mixedpolicy.lightning", "LossScaleCallback"
-    _built[key] = LossScaleCallback
-    return LossScaleCallback
+    if key not in _built:
+        _built[key] = type("LossScaleCallback", (PolicyLossScaleCallback, pl.Callback),
+                           {"__module__": "mixedpolicy.lightning", "__qualname__": "LossScaleCallback",
+                            "__doc__": PolicyLossScaleCallback.__doc__})
+    return _built[key]
