@@ -113,32 +113,68 @@ def encode_table(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
         table = np.zeros(2 ** (bits - 1), np.float32)
     else:
         table = np.percentile(a, table_quantiles(bits)).astype(np.float32)
-    index = nearest_index(np, table, a).astype(np.uint8)
-    codes = (np.signbit(x).astype(np.uint8) << (bits - 1)) | index
-    return pack(codes, bits), table
+    codes, _ = table_codes(np, x, table, bits)
+    return pack_codes(np, codes, bits), table
 
 
 def decode_table(packed: np.ndarray, table: np.ndarray, bits: int, numel: int) -> np.ndarray:
     """The reference table-N decoder: the float32 values."""
-    codes = unpack(np.asarray(packed, np.uint8), bits, numel)
-    sign = np.where(codes >> (bits - 1) == 1, np.float32(-1), np.float32(1))
-    return sign * np.asarray(table, np.float32)[codes & ((1 << (bits - 1)) - 1)]
+    return table_values(np, unpack(np.asarray(packed, np.uint8), bits, numel), np.asarray(table, np.float32), bits)
 
 
 def pack(codes: np.ndarray, bits: int) -> np.ndarray:
     """N-bit codes (uint8) packed 8/N to a byte, the first code in the lowest bits."""
-    per = 8 // bits
-    padded = np.zeros(-(-codes.size // per) * per, np.uint8)
-    padded[:codes.size] = codes
-    lanes = padded.reshape(-1, per).astype(np.uint16) << (bits * np.arange(per, dtype=np.uint16))
-    return lanes.sum(axis=1).astype(np.uint8)
+    return pack_codes(np, np.asarray(codes, np.uint8).reshape(-1), bits)
 
 
 def unpack(packed: np.ndarray, bits: int, numel: int) -> np.ndarray:
     """The first `numel` N-bit codes of `pack`'s bytes."""
+    return unpack_codes(np, np.asarray(packed, np.uint8), bits, numel)
+
+
+# The table-N kernels, written once for numpy, jax.numpy and torch as `xp` (the backends' reduce
+# hooks call them on the device; the reference functions above, on the host).
+
+def _as(xp: Any, x: Any, dtype: str) -> Any:
+    return x.to(getattr(xp, dtype)) if xp.__name__ == "torch" else x.astype(dtype)
+
+
+def _pad(xp: Any, x: Any, n: int) -> Any:
+    """`x` (1-D) with `n` zeros after it."""
+    if xp.__name__ == "torch":
+        return xp.nn.functional.pad(x, (0, n))
+    return xp.pad(x, (0, n))
+
+
+def table_codes(xp: Any, flat: Any, table: Any, bits: int) -> tuple[Any, Any]:
+    """(each value's N-bit code, uint8: its sign bit over the index of the nearest magnitude in
+    `table`; the index alone), for a 1-D float32 `flat`."""
+    index = _as(xp, nearest_index(xp, table, xp.abs(flat)), "uint8")
+    return (_as(xp, xp.signbit(flat), "uint8") << (bits - 1)) | index, index
+
+
+def table_values(xp: Any, codes: Any, table: Any, bits: int) -> Any:
+    """The float32 values N-bit `codes` stand for, with `table`'s magnitudes."""
+    codes = _as(xp, codes, "int32") if xp.__name__ != "torch" else codes.long()
+    sign = xp.where((codes >> (bits - 1)) == 1, -1.0, 1.0)
+    return _as(xp, sign, "float32") * table[codes & ((1 << (bits - 1)) - 1)]
+
+
+def pack_codes(xp: Any, codes: Any, bits: int) -> Any:
+    """`pack` for `xp`: 1-D uint8 codes packed 8/N to a byte."""
     per = 8 // bits
-    shifts = (bits * np.arange(per, dtype=np.uint8))
-    return ((packed[:, None] >> shifts) & ((1 << bits) - 1)).reshape(-1)[:numel].astype(np.uint8)
+    lanes = _as(xp, _pad(xp, codes, -codes.shape[0] % per), "int32").reshape(-1, per)
+    packed = lanes[:, 0]
+    for j in range(1, per):
+        packed = packed | (lanes[:, j] << (bits * j))
+    return _as(xp, packed, "uint8")
+
+
+def unpack_codes(xp: Any, packed: Any, bits: int, numel: int) -> Any:
+    """`unpack` for `xp`: the first `numel` N-bit codes (uint8) of packed bytes."""
+    wide = _as(xp, packed, "int32")
+    lanes = [(wide >> (bits * j)) & ((1 << bits) - 1) for j in range(8 // bits)]
+    return _as(xp, xp.stack(lanes, 1).reshape(-1)[:numel], "uint8")
 
 
 def float8_scale(xp: Any, amax: Any, reduce_dtype: str) -> Any:

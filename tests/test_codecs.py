@@ -137,3 +137,27 @@ def test_the_on_device_float8_scale_is_the_reference_power_of_two(xp_name, fmt):
         got = xp.asarray(codecs.float8_scale(xp, xp.asarray(amax, dtype=xp.float32), fmt))
         want = 2.0 ** codecs.float8_scale_exponent(amax, fmt)
         assert float(got) == np.float32(want), (xp_name, amax)
+
+
+@pytest.mark.parametrize("xp_name", ["torch", "jax.numpy"])
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_the_table_kernels_are_the_references_bytes_on_each_array_namespace(xp_name, bits):
+    """DDP's hook and JAX's all_reduce encode, pack, unpack and decode table-N with the kernels
+    the numpy reference uses: the same bytes and the same values from the same table."""
+    import importlib
+
+    from conftest import require_module
+
+    require_module(xp_name.split(".")[0])
+    xp = importlib.import_module(xp_name)
+    x = np.random.default_rng(bits).normal(size=37).astype(np.float32)  # not a multiple of 8/N
+    x[3] = 0.0
+    packed, table = codecs.encode_table(x, bits)
+    flat, table_x = xp.asarray(x), xp.asarray(table)
+    codes, _ = codecs.table_codes(xp, flat, table_x, bits)
+    got_packed = codecs.pack_codes(xp, codes, bits)
+    np.testing.assert_array_equal(np.asarray(got_packed), packed)
+    got_codes = codecs.unpack_codes(xp, got_packed, bits, x.size)
+    np.testing.assert_array_equal(np.asarray(got_codes), codecs.unpack(packed, bits, x.size))
+    np.testing.assert_array_equal(np.asarray(codecs.table_values(xp, got_codes, table_x, bits)),
+                                  codecs.decode_table(packed, table, bits, x.size))

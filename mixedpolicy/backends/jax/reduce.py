@@ -16,7 +16,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from mixedpolicy.codecs import float8_scale, is_float8, nearest_index, table_bits, table_quantiles, wire_bytes
+from mixedpolicy.codecs import (float8_scale, is_float8, pack_codes, table_bits, table_codes, table_quantiles,
+                                table_values, unpack_codes, wire_bytes)
 from mixedpolicy.layer_plan import check_class_keys, reduce_dtypes_at
 
 
@@ -117,20 +118,12 @@ def _table_sum(flat: Any, bits: int, axis_name: Any) -> tuple[Any, Any]:
     q = jnp.asarray(table_quantiles(bits), jnp.float32)
     table = jnp.percentile(jnp.where(jnp.isfinite(a), a, 0.0), q) if flat.size else jnp.zeros_like(q)
     table = jnp.where(finite, table, jnp.nan).astype(jnp.float32)  # NaN: every replica skips
-    index = nearest_index(jnp, table, a).astype(jnp.uint8)
-    codes = (jnp.signbit(flat).astype(jnp.uint8) << jnp.uint8(bits - 1)) | index
-    per = 8 // bits
-    padded = jnp.zeros((-(-flat.size // per) * per,), jnp.uint8).at[:flat.size].set(codes)
-    shifts = (bits * jnp.arange(per, dtype=jnp.uint16)).astype(jnp.uint16)
-    packed = jnp.sum(padded.reshape(-1, per).astype(jnp.uint16) << shifts, axis=1).astype(jnp.uint8)
+    codes, _ = table_codes(jnp, flat, table, bits)
     gather = _gather_invariant()
-    all_packed, all_tables = gather(packed, axis_name), gather(table, axis_name)
-    unpacked = (all_packed[:, :, None].astype(jnp.uint16) >> shifts) & jnp.uint16((1 << bits) - 1)
-    codes = unpacked.reshape(all_packed.shape[0], -1)[:, :flat.size].astype(jnp.int32)
-    sign = jnp.where((codes >> (bits - 1)) == 1, jnp.float32(-1), jnp.float32(1))
-    magnitude = jnp.take_along_axis(all_tables, codes & ((1 << (bits - 1)) - 1), axis=1)
-    local = jnp.where(jnp.signbit(flat), jnp.float32(-1), jnp.float32(1)) * table[index.astype(jnp.int32)]
-    return jnp.sum(sign * magnitude, axis=0), local
+    all_packed, all_tables = gather(pack_codes(jnp, codes, bits), axis_name), gather(table, axis_name)
+    total = sum(table_values(jnp, unpack_codes(jnp, all_packed[r], bits, flat.size), all_tables[r], bits)
+                for r in range(all_packed.shape[0]))
+    return total, table_values(jnp, codes, table, bits)
 
 
 def all_reduce(grads: Any, axis_name: Any, policy: Any = None, *, mean: bool = True,

@@ -26,7 +26,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from mixedpolicy.backends.torch.arrays import PARAMETER_POLICY, TORCH_DTYPES
-from mixedpolicy.codecs import float8_scale, is_float8, nearest_index, table_bits, table_quantiles, wire_bytes
+from mixedpolicy.codecs import (float8_scale, is_float8, pack_codes, table_bits, table_codes, table_quantiles,
+                                table_values, unpack_codes, wire_bytes)
 from mixedpolicy.policy import as_policy
 from mixedpolicy.layer_plan import layer_chain
 from mixedpolicy.policy_map import PolicyMap
@@ -255,24 +256,15 @@ def _table_sum(flat: torch.Tensor, bits: int, group: Any, world: int) -> tuple:
     q = torch.as_tensor(table_quantiles(bits), dtype=torch.float32, device=flat.device)
     table = _percentiles(torch.where(torch.isfinite(a), a, torch.zeros_like(a)), q)
     table = torch.where(finite, table, torch.full_like(table, float("nan")))  # NaN: every rank skips
-    index = nearest_index(torch, table.contiguous(), a.contiguous()).to(torch.uint8)
-    codes = (torch.signbit(flat).to(torch.uint8) << (bits - 1)) | index
-    per = 8 // bits
-    padded = torch.zeros(-(-flat.numel() // per) * per, dtype=torch.int32, device=flat.device)
-    padded[:flat.numel()] = codes.to(torch.int32)
-    shifts = bits * torch.arange(per, dtype=torch.int32, device=flat.device)
-    packed = (padded.view(-1, per) << shifts).sum(dim=1).to(torch.uint8)
+    codes, _ = table_codes(torch, flat.contiguous(), table.contiguous(), bits)
+    packed = pack_codes(torch, codes, bits)
     all_packed = [torch.empty_like(packed) for _ in range(world)]
     all_tables = [torch.empty_like(table) for _ in range(world)]
     dist.all_gather(all_packed, packed, group=group)
     dist.all_gather(all_tables, table, group=group)
-    total = torch.zeros_like(flat)
-    for got, tab in zip(all_packed, all_tables):
-        codes = ((got.to(torch.int32)[:, None] >> shifts) & ((1 << bits) - 1)).reshape(-1)[:flat.numel()]
-        sign = torch.where((codes >> (bits - 1)) == 1, -1.0, 1.0)
-        total += sign * tab[codes & ((1 << (bits - 1)) - 1)]
-    local = torch.where(torch.signbit(flat), -1.0, 1.0) * table[index.long()]
-    return total, local
+    total = sum(table_values(torch, unpack_codes(torch, got, bits, flat.numel()), tab, bits)
+                for got, tab in zip(all_packed, all_tables))
+    return total, table_values(torch, codes, table, bits)
 
 
 def to_fsdp(policy: Any) -> Any:
