@@ -28,6 +28,7 @@ A typical step::
 
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Any, NamedTuple
 
@@ -42,6 +43,7 @@ from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, is_
 # The updates each LossScaleOptimizer handed on (their first leaf, weakly): a second
 # wrapper in the same optax.chain receives exactly these and would unscale them again.
 _handed_on: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+_log = logging.getLogger("mixedpolicy")
 
 
 def _first_leaf(tree: Any) -> Any:
@@ -166,25 +168,39 @@ class LossScaleTransformation(optax.GradientTransformationExtraArgs):
             return loss
         return jnp.asarray(loss).astype(jnp.float32) * _value(state.loss_scale)
 
-    def adopt_state(self, state: Any) -> Any:
+    def adopt_state(self, state: Any, params: Any = None) -> Any:
         """`state`, saved by a mixedpolicy optax wrapper under any policy or scale setting,
         as this wrapper's state: the inner state kept; a dynamic scale goes on from the saved
         scale and counters where there are some (else from its initial scale, as if no step
         had been taken); a static scale or none keeps its own.
 
+        A state saved under another update recipe (`Policy.update_rounding`,
+        `Policy.optimizer_state_dtype`) is converted, given `params`: the moments are cast to
+        this wrapper's state dtype, a rounding new to the state starts from its own fresh state
+        (the step count at 0, the Kahan compensation at zero), a rounding this wrapper does not
+        make is dropped; one warning names both recipes.
+
         For a checkpoint saved under another policy: restore it with its own structure,
-        then ``tx.adopt_state(restored)``.
+        then ``tx.adopt_state(restored)`` (``tx.adopt_state(restored, params)`` across recipes).
 
         Raises:
-          TypeError: `state` is not a `LossScaleState` or `PassThroughState`.
+          TypeError: `state` is not a `LossScaleState` or `PassThroughState`, or holds another
+            inner optimizer's state.
+          ValueError: the recipes differ and `params` was not given.
         """
+        from mixedpolicy.backends.jax.updates import adopt_recipe
+
         if not isinstance(state, _STATES):
             raise TypeError(f"Received a {type(state).__name__}; expected the LossScaleState or "
                             f"PassThroughState of a mixedpolicy optax LossScaleOptimizer.")
-        fresh = self.update.make_state(state.inner_state)
+        fresh_inner = None if params is None else self.init(params).inner_state
+        inner_state, changed = adopt_recipe(state.inner_state, self.update.recipe, fresh_inner)
+        if changed is not None:
+            _log.warning("Adopted an optimizer state saved under another update recipe: %s.", changed)
+        fresh = self.update.make_state(inner_state)
         if isinstance(state, LossScaleState) and isinstance(self.update.loss_scale, DynamicLossScale):
             # the dynamic scale goes on from the saved one (a static scale keeps its own)
-            return LossScaleState(state.inner_state, state.loss_scale, state.counts)
+            return LossScaleState(inner_state, state.loss_scale, state.counts)
         return fresh
 
 
@@ -204,6 +220,9 @@ def loss_scale_transformation(inner: Any, config: LossScale, axis_name: Any = No
     if axis_name is not None and not isinstance(axis_name, (str, tuple)):
         raise TypeError(f"Received axis_name={axis_name!r}; expected the name (or a tuple of "
                         f"names) of the pmap / shard_map axis the replicas run over.")
+    from mixedpolicy.backends.jax.updates import recipe_of_transformation
+
+    recipe = recipe_of_transformation(inner)
     inner = optax.with_extra_args_support(inner)
 
     def make_state(inner_state: Any) -> Any:
@@ -257,6 +276,7 @@ def loss_scale_transformation(inner: Any, config: LossScale, axis_name: Any = No
 
     update.loss_scale = config  # what scale_loss needs to know of the settings
     update.make_state = make_state  # and adopt_state, the state a fresh wrapper starts from
+    update.recipe = recipe  # and the update recipe (rounding, state dtype) its inner state is kept in
     return LossScaleTransformation(init, update)
 
 
@@ -276,12 +296,16 @@ class OptaxOptimizers(OptimizerAdapter):
         return None  # the rounding and the state's dtype wrap the inner optimizer (with_updates)
 
     def with_updates(self, optimizer: Any, policy: Any) -> Any:
-        from mixedpolicy.backends.jax.updates import state_storage, update_rounding
+        from mixedpolicy.backends.jax.updates import mark, state_storage, update_rounding
 
+        original = optimizer
         if isinstance(optimizer, optax.MultiSteps):
             optimizer = optimizer.gradient_transformation()
         if policy.optimizer_state_dtype != policy.variable_dtype:
             optimizer = state_storage(optimizer, policy.optimizer_state_dtype)
         if policy.update_rounding != "nearest":
             optimizer = optax.chain(optimizer, update_rounding(policy.update_rounding))
-        return optimizer
+        if optimizer is original:
+            return optimizer
+        own_dtype = policy.optimizer_state_dtype if policy.optimizer_state_dtype != policy.variable_dtype else None
+        return mark(optimizer, policy.update_rounding, own_dtype)

@@ -149,3 +149,70 @@ def state_storage(inner: Any, dtype: str) -> optax.GradientTransformation:
         return updates, store(state)
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+# -- a state saved under one recipe, adopted by a wrapper under another ---------------------------
+
+def mark(optimizer: Any, rounding: str, state_dtype: str | None) -> Any:
+    """`optimizer` (the chain `with_updates` built) labelled with its recipe, which the
+    `LossScaleOptimizer` around it reads (`recipe_of_transformation`)."""
+    optimizer.update.mixedpolicy_recipe = (rounding, state_dtype)
+    return optimizer
+
+
+def recipe_of_transformation(inner: Any) -> tuple:
+    """(rounding, state dtype or None: the variables') of a transformation `with_updates` built."""
+    return getattr(inner.update, "mixedpolicy_recipe", ("nearest", None))
+
+
+def _split(inner_state: Any) -> tuple:
+    """(rounding, the inner optimizer's own state, the RoundingState or None) of a saved state."""
+    if isinstance(inner_state, tuple) and len(inner_state) == 2 and isinstance(inner_state[1], RoundingState):
+        return ("kahan" if inner_state[1].compensation is not None else "stochastic"), *inner_state
+    return "nearest", inner_state, None
+
+
+def _moments_dtype(state: Any) -> str | None:
+    """The dtypes the moments are kept in, e.g. ``"bfloat16"`` or ``"bfloat16+float32"``."""
+    names = sorted({jnp.dtype(leaf.dtype).name for leaf in jax.tree_util.tree_leaves(state) if _is_moment(leaf)})
+    return "+".join(names) or None
+
+
+def adopt_recipe(saved: Any, recipe: tuple, fresh: Any = None) -> tuple:
+    """(`saved`, an inner state written under any update recipe, as a wrapper under `recipe` keeps
+    it; what changed, in words, or None). `fresh` is that wrapper's own new inner state (from the
+    parameters), which a change of recipe needs: the moments take its dtypes, a rounding new to
+    the state starts from its fresh state (the step count at 0, the Kahan compensation at zero).
+
+    Raises:
+      ValueError: the recipes differ and `fresh` is None.
+      TypeError: `saved` holds another inner optimizer's state than `fresh`.
+    """
+    rounding, state_dtype = recipe
+    saved_rounding, saved_opt, saved_rounds = _split(saved)
+    saved_dtype = _moments_dtype(saved_opt)
+    if fresh is None:
+        if saved_rounding == rounding and (state_dtype is None or saved_dtype in (None, state_dtype)):
+            return saved, None
+        raise ValueError(
+            f"Received a state saved under update_rounding={saved_rounding!r} with moments in {saved_dtype} "
+            f"for a wrapper under update_rounding={rounding!r}, optimizer_state_dtype="
+            f"{state_dtype or 'the variables'!r}: converting it needs the parameters (the new "
+            f"rounding's state and the moments' dtypes come from them). Call tx.adopt_state(saved, params).")
+    _, fresh_opt, fresh_rounds = _split(fresh)
+    if jax.tree_util.tree_structure(saved_opt) != jax.tree_util.tree_structure(fresh_opt):
+        raise TypeError("Received a state of another inner optimizer than this wrapper's (their state "
+                        "trees differ); adopt_state moves a state between policies and recipes of the "
+                        "same optax optimizer.")
+    opt = jax.tree_util.tree_map(
+        lambda s, f: s.astype(f.dtype) if _is_moment(s) and s.dtype != f.dtype else s, saved_opt, fresh_opt)
+    rounds = None if rounding == "nearest" else (saved_rounds if saved_rounding == rounding else fresh_rounds)
+    fresh_dtype = _moments_dtype(fresh_opt)
+    if saved_rounding == rounding and saved_dtype == fresh_dtype:
+        said = None
+    else:
+        said = (f"update_rounding {saved_rounding!r} -> {rounding!r}, moments {saved_dtype} -> {fresh_dtype}"
+                + ({"stochastic": " (the rounding's step count starts at 0)",
+                    "kahan": " (the Kahan compensation starts at zero)"}.get(rounding, "")
+                   if saved_rounding != rounding else ""))
+    return (opt if rounds is None else (opt, rounds)), said

@@ -175,3 +175,47 @@ def test_one_weight_rounds_alike_on_optax_and_on_torch():
     np.testing.assert_array_equal(np.asarray(params["w"].astype(jnp.float32)), w.detach().float().numpy())
     assert not np.array_equal(np.asarray(params["w"].astype(jnp.float32)),
                               np.asarray(jnp.asarray(weight).astype(jnp.bfloat16).astype(jnp.float32)))
+
+
+@jax.numpy_dtype_promotion("standard")  # optax's Adam mixes its int32 count into float moments
+def test_a_state_moves_between_recipes_converted_and_said_once(caplog):
+    params = {"w": jax.random.normal(jax.random.PRNGKey(0), (8, 4)).astype(jnp.bfloat16),
+              "scale": jnp.ones(4, jnp.float32)}  # a float32 leaf, as a pure policy keeps norms
+
+    def train(tx, state, steps=3):
+        p = params
+        for i in range(steps):
+            grads = jax.tree_util.tree_map(lambda a: (jnp.sin(a.astype(jnp.float32) * (i + 1)) * 0.3).astype(a.dtype), p)
+            updates, state = jax.jit(tx.update)(grads, state, p)
+            p = optax.apply_updates(p, updates)
+        return state
+
+    nearest = mp.LossScaleOptimizer(optax.adam(1e-2), policy="bfloat16")
+    stochastic = mp.LossScaleOptimizer(optax.adam(1e-2), policy="bfloat16_stochastic")
+    kahan = mp.LossScaleOptimizer(optax.adam(1e-2), policy="p=bf16,rounding=kahan,state=float32")
+    saved = train(nearest, nearest.init(params))
+    caplog.set_level("WARNING", logger="mixedpolicy")
+    with pytest.raises(ValueError, match=r"update_rounding='nearest'.*tx.adopt_state\(saved, params\)"):
+        stochastic.adopt_state(saved)  # a new rounding's state comes from the parameters
+    assert nearest.adopt_state(saved) is not None and not caplog.records  # same recipe: as it is, silently
+
+    moved = stochastic.adopt_state(saved, params)
+    assert jax.tree_util.tree_structure(moved) == jax.tree_util.tree_structure(stochastic.init(params))
+    assert int(moved.inner_state[1].step) == 0
+    assert jnp.array_equal(moved.inner_state[0][0].mu["w"], saved.inner_state[0].mu["w"])  # moments kept
+    (record,) = caplog.records
+    assert "'nearest' -> 'stochastic'" in record.getMessage() and "step count starts at 0" in record.getMessage()
+    trained = train(stochastic, moved)  # and it trains on under jit, the rounding counting its steps
+    assert int(trained.inner_state[1].step) == 3
+
+    caplog.clear()
+    to_kahan = kahan.adopt_state(trained, params)
+    mu = to_kahan.inner_state[0][0].mu
+    assert mu["w"].dtype == jnp.float32 and jnp.array_equal(mu["w"], trained.inner_state[0][0].mu["w"].astype(jnp.float32))
+    assert not jnp.any(to_kahan.inner_state[1].compensation["w"])  # the compensation starts at zero
+    assert "moments bfloat16+float32 -> float32" in caplog.records[0].getMessage()
+    back = nearest.adopt_state(to_kahan, params)  # the rounding dropped, the moments back in bfloat16
+    assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(saved)
+    assert back.inner_state[0].mu["w"].dtype == jnp.bfloat16
+    with pytest.raises(TypeError, match="another inner optimizer"):
+        mp.LossScaleOptimizer(optax.sgd(0.1), policy="bfloat16_stochastic").adopt_state(saved, params)
