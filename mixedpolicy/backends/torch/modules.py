@@ -22,7 +22,7 @@ How a policy reaches a module tree:
   output dtype is its compute dtype, outputs are left as autocast makes them (half
   for matmul-like ops, float32 for autocast's float32 ops and for layers overridden
   to float32), as in hand-written AMP;
-- every other module inside a region gets an *entry* (regions.py), so that calling it
+- every other module with weights inside a region gets an *entry* (regions.py), so that calling it
   directly (``model.encoder(x)``, timm's ``forward_features``) computes as its region
   does; called from within the region, an entry costs one thread-local read;
 - parameters (and floating buffers) are stored in the variable dtype.
@@ -131,9 +131,12 @@ class TorchModels(ModelAdapter):
             if step.changes_policy and not plain_root and not _kernel_norm(module, resolution, parent_policy):
                 state["forward"] = install(module, policy, region=True)
                 regions[path] = policy
-            elif parent is not None:  # inside a region: an entry, for calls from outside it
-                state["entry"] = install(module, parent, region=False)
+            elif parent is not None:
                 regions[path] = parent
+                # an entry, for calls from outside the region; a module without weights (an
+                # activation, dropout) is left to the autocast state it is called in, at no cost
+                if next(module.parameters(), None) is not None:
+                    state["entry"] = install(module, parent, region=False)
             if path in swapped:
                 state["float8_original"] = swapped[path]
             changed[path] = state

@@ -2,7 +2,7 @@
 
 A *region* (`_Region`) is where the policy changes: its forward runs under the policy's
 autocast state (or casts its inputs, for a pure or a float32 policy). An *entry*
-(`_Entry`) sits on every other module inside a region, so that a module called
+(`_Entry`) sits on every other module with weights inside a region, so that a module called
 directly - ``model.encoder(x)``, timm's ``model.forward_features(x)`` (which calls the
 stages), a Hugging Face ``model.bert(...)`` - computes as `describe` says, as a
 Keras layer or a Flax module called on its own does. Inside its region an entry is
