@@ -199,7 +199,7 @@ def inspect_gradients(model: Any, loss_fn: Any, batches: Any, *, loss_scale: flo
       A `GradientReport`: print it, ``recommend()``, ``plot(path)``.
 
     Raises:
-      TypeError: `model` is none of those.
+      TypeError: `model` is none of those, or `loss_fn` is not callable.
       ValueError: no batch, or a bad `loss_scale`.
     """
     from mixedpolicy import _registry
@@ -208,6 +208,10 @@ def inspect_gradients(model: Any, loss_fn: Any, batches: Any, *, loss_scale: flo
     batches = list(batches) if isinstance(batches, list) else [batches]
     if not batches:
         raise ValueError("Received no batches; expected one batch or a list of them.")
+    if not callable(loss_fn):
+        raise TypeError(f"Received loss_fn of type {type(loss_fn).__name__}; expected a function "
+                        f"loss_fn(model, batch) -> scalar loss (for a pytree of parameters: "
+                        f"loss_fn(params, batch)), the loss as training computes it.")
     adapter = _registry.model_adapter(model)
     pytrees = _registry.pytree_range_stats() if adapter is None else None
     if adapter is not None:

@@ -38,8 +38,7 @@ from mixedpolicy.policy import Policy, as_policy
 
 _GLOB_CHARS = frozenset("*?[")
 
-# Built-in rules: a layer kind (as classified by the adapter) -> how its policy
-# changes. Each only ever raises precision.
+# Built-in rules: a layer kind (as classified by the adapter) -> how its policy changes. Each only ever raises precision.
 NORMALIZATION = "normalization"
 LOSS = "loss"
 # Kinds fp8 keeps in the source precision (what the anchors keep there), besides norms and losses.
@@ -259,11 +258,14 @@ class PolicyMap:
           A `Resolution`: the policy and a short text saying where it came from.
 
         Raises:
+          TypeError: `chain` is not a list of `LayerInfo`.
           ValueError: two override keys tie for the layer with different policies.
         """
+        if not isinstance(chain, (list, tuple)) or not all(isinstance(info, LayerInfo) for info in chain):
+            raise TypeError(f"Received a chain of type {type(chain).__name__} ({chain!r:.80}); expected a list of "
+                            "LayerInfo from the root model down to the layer to resolve.")
         if not chain:
-            raise ValueError("Received an empty chain; expected the layers from the root "
-                             "model down to the layer to resolve.")
+            raise ValueError("Received an empty chain; expected the layers from the root model down to the layer.")
         layer = chain[-1]
         own = self._match(layer)
         if own is not None:
@@ -288,8 +290,7 @@ class PolicyMap:
         for ancestor in reversed(ancestors):
             match = self._match(ancestor)
             if match is not None:
-                return Resolution(match[1], f"map key {_key_text(match[0])} (inherited "
-                                            f"from {ancestor.path!r})", "inherited")
+                return Resolution(match[1], f"map key {_key_text(match[0])} (inherited from {ancestor.path!r})", "inherited")
         if self.default is not None:
             return Resolution(self.default, "map default", "default")
         return Resolution(global_policy(), "global policy", "global")

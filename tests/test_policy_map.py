@@ -163,3 +163,13 @@ def test_a_resolution_carries_its_origin_as_a_value_and_stays_a_pair():
     assert origins == ["key", "rule", "inherited", "default", "global"]
     r = m.resolve([LayerInfo("", object), LayerInfo("head", object)])
     assert r == (r.policy, r.source) and len(r) == 2
+
+
+def test_resolve_takes_a_list_of_layer_infos_and_says_so():
+    m = PolicyMap("mixed_float16")
+    for bad in ("encoder", 1, None, ["encoder"]):
+        with pytest.raises(TypeError, match="expected a list of LayerInfo from the root model"):
+            m.resolve(bad)
+    with pytest.raises(ValueError, match="empty chain"):
+        m.resolve([])
+    assert m.resolve((LayerInfo("", object),)).policy == mp.Policy("mixed_float16")

@@ -140,6 +140,8 @@ def test_bad_input_says_what_was_expected():
         mp.inspect_gradients(object(), None, [1], loss_scale=-1)
     with pytest.raises(ValueError, match="Received no batches"):
         mp.inspect_gradients(object(), None, [])
+    with pytest.raises(TypeError, match=r"loss_fn of type NoneType; expected a function loss_fn\(model, batch\)"):
+        mp.inspect_gradients({"w": np.ones(2)}, None, [1])  # before any framework runs it
     with pytest.raises(ValueError, match="margin=0.5"):
         mp.GradientReport([], (1.0,), "numpy", 1).recommend(margin=0.5)
     torch = require_module("torch")

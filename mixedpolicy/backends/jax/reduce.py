@@ -70,6 +70,11 @@ def _reduce_dtypes(grads: Any, policy: Any, model: Any = None) -> tuple[list, li
                          "or pass model= (the module the gradients belong to)")
     flat, treedef = jax.tree_util.tree_flatten_with_path(grads)
     leaves = [leaf for _, leaf in flat]
+    for keys, leaf in flat:
+        if not (hasattr(leaf, "dtype") and hasattr(leaf, "shape")):
+            raise TypeError(f"Received gradients whose leaf {_path(keys) or '(the root)'!r} is a "
+                            f"{type(leaf).__name__} ({leaf!r:.40}); expected a pytree of arrays (the "
+                            f"gradients jax.grad returns).")
     dtypes = reduce_dtypes_at(policy, [_path(keys) for keys, _ in flat], [type(leaf) for leaf in leaves],
                               type_at=None if model is None else _type_at(model))
     return leaves, dtypes, treedef
@@ -126,6 +131,22 @@ def _table_sum(flat: Any, bits: int, axis_name: Any) -> tuple[Any, Any]:
     return total, table_values(jnp, codes, table, bits)
 
 
+def replica_count(axis_name: Any) -> Any:
+    """The number of replicas over `axis_name` (float32), or a clear error where it names no
+    mapped axis: a wrong type, or a call outside the ``shard_map`` / ``pmap`` that binds it."""
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise TypeError(f"Received axis_name={axis_name!r}; expected the name (a non-empty str), or a "
+                        f"tuple of names, of the shard_map / pmap axis the replicas run over.")
+    try:
+        return jax.lax.psum(jnp.float32(1.0), axis_name)
+    except NameError as err:
+        raise ValueError(f"Received axis_name={axis_name!r}, which no enclosing shard_map or pmap binds "
+                         f"({err}). Call all_reduce inside the mapped step, with the axis name given there "
+                         f"(jax.shard_map(..., axis_names={{{names[0]!r}}}) or jax.pmap(..., "
+                         f"axis_name={names[0]!r})).") from None
+
+
 def all_reduce(grads: Any, axis_name: Any, policy: Any = None, *, mean: bool = True,
                residual: Any = None, model: Any = None) -> Any:
     """Reduces a gradient pytree over the replicas of `axis_name` in the policy's reduce dtype.
@@ -151,8 +172,10 @@ def all_reduce(grads: Any, axis_name: Any, policy: Any = None, *, mean: bool = T
       (reduced gradients in float32, the new residual to pass at the next step).
 
     Raises:
-      TypeError: `policy` is none of those, or `residual` is not shaped like `grads`.
-      ValueError: `policy` has layer-class keys that decide a reduce dtype, and no `model`.
+      TypeError: `policy` is none of those, `residual` is not shaped like `grads`, or
+        `axis_name` is not a name.
+      ValueError: `policy` has layer-class keys that decide a reduce dtype, and no `model`;
+        `axis_name` is bound by no enclosing ``shard_map`` or ``pmap``.
     """
     from mixedpolicy.scope import global_policy
 
@@ -163,7 +186,7 @@ def all_reduce(grads: Any, axis_name: Any, policy: Any = None, *, mean: bool = T
         if rtree != treedef:
             raise TypeError(f"Received a residual of structure {rtree}; expected one like the "
                             f"gradients, {treedef} (start with jax.tree.map(jnp.zeros_like, grads)).")
-    count = jax.lax.psum(jnp.float32(1.0), axis_name)  # the number of replicas
+    count = replica_count(axis_name)
     pairs = [_reduce_leaf(g, d, axis_name, count, mean, r) for g, d, r in zip(leaves, dtypes, residuals)]
     out = jax.tree_util.tree_unflatten(treedef, [p[0] for p in pairs])
     if residual is None:

@@ -75,7 +75,12 @@ def all_reduce(grads: Sequence[Any], variables: Sequence[Any], policy: Any = Non
     if context is None:
         raise RuntimeError("mp.tensorflow.all_reduce was called in a cross-replica context; call it "
                            "inside strategy.run(...), where each replica has its gradients.")
-    grads = list(grads)
+    try:
+        grads, variables = list(grads), list(variables)
+    except TypeError:
+        raise TypeError(f"Received grads of type {type(grads).__name__} and variables of type "
+                        f"{type(variables).__name__}; expected two lists, the gradients (as "
+                        f"tape.gradient returns them) and their variables.") from None
     if len(grads) != len(variables):
         raise ValueError(f"Received {len(grads)} gradients for {len(variables)} variables; expected "
                          f"one gradient (or None) per variable.")

@@ -106,6 +106,14 @@ class Checkpoints:
                 f"one wraps {len(self._inners)}; nothing was loaded. Build the wrapper over the "
                 f"same optimizers, in the same order, as the one that saved the state.")
         inner_dicts = [state_dict] if len(self._inners) == 1 else list(saved)
+        for sd in inner_dicts:
+            missing = [k for k in ("state", "param_groups") if not isinstance(sd, dict) or k not in sd]
+            if missing:
+                raise ValueError(
+                    f"Received an optimizer state without {missing} (keys: "
+                    f"{sorted(sd) if isinstance(sd, dict) else type(sd).__name__}); expected the dict "
+                    f"from LossScaleOptimizer.state_dict() (or the torch optimizer's own "
+                    f"state_dict()); nothing was loaded.")
         for opt, sd in zip(self._inners, inner_dicts, strict=True):
             was = state_kinds(sd)
             opt.load_state_dict(sd)

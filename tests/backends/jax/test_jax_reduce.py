@@ -43,6 +43,20 @@ def test_all_reduce_refuses_a_policy_it_cannot_read():
     assert mp.jax.bytes_per_step({"w": jax.numpy.ones(3), "i": jax.numpy.arange(2)}, "bfloat16") == 6
 
 
+def test_an_axis_name_no_mapped_step_binds_and_a_leaf_that_is_no_array_are_refused_with_the_fix():
+    jax = require_module("jax")
+    import mixedpolicy as mp
+
+    grads = {"w": jax.numpy.ones(3)}
+    with pytest.raises(ValueError, match=r"axis_name='batch', which no enclosing shard_map or pmap binds"):
+        mp.jax.all_reduce(grads, "batch")  # outside the mapped step
+    for bad in (None, 1, "", ("batch", 2)):
+        with pytest.raises(TypeError, match="expected the name .* of the shard_map / pmap axis"):
+            mp.jax.all_reduce(grads, bad)
+    with pytest.raises(TypeError, match=r"leaf 'b' is a float .*expected a pytree of arrays"):
+        mp.jax.bytes_per_step({"w": jax.numpy.ones(3), "b": 1.5})
+
+
 def test_a_class_key_names_layers_through_model_or_is_refused():
     """One layer chain for every engine: a class key sets a reduce dtype as in apply_policy
     where the gradients' model is given, and is refused (not silently ignored) where it is not."""

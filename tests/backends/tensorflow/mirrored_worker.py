@@ -19,6 +19,13 @@ import ml_dtypes  # noqa: E402
 
 import mixedpolicy as mp  # noqa: E402
 
+for bad in (1.5, None):  # what is not two lists is refused with what was expected
+    try:
+        mp.tensorflow.all_reduce(bad, [tf.Variable(1.0)])
+        raise AssertionError(f"all_reduce took grads={bad!r}")
+    except TypeError as err:
+        assert "expected two lists" in str(err), err
+
 strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 rng = np.random.default_rng(0)
 # per-replica gradients with many bits below bfloat16's and float16's precision

@@ -257,6 +257,10 @@ def test_a_cuda_gradscaler_made_on_cpu_is_refused_and_nothing_is_loaded():
     assert fresh.state_dict()["state"] == {}, "the inner state was loaded before the refusal"
     with pytest.raises(TypeError, match="scaler state of type float"):
         opt.load_scaler_state_dict(1024.0)
+    for bad in ({}, {"loss_scale": saved["loss_scale"]}, {"state": {}}):  # not an optimizer's state
+        with pytest.raises(ValueError, match=r"optimizer state without \[.*param_groups.*nothing was loaded"):
+            fresh.load_state_dict(bad)
+    assert float(fresh.loss_scale) == 2.0**15 and fresh.state_dict()["state"] == {}  # untouched
 
 
 def test_a_capturable_optimizer_on_cpu_parameters_is_refused_up_front():
