@@ -117,6 +117,10 @@ class _Region:
     def __wrapped__(self) -> Callable:
         return self.inner if self.inner is not None else type(self.module).forward.__get__(self.module)
 
+    @property
+    def __code__(self) -> Any:  # what torch.export reads of a forward (its argument names)
+        return self.__wrapped__.__code__
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         _running.depth = getattr(_running, "depth", 0) + 1
         try:

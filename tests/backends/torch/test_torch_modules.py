@@ -237,3 +237,15 @@ def test_a_submodule_called_directly_computes_as_describe_says():
     assert copied.encoder[0](x).dtype == torch.float16
     mp.remove_policy(model)
     assert model.encoder(x).dtype == torch.float32 and not any("forward" in vars(m) for m in model.modules())
+
+
+def test_torch_export_and_trace_keep_the_policy_of_the_model_and_of_a_submodule():
+    # torch.export reads forward.__code__ (the argument names); a region answers for its forward
+    model, x = mp.apply_policy(make(), "mixed_bfloat16"), torch.randn(3, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exported = torch.export.export(model, (x,)).module()
+        encoder = torch.export.export(model.encoder, (x,)).module()
+        traced = torch.jit.trace(model, (x,))
+    assert exported(x).dtype == traced(x).dtype == torch.bfloat16 and torch.equal(exported(x), model(x))
+    assert torch.equal(encoder(x), model.encoder(x)) and encoder(x).dtype == torch.bfloat16
