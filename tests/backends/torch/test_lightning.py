@@ -119,7 +119,8 @@ def test_clipping_and_accumulation_equal_lightnings_own_plugin_step_for_step(tra
     _fit(theirs, plugins=[pl.plugins.precision.MixedPrecision("16-mixed", "cpu")], **trainer_kw)
     _fit(ours, plugins=[mpl.Precision("16-mixed", initial_scale=2.0**16)], **trainer_kw)
     assert ours.scales == theirs.scales and min(ours.scales) < max(ours.scales)  # the poisoned step backed off
-    assert len(ours.losses) == len(theirs.losses) and ours.losses == theirs.losses
+    assert len(ours.losses) == len(theirs.losses)  # (equal here; close on any CPU's kernels)
+    torch.testing.assert_close(torch.tensor(ours.losses), torch.tensor(theirs.losses), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(_weights(ours), _weights(theirs), rtol=1e-6, atol=1e-6)
 
 

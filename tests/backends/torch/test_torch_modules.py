@@ -247,5 +247,8 @@ def test_torch_export_and_trace_keep_the_policy_of_the_model_and_of_a_submodule(
         exported = torch.export.export(model, (x,)).module()
         encoder = torch.export.export(model.encoder, (x,)).module()
         traced = torch.jit.trace(model, (x,))
-    assert exported(x).dtype == traced(x).dtype == torch.bfloat16 and torch.equal(exported(x), model(x))
-    assert torch.equal(encoder(x), model.encoder(x)) and encoder(x).dtype == torch.bfloat16
+    # (the exported graph runs its own op sequence: equal within bfloat16 rounding, not bit for bit)
+    assert exported(x).dtype == traced(x).dtype == torch.bfloat16
+    torch.testing.assert_close(exported(x), model(x))
+    assert encoder(x).dtype == torch.bfloat16
+    torch.testing.assert_close(encoder(x), model.encoder(x))
