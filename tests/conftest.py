@@ -16,6 +16,26 @@ import pytest
 
 os.environ.setdefault("JAX_NUMPY_DTYPE_PROMOTION", "strict")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# One intra-op thread per process: `make test` runs two pytest workers on a 2-core machine, and
+# a framework's own thread pool on top of them (torch's OpenMP threads, TensorFlow's and XLA's
+# pools) oversubscribes the cores, where spinning threads slow a step many times over. Set
+# before any framework is imported; the processes tests start inherit it. A test that needs
+# more threads sets them itself.
+for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS"):
+    os.environ.setdefault(_name, "1")
+# XLA:CPU's LLVM at its lowest optimization level: most of a JAX test's time is compiling small
+# programs it runs a few times (a third less time in the Keras-on-JAX suite); the numerics are
+# IEEE either way, and no test compares programs compiled under different flags.
+os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false --xla_backend_optimization_level=0")
+# XLA's compiled programs, shared on disk by the suite's processes (the pytest workers and every
+# process a test starts inherit it): many tests compile the same step (the bench's float32
+# reference and native sides, a Keras model per backend suite), and compiling is most of their
+# time on a CPU. The cache is keyed on the program, the flags and the versions, so a hit runs
+# the very executable a fresh compile would give; .cache/ is ignored by git.
+_JAX_CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "jax")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _JAX_CACHE)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 import mixedpolicy  # noqa: E402
 from mixedpolicy import _registry  # noqa: E402

@@ -64,7 +64,10 @@ def resolve_reduce(text: str) -> tuple:
 
 def run_all(args: Any, policies: tuple, reduce_dtypes: tuple, data_path: str, weights_path: str) -> list:
     """Every (policy, reduce dtype) run, one process each; prints progress."""
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={args.replicas}",
+    # the host devices added to the user's own XLA flags, not in their place
+    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                     if not f.startswith("--xla_force_host_platform_device_count"))
+    env = dict(os.environ, XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={args.replicas}".strip(),
                JAX_PLATFORMS="cpu")
     runs = []
     specs = [dict(policy=p, reduce_dtype=r, replicas=args.replicas, batch_size=args.batch_size,

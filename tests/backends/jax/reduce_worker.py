@@ -8,7 +8,7 @@ Asserts; prints one JSON line of bytes per step.
 import json
 import os
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 os.environ["JAX_NUMPY_DTYPE_PROMOTION"] = "strict"
 
 import jax  # noqa: E402

@@ -220,7 +220,7 @@ def test_clear_errors():
 
 _REPLICAS = textwrap.dedent("""
     import os
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
     os.environ["JAX_NUMPY_DTYPE_PROMOTION"] = "strict"
     import functools
     import jax, jax.numpy as jnp, numpy as np, optax

@@ -47,6 +47,6 @@ def test_data_parallel_on_two_devices_trains_under_a_policy_and_our_loss_scale_o
     require_module("keras")
     require_module("jax")
     env = dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3",
-               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+               XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2")
     proc = subprocess.run([sys.executable, "-c", BODY], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
