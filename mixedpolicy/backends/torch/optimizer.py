@@ -156,27 +156,32 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
 
     # -- unscale and step -----------------------------------------------------
     def _grads_by_device_and_dtype(self) -> dict:
-        groups = [g for opt in self._stepped() for g in opt.param_groups]
+        groups = self.param_groups if self._acting_on is None else self._acting_on.param_groups
         half_allowed = isinstance(self._scale_settings, NoLossScale)
         # the parameters' partition by (device, dtype) is kept while the groups stay the same
         # (a gradient has its parameter's device and dtype); each step only gathers gradients
-        key = (half_allowed, *((id(g["params"]), len(g["params"])) for g in groups))
+        key = (half_allowed, *[(id(g["params"]), len(g["params"])) for g in groups])
         if self._partition is None or self._partition[0] != key:
             self._partition = (key, params_by_device_and_dtype(groups, half_allowed))
         by_params = self._partition[1]
         if by_params is not None:
-            found = {}
+            found, sparse = {}, False
             for where, params in by_params.items():
                 grads = [p.grad for p in params if p.grad is not None]
                 if grads:
                     found[where] = grads
-            if not any(g.is_sparse for grads in found.values() for g in grads):
+                    sparse = sparse or any([g.is_sparse for g in grads])
+            if not sparse:
                 return found
         return grads_by_device_and_dtype(groups, half_allowed=half_allowed)
 
-    def _unscale_and_check(self, inv_scale: torch.Tensor) -> torch.Tensor:
+    def _inverse(self, scale: torch.Tensor) -> torch.Tensor:
+        if isinstance(self._scale_settings, NoLossScale):
+            return scale  # its scale is 1: the check alone, no reciprocal to compute
+        return scale.double().reciprocal().float()
+
+    def _unscale_and_check(self, inv_scale: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """Multiplies every gradient by `inv_scale` and returns one found-inf flag (no sync)."""
-        scale = self._ensure_scale(self._first_device())
         per_device: dict = {}
         for (device, _), grads in self._grads_by_device_and_dtype().items():
             found = per_device.get(device)
@@ -216,11 +221,7 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
             return
         self._check_loss_was_scaled("unscale_()")
         scale = self._ensure_scale(self._first_device())
-        if isinstance(self._scale_settings, NoLossScale):
-            inv_scale = scale  # its scale is 1: the check alone, no reciprocal to compute
-        else:
-            inv_scale = scale.double().reciprocal().float()
-        self._found_inf = self._unscale_and_check(inv_scale)
+        self._found_inf = self._unscale_and_check(self._inverse(scale), scale)
         self._unscaled = True
 
     def step(self, closure: Any = None) -> Any:
@@ -264,7 +265,8 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
         fused = all(getattr(opt, "_step_supports_amp_scaling", False) for opt in stepped)
         if fused:
             if self._found_inf is None:  # the fused kernel unscales; only check here
-                self._found_inf = self._unscale_and_check(torch.ones((), dtype=torch.float32, device=scale.device))
+                self._found_inf = self._unscale_and_check(torch.ones((), dtype=torch.float32, device=scale.device),
+                                                          scale)
             for opt in stepped:
                 opt.grad_scale = None if self._unscaled else scale
                 opt.found_inf = self._found_inf
@@ -273,8 +275,8 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
                 finally:
                     del opt.grad_scale, opt.found_inf
         else:
-            if not self._unscaled:
-                self.unscale_()
+            if not self._unscaled:  # unscale_()'s work; its checks were made above
+                self._found_inf = self._unscale_and_check(self._inverse(scale), scale)
             skipped = bool(self._found_inf.item())  # the one host sync GradScaler makes too
             if not skipped:
                 for opt in stepped:
