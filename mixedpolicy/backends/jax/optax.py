@@ -290,18 +290,17 @@ class OptaxOptimizers(OptimizerAdapter):
         return loss_scale_transformation(optimizer, loss_scale, axis_name)
 
     def update_refusal(self, optimizer: Any, policy: Any) -> str | None:
-        if policy.optimizer_state_dtype == "int8":
-            return ("optax has no 8-bit block-quantized state (linear int8 would zero Adam's small "
-                    "second moments); use state=bfloat16")
-        return None  # the rounding and the state's dtype wrap the inner optimizer (with_updates)
+        return None  # the rounding and the state's storage wrap the inner optimizer (with_updates)
 
     def with_updates(self, optimizer: Any, policy: Any) -> Any:
-        from mixedpolicy.backends.jax.updates import mark, state_storage, update_rounding
+        from mixedpolicy.backends.jax.updates import mark, quantized_storage, state_storage, update_rounding
 
         original = optimizer
         if isinstance(optimizer, optax.MultiSteps):
             optimizer = optimizer.gradient_transformation()
-        if policy.optimizer_state_dtype != policy.variable_dtype:
+        if policy.optimizer_state_dtype == "int8":
+            optimizer = quantized_storage(optimizer)
+        elif policy.optimizer_state_dtype != policy.variable_dtype:
             optimizer = state_storage(optimizer, policy.optimizer_state_dtype)
         if policy.update_rounding != "nearest":
             optimizer = optax.chain(optimizer, update_rounding(policy.update_rounding))

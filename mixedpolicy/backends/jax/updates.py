@@ -29,6 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from mixedpolicy import quantized_state
+
 _HALF = (jnp.bfloat16, jnp.float16)
 
 
@@ -151,6 +153,67 @@ def state_storage(inner: Any, dtype: str) -> optax.GradientTransformation:
     return optax.GradientTransformationExtraArgs(init, update)
 
 
+class QuantizedState(NamedTuple):
+    """An optax state whose large moments are stored 8-bit block-quantized
+    (`mixedpolicy.quantized_state`): the inner state with each such moment replaced by its uint8
+    codes (same shape), and beside it, in the order of those moments, each one's float32 largest
+    magnitude per block and which map its codes index (signed, or unsigned for a moment with no
+    negative entry). The codes sit where the moments sat, so the state keeps the parameters'
+    structure (``nnx.Optimizer`` wraps it as it wraps optax's own)."""
+
+    inner_state: Any
+    absmax: tuple
+    signed: Any
+
+
+def quantize_state(state: Any) -> QuantizedState:
+    """`state` with its moments of `quantized_state.MIN_SIZE` values or more (a multiple of a
+    block) quantized; the others keep their dtype."""
+    leaves, tree = jax.tree_util.tree_flatten(state)
+    out, absmax, signed = [], [], []
+    for leaf in leaves:
+        if _is_moment(leaf) and quantized_state.quantizable(jnp.shape(leaf)):
+            sign = jnp.any(leaf < 0)
+            codes, scale = quantized_state.quantize(jnp, leaf, sign)
+            out.append(codes)
+            absmax.append(scale)
+            signed.append(sign)
+        else:
+            out.append(leaf)
+    return QuantizedState(tree.unflatten(out), tuple(absmax),
+                          jnp.stack(signed) if signed else jnp.zeros((0,), jnp.bool_))
+
+
+def dequantize_state(state: QuantizedState) -> Any:
+    """The inner state with its quantized moments back in float32."""
+    leaves, tree = jax.tree_util.tree_flatten(state.inner_state)
+    signed = _value(state.signed)
+    out, k = [], 0
+    for leaf in leaves:
+        if jnp.dtype(leaf.dtype) == jnp.uint8:
+            out.append(quantized_state.dequantize(jnp, leaf, _value(state.absmax[k]), signed[k]))
+            k += 1
+        else:
+            out.append(leaf)
+    return tree.unflatten(out)
+
+
+def quantized_storage(inner: Any) -> optax.GradientTransformationExtraArgs:
+    """`inner` with its large moments stored 8-bit block-quantized: the update reads them
+    dequantized to float32 and the new ones are quantized when they are stored (torchao's and
+    bitsandbytes' 8-bit optimizers, here for every optax optimizer's moments)."""
+    inner = optax.with_extra_args_support(inner)
+
+    def init(params: Any) -> QuantizedState:
+        return quantize_state(inner.init(params))
+
+    def update(updates: Any, state: QuantizedState, params: Any = None, **extra_args: Any) -> tuple:
+        updates, new = inner.update(updates, dequantize_state(state), params, **extra_args)
+        return updates, quantize_state(new)
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
 # -- a state saved under one recipe, adopted by a wrapper under another ---------------------------
 
 def mark(optimizer: Any, rounding: str, state_dtype: str | None) -> Any:
@@ -173,9 +236,26 @@ def _split(inner_state: Any) -> tuple:
 
 
 def _moments_dtype(state: Any) -> str | None:
-    """The dtypes the moments are kept in, e.g. ``"bfloat16"`` or ``"bfloat16+float32"``."""
-    names = sorted({jnp.dtype(leaf.dtype).name for leaf in jax.tree_util.tree_leaves(state) if _is_moment(leaf)})
-    return "+".join(names) or None
+    """The dtypes the moments are kept in, e.g. ``"bfloat16"``, ``"bfloat16+float32"`` or ``"int8"``
+    (8-bit block-quantized, with ``+float32`` where small moments stay float32)."""
+    quantized = isinstance(state, QuantizedState)
+    leaves = jax.tree_util.tree_leaves(state.inner_state if quantized else state)
+    names = {jnp.dtype(leaf.dtype).name for leaf in leaves if _is_moment(leaf)}
+    if quantized and any(jnp.dtype(leaf.dtype) == jnp.uint8 for leaf in leaves):
+        names.add("int8")
+    return "+".join(sorted(names)) or None
+
+
+def _plain(state: Any) -> Any:
+    return dequantize_state(state) if isinstance(state, QuantizedState) else state
+
+
+def _convert(saved: Any, fresh: Any) -> Any:
+    """The saved optimizer state in the form of the fresh one: moments cast to its dtypes, then
+    quantized where it quantizes."""
+    plain = jax.tree_util.tree_map(lambda s, f: s.astype(f.dtype) if _is_moment(s) and s.dtype != f.dtype else s,
+                                   _plain(saved), _plain(fresh))
+    return quantize_state(plain) if isinstance(fresh, QuantizedState) else plain
 
 
 def adopt_recipe(saved: Any, recipe: tuple, fresh: Any = None) -> tuple:
@@ -192,7 +272,8 @@ def adopt_recipe(saved: Any, recipe: tuple, fresh: Any = None) -> tuple:
     saved_rounding, saved_opt, saved_rounds = _split(saved)
     saved_dtype = _moments_dtype(saved_opt)
     if fresh is None:
-        if saved_rounding == rounding and (state_dtype is None or saved_dtype in (None, state_dtype)):
+        kept = saved_dtype in (None, state_dtype) or (state_dtype == "int8" and "int8" in saved_dtype.split("+"))
+        if saved_rounding == rounding and (state_dtype is None or kept):
             return saved, None
         raise ValueError(
             f"Received a state saved under update_rounding={saved_rounding!r} with moments in {saved_dtype} "
@@ -200,12 +281,11 @@ def adopt_recipe(saved: Any, recipe: tuple, fresh: Any = None) -> tuple:
             f"{state_dtype or 'the variables'!r}: converting it needs the parameters (the new "
             f"rounding's state and the moments' dtypes come from them). Call tx.adopt_state(saved, params).")
     _, fresh_opt, fresh_rounds = _split(fresh)
-    if jax.tree_util.tree_structure(saved_opt) != jax.tree_util.tree_structure(fresh_opt):
+    if jax.tree_util.tree_structure(_plain(saved_opt)) != jax.tree_util.tree_structure(_plain(fresh_opt)):
         raise TypeError("Received a state of another inner optimizer than this wrapper's (their state "
                         "trees differ); adopt_state moves a state between policies and recipes of the "
                         "same optax optimizer.")
-    opt = jax.tree_util.tree_map(
-        lambda s, f: s.astype(f.dtype) if _is_moment(s) and s.dtype != f.dtype else s, saved_opt, fresh_opt)
+    opt = _convert(saved_opt, fresh_opt)
     rounds = None if rounding == "nearest" else (saved_rounds if saved_rounding == rounding else fresh_rounds)
     fresh_dtype = _moments_dtype(fresh_opt)
     if saved_rounding == rounding and saved_dtype == fresh_dtype:
