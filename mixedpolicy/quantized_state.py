@@ -5,10 +5,12 @@ A moment is cut into blocks of `BLOCK` consecutive values; each block keeps its 
 magnitude (float32) and one byte per value, the index of the nearest entry of a 256-entry map
 of the values in [-1, 1] (or [0, 1]) that the block's values divided by that magnitude are
 rounded to. The maps are dynamic, as the 8-bit optimizers' (bitsandbytes, torchao) are:
-finely spaced near the block's largest magnitude and reaching seven decades below it, so a
-second moment's small entries (which divide the update) are not zeroed as a linear int8 grid
-would zero them. A moment with no negative entry (Adam's second moment) uses the unsigned
-map, twice as fine. Only moments of at least `MIN_SIZE` values whose size is a multiple of
+finely spaced near the block's largest magnitude and reaching six decades below it (signed)
+or seven (unsigned), so a second moment's small entries (which divide the update) are not
+zeroed as a linear int8 grid would zero them. A moment with no negative entry (Adam's second
+moment) uses the unsigned map, twice as fine. The nearest entry is found with a table indexed
+by the top bits of the value's float32 pattern (no search: about 9 ms for a million values on
+one CPU core, both maps). Only moments of at least `MIN_SIZE` values whose size is a multiple of
 `BLOCK` are quantized (torchao's rule); smaller ones keep their dtype: 2.03 bytes per Adam
 parameter for the two moments of a large layer, against 8 in float32.
 
@@ -34,31 +36,62 @@ MIN_SIZE = 4096
 _DECADES = 7
 
 
-def _magnitudes(per_decade_top: int) -> np.ndarray:
-    """1 and, in each decade ``[10**-(k+1), 10**-k)`` (k = 0 ... 6), ``per_decade_top / 2**k``
-    values at the centres of equal bins: fine near 1, coarse seven decades below."""
-    out = [1.0]
-    for k in range(_DECADES):
+def _magnitudes(per_decade_top: int, decades: int) -> np.ndarray:
+    """0, 1 and, in each decade ``[10**-(k+1), 10**-k)`` (k = 0 ... decades - 1),
+    ``per_decade_top / 2**k`` values at the centres of equal bins, ascending: fine near 1,
+    coarse far below."""
+    out = [0.0, 1.0]
+    for k in range(decades):
         n = per_decade_top >> k
         edges = np.linspace(10.0 ** -(k + 1), 10.0 ** -k, n + 1)
         out.extend((edges[:-1] + edges[1:]) / 2)
-    return np.sort(np.asarray(out, np.float64))
+    return np.sort(np.asarray(out, np.float64)).astype(np.float32)
+
+
+#: the magnitudes each map's codes stand for, ascending from 0: 128 (signed: a sign besides) and
+#: 256 (unsigned)
+_MAGNITUDES = {True: _magnitudes(64, _DECADES - 1), False: _magnitudes(128, _DECADES)}
 
 
 def code_map(signed: bool) -> np.ndarray:
-    """The 256 sorted float32 values codes stand for: zero, 128 positive magnitudes and 127
-    negative ones (signed), or zero and 255 magnitudes (unsigned)."""
-    if signed:
-        pos = _magnitudes(64)  # 128 values
-        values = np.concatenate([-pos[1:][::-1], [0.0], pos])
-    else:
-        values = np.concatenate([[0.0], _magnitudes(128)])  # 255 + zero
-    assert values.size == 256, values.size
-    return values.astype(np.float32)
+    """The 256 float32 values codes stand for. Unsigned: the magnitudes, code = index. Signed:
+    code ``127 + i`` is the i-th magnitude, ``127 - i`` its negative (code 255, never written,
+    repeats 1)."""
+    mags = _MAGNITUDES[signed]
+    if not signed:
+        return mags.copy()
+    return np.concatenate([-mags[:0:-1], mags, [1.0]]).astype(np.float32)
 
 
-_MAPS = {signed: code_map(signed) for signed in (True, False)}
-_MIDPOINTS = {signed: ((m[:-1] + m[1:]) / 2).astype(np.float32) for signed, m in _MAPS.items()}
+# Where a magnitude's nearest entry is found: its float32 bit pattern's top 16 bits (sign 0, the
+# exponent and 7 mantissa bits) index a table of the largest entry at or below the bucket's
+# start; a bucket is narrower than the gap between two entries, so the nearest is that entry or
+# one of the next two.
+_KEY_SHIFT = 16
+_LAST_KEY = int(np.asarray(1.0, np.float32).view(np.uint32)) >> _KEY_SHIFT
+
+
+def _bucket_table(mags: np.ndarray) -> np.ndarray:
+    starts = (np.arange(_LAST_KEY + 1, dtype=np.uint32) << _KEY_SHIFT).view(np.float32)
+    return (np.searchsorted(mags, starts, side="right") - 1).astype(np.int32)
+
+
+_BUCKETS = {signed: _bucket_table(m) for signed, m in _MAGNITUDES.items()}
+
+
+def _nearest(xp: Any, m: Any, signed: bool) -> Any:
+    """The index of the entry of ``_MAGNITUDES[signed]`` nearest to each ``m`` in [0, 1] (the
+    lower on a tie)."""
+    mags = xp.asarray(_MAGNITUDES[signed])
+    key = xp.astype(m.view(xp.uint32) >> _KEY_SHIFT, xp.int32)
+    below = xp.take(xp.asarray(_BUCKETS[signed]), xp.clip(key, 0, _LAST_KEY))
+    best, best_gap = below, xp.abs(xp.take(mags, below) - m)
+    for step in (1, 2):
+        c = xp.clip(below + step, 0, mags.shape[0] - 1)
+        gap = xp.abs(xp.take(mags, c) - m)
+        closer = gap < best_gap
+        best, best_gap = xp.where(closer, c, best), xp.where(closer, gap, best_gap)
+    return best
 
 
 def quantizable(shape: tuple) -> bool:
@@ -69,15 +102,18 @@ def quantizable(shape: tuple) -> bool:
 
 def quantize(xp: Any, x: Any, signed: Any) -> tuple[Any, Any]:
     """(codes, absmax): `x`'s uint8 codes in its own shape and the float32 largest magnitude of
-    each block of `BLOCK` values. `signed` picks the map (a bool, or a boolean scalar array
-    under a trace: then both maps are searched and one is selected)."""
+    each block of `BLOCK` values, each value rounded to the nearest entry of the map. `signed`
+    picks the map (a bool, or a boolean scalar array under a trace: then both are computed and
+    one is selected)."""
     blocks = xp.reshape(xp.astype(x, xp.float32), (-1, BLOCK))
     absmax = xp.max(xp.abs(blocks), axis=1)
     safe = xp.where(absmax > 0, absmax, xp.ones_like(absmax))
-    normed = blocks / safe[:, None]
+    normed = xp.clip(blocks / safe[:, None], -1.0, 1.0)
+    m = xp.abs(normed)
 
     def codes(which: bool) -> Any:
-        return xp.searchsorted(xp.asarray(_MIDPOINTS[which]), normed)
+        i = _nearest(xp, m, which)
+        return xp.where(normed < 0, 127 - i, 127 + i) if which else i
 
     if isinstance(signed, (bool, np.bool_)):
         idx = codes(bool(signed))
@@ -88,8 +124,11 @@ def quantize(xp: Any, x: Any, signed: Any) -> tuple[Any, Any]:
 
 def dequantize(xp: Any, codes: Any, absmax: Any, signed: Any) -> Any:
     """The float32 values `codes` and `absmax` (from `quantize`) stand for, in the codes' shape."""
-    table = (xp.asarray(_MAPS[bool(signed)]) if isinstance(signed, (bool, np.bool_))
+    table = (xp.asarray(code_map(bool(signed))) if isinstance(signed, (bool, np.bool_))
              else xp.where(signed, xp.asarray(_MAPS[True]), xp.asarray(_MAPS[False])))
     idx = xp.astype(xp.reshape(codes, (-1, BLOCK)), xp.int32)
     values = xp.take(table, idx) * absmax[:, None]
     return xp.reshape(values, codes.shape)
+
+
+_MAPS = {signed: code_map(signed) for signed in (True, False)}
