@@ -3,6 +3,8 @@ grammar, the config round trip and the refusals (docs/memory.md)."""
 
 import pickle
 
+import numpy as np
+
 import pytest
 
 import mixedpolicy as mp
@@ -67,3 +69,23 @@ def test_one_optimizer_rounds_one_way():
     with pytest.raises(ValueError, match=r"\('kahan', 'bfloat16'\), \('stochastic', 'bfloat16'\).*one way"):
         mp.LossScaleOptimizer(optax.sgd(0.1), policy=mixed)
     mp.LossScaleOptimizer(optax.sgd(0.1), policy="bfloat16")  # nothing asked of the optimizer
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_8bit_state_codes_are_the_nearest_map_entries_over_many_decades(signed):
+    from mixedpolicy import quantized_state as q
+
+    table = q.code_map(signed)
+    assert table.shape == (256,) and table.max() == 1.0 and (table.min() == -1.0) == signed
+    rng = np.random.default_rng(0)
+    x = (rng.normal(size=64 * 256) * 10.0 ** rng.uniform(-9, 0, 64 * 256)).astype(np.float32)
+    x = x if signed else np.abs(x)
+    codes, absmax = q.quantize(np, x.reshape(128, 128), signed)
+    assert codes.dtype == np.uint8 and codes.shape == (128, 128) and absmax.shape == (64,)
+    normed = x.reshape(-1, 256) / absmax[:, None]
+    usable = table[:255] if signed else table  # code 255 of the signed map is never written
+    nearest = np.argmin(np.abs(normed[..., None] - usable), -1)
+    assert np.array_equal(codes.reshape(-1, 256), nearest)
+    back = q.dequantize(np, codes, absmax, signed)
+    assert np.array_equal(np.abs(back).reshape(-1, 256).max(1), absmax)  # each block's largest exact
+    assert q.quantizable((64, 64)) and not q.quantizable((63, 64)) and not q.quantizable((16, 16))
