@@ -170,6 +170,10 @@ def quantize_state(state: Any) -> QuantizedState:
     """`state` with its moments of `quantized_state.MIN_SIZE` values or more (a multiple of a
     block) quantized; the others keep their dtype."""
     leaves, tree = jax.tree_util.tree_flatten(state)
+    if any(hasattr(leaf, "dtype") and jnp.dtype(leaf.dtype) == jnp.uint8 for leaf in leaves):
+        raise TypeError("Received an inner optimizer whose state holds uint8 arrays of its own; "
+                        "optimizer_state_dtype='int8' stores moments as uint8 codes and could not tell "
+                        "them apart. Train it under state=float32 or state=bfloat16.")
     out, absmax, signed = [], [], []
     for leaf in leaves:
         if _is_moment(leaf) and quantized_state.quantizable(jnp.shape(leaf)):

@@ -269,6 +269,10 @@ def test_int8_state_quantizes_the_large_moments_and_trains_like_float32_state():
     plain = dequantize_state(quantized)[0]
     assert plain.mu["w2"].dtype == jnp.float32 and plain.mu["w2"].shape == (256, 256)
     assert tx.loss_scaling.startswith("no scaling")
+    # an inner state with uint8 arrays of its own could not be told from the codes: refused
+    own = optax.GradientTransformation(lambda p: {"flags": jnp.zeros(3, jnp.uint8)}, lambda u, s, p=None: (u, s))
+    with pytest.raises(TypeError, match="uint8 arrays of its own.*state=float32"):
+        mp.LossScaleOptimizer(own, policy="p=f32,state=int8").init(params)
 
 
 def test_int8_state_composes_with_loss_scaling_skips_and_moves_between_recipes(caplog):
