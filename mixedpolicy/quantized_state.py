@@ -65,8 +65,8 @@ def code_map(signed: bool) -> np.ndarray:
 
 # Where a magnitude's nearest entry is found: its float32 bit pattern's top 16 bits (sign 0, the
 # exponent and 7 mantissa bits) index a table of the largest entry at or below the bucket's
-# start; a bucket is narrower than the gap between two entries, so the nearest is that entry or
-# one of the next two.
+# start; no bucket holds more than one entry (tests/test_memory.py checks it), so the nearest is
+# that entry or one of the next two.
 _KEY_SHIFT = 16
 _LAST_KEY = int(np.asarray(1.0, np.float32).view(np.uint32)) >> _KEY_SHIFT
 
