@@ -9,8 +9,9 @@ finely spaced near the block's largest magnitude and reaching six decades below 
 or seven (unsigned), so a second moment's small entries (which divide the update) are not
 zeroed as a linear int8 grid would zero them. A moment with no negative entry (Adam's second
 moment) uses the unsigned map, twice as fine. The nearest entry is found with a table indexed
-by the top bits of the value's float32 pattern (no search: about 9 ms for a million values on
-one CPU core, both maps). Only moments of at least `MIN_SIZE` values whose size is a multiple of
+by the top bits of the value's float32 pattern, no search (under `jax.jit` on one thread of a
+2-core AMD EPYC, 2026-11-26: 5.5 ms to quantize a million values, 0.4 ms to dequantize them;
+a binary search took 65 ms). Only moments of at least `MIN_SIZE` values whose size is a multiple of
 `BLOCK` are quantized (torchao's rule); smaller ones keep their dtype: 2.03 bytes per Adam
 parameter for the two moments of a large layer, against 8 in float32.
 

@@ -177,8 +177,9 @@ def quantize_state(state: Any) -> QuantizedState:
     out, absmax, signed = [], [], []
     for leaf in leaves:
         if _is_moment(leaf) and quantized_state.quantizable(jnp.shape(leaf)):
-            sign = jnp.any(leaf < 0)
-            codes, scale = quantized_state.quantize(jnp, leaf, sign)
+            sign = jnp.any(leaf < 0)  # one map's codes computed, not both (a select would run both)
+            codes, scale = jax.lax.cond(sign, lambda x: quantized_state.quantize(jnp, x, True),
+                                        lambda x: quantized_state.quantize(jnp, x, False), leaf)
             out.append(codes)
             absmax.append(scale)
             signed.append(sign)
