@@ -47,10 +47,15 @@ def train(policy, epochs=15, seed=0):
 
 
 if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=15, help="epochs per policy (default 15)")
+    epochs = parser.parse_args().epochs
     print(f"Keras {keras.__version__} on {keras.backend.backend()}")
     base = None
     for policy in ("float32", "mixed_bfloat16", "mixed_float16"):
-        acc, skipped, scale = train(policy)
+        acc, skipped, scale = train(policy, epochs=epochs)
         base = acc if base is None else base
         print(f"{policy:15s} accuracy {acc:.3f} ({acc - base:+.3f} vs float32)  "
               f"skipped steps {skipped}  final scale {scale:g}")

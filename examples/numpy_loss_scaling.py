@@ -59,8 +59,13 @@ def train(policy_name, epochs=30, lr=0.5, seed=0):
 
 
 if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=30, help="epochs per policy (default 30)")
+    epochs = parser.parse_args().epochs
     for name in ("float32", "mixed_float16"):
         with np.errstate(over="ignore", invalid="ignore"):
-            acc, skipped, final_scale, wdtype = train(name)
+            acc, skipped, final_scale, wdtype = train(name, epochs=epochs)
         print(f"{name:14s} accuracy {acc:.3f}  skipped steps {skipped:2d}  "
               f"final scale {final_scale:g}  weights {wdtype}")

@@ -20,7 +20,9 @@ def test_there_are_examples():
 @pytest.mark.slow
 @pytest.mark.parametrize("script", SMOKE, ids=lambda p: p.name)
 def test_example_runs(script):
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+    # two epochs per policy: the script runs as a user runs it, end to end (how well each policy
+    # trains is checked on the examples' train functions, below and in the Keras suite)
+    proc = subprocess.run([sys.executable, str(script), "--epochs", "2"], capture_output=True, text=True,
                           timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     assert "accuracy" in proc.stdout
