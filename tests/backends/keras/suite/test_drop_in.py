@@ -4,6 +4,7 @@ Run by tests/backends/keras/test_keras.py once per Keras backend, in a pytest pr
 (KERAS_BACKEND is chosen per process); not collected by the main run.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -17,20 +18,21 @@ import keras
 import mixedpolicy as mp
 
 
+def guide_model():
+    """The mixed-precision guide's model: a float32 softmax head of its own."""
+    inputs = keras.Input((16,))
+    h = keras.layers.Dense(32, activation="relu", name="dense_1")(inputs)
+    h = keras.layers.Dense(4, name="dense_logits")(h)
+    outputs = keras.layers.Activation("softmax", dtype="float32", name="predictions")(h)
+    return keras.Model(inputs, outputs, name="guide")
+
+
 def test_drop_in():
-    """The guide's float32 head, threads, name keys, norms next to raw ops, a fresh-process load."""
+    """The guide's float32 head, threads, name keys, norms next to raw ops."""
     dt = keras.backend.standardize_dtype
     x = np.random.default_rng(0).normal(size=(8, 16)).astype("float32")
-    y = np.random.default_rng(1).integers(0, 4, size=(8,))
 
     # 1. the layer's own dtype="float32" (the guide's float32 softmax) survives a model-wide policy
-    def guide_model():
-        inputs = keras.Input((16,))
-        h = keras.layers.Dense(32, activation="relu", name="dense_1")(inputs)
-        h = keras.layers.Dense(4, name="dense_logits")(h)
-        outputs = keras.layers.Activation("softmax", dtype="float32", name="predictions")(h)
-        return keras.Model(inputs, outputs, name="guide")
-
     m = mp.apply_policy(guide_model(), "mixed_float16")
     rows = {r.path: r for r in mp.describe(m)}
     pred = [r for r in rows.values() if r.path.endswith("predictions")][0]
@@ -74,64 +76,67 @@ def test_drop_in():
         assert dt(block.norm.gamma.dtype) == "float32"
         assert dt(model(x).dtype) == compute
 
-    # 4. trained with mixedpolicy's LossScaleOptimizer, saved, loaded in a fresh process
-    model = mp.apply_policy(guide_model(), "mixed_float16")
-    model.compile(mp.LossScaleOptimizer(keras.optimizers.Adam(1e-3), initial_scale=2.0**10,
-                                        dynamic_growth_steps=2, min_scale=0.5), "sparse_categorical_crossentropy")
-    model.fit(x, y, epochs=3, batch_size=4, verbose=0)
-    scale = model.optimizer.loss_scale
-    path = os.path.join(tempfile.mkdtemp(), "m.keras")
-    model.save(path)
-    expected = model.predict(x, verbose=0)
-    np.save(path + ".npy", expected)
-    code = textwrap.dedent(f"""
-        import numpy as np, keras
-        import mixedpolicy as mp
-        m = keras.saving.load_model({path!r})
-        assert isinstance(m.optimizer, mp.LossScaleOptimizer), type(m.optimizer)
-        assert m.optimizer.loss_scale == {scale!r}, m.optimizer.loss_scale
-        assert m.optimizer._scale_settings.min_scale == 0.5
-        assert int(keras.ops.convert_to_numpy(m.optimizer.iterations)) == {int(keras.ops.convert_to_numpy(model.optimizer.iterations))}
-        np.testing.assert_allclose(m.predict(np.asarray({x.tolist()!r}, "float32"), verbose=0), np.load({path!r} + ".npy"), rtol=1e-2, atol=1e-3)
-        print("loaded")
-    """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ)
-    assert out.returncode == 0 and "loaded" in out.stdout, out.stderr[-3000:]
 
-
-def _load_in_fresh_process(path: str, with_mixedpolicy: bool) -> dict:
-    """Loads `path` in a new process (with or without mixedpolicy) and reports its optimizer."""
+def _load_in_fresh_process(paths: list, with_mixedpolicy: bool) -> list:
+    """Loads each of `paths` in one new process (Keras imported first, then mixedpolicy or not)
+    and reports each model's optimizer. With mixedpolicy, the process also checks the global
+    policy where Keras was imported first: it reaches Keras and a layer built in a worker thread
+    (the import order the main run's fresh processes do not cover; see test_keras.py)."""
     code = textwrap.dedent(f"""
-        import json, sys, warnings, keras
-        {"import mixedpolicy" if with_mixedpolicy else ""}
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            m = keras.saving.load_model({path!r})
-        o = m.optimizer
-        print(json.dumps({{
-            "mixedpolicy": "mixedpolicy" in sys.modules,
-            "type": type(o).__module__ + "." + type(o).__qualname__,
-            "is_ours": any(c.__module__.startswith("mixedpolicy") for c in type(o).__mro__),
-            "scale": float(keras.ops.convert_to_numpy(o.dynamic_scale)),
-            "counter": int(keras.ops.convert_to_numpy(o.step_counter)),
-            "iterations": int(keras.ops.convert_to_numpy(o.iterations)),
-            "skipped": getattr(o, "num_skipped_steps", None),
-            "warnings": [str(w.message) for w in caught if "Skipping" in str(w.message)
-                         or "could not be loaded" in str(w.message)],
-        }}))
-    """)
+        import json, sys, threading, warnings, keras
+        {"import mixedpolicy as mp" if with_mixedpolicy else ""}
+        report = []
+        for path in {paths!r}:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                m = keras.saving.load_model(path)
+            o = m.optimizer
+            report.append({{
+                "mixedpolicy": "mixedpolicy" in sys.modules,
+                "type": type(o).__module__ + "." + type(o).__qualname__,
+                "is_ours": any(c.__module__.startswith("mixedpolicy") for c in type(o).__mro__),
+                "scale": float(keras.ops.convert_to_numpy(o.dynamic_scale)),
+                "counter": int(keras.ops.convert_to_numpy(o.step_counter)),
+                "iterations": int(keras.ops.convert_to_numpy(o.iterations)),
+                "skipped": getattr(o, "num_skipped_steps", None),
+                "min_scale": getattr(getattr(o, "_scale_settings", None), "min_scale", None),
+                "predictions": m.predict(np.load(path + ".x.npy"), verbose=0).tolist(),
+                "warnings": [str(w.message) for w in caught if "Skipping" in str(w.message)
+                             or "could not be loaded" in str(w.message)],
+            }})
+        if {with_mixedpolicy!r}:
+            mp.set_global_policy("mixed_float16")
+            built = []
+            worker = threading.Thread(target=lambda: built.append((keras.layers.Dense(2).dtype_policy.name,
+                                                                   keras.config.dtype_policy().name)))
+            worker.start(); worker.join()
+            assert built == [("mixed_float16", "mixed_float16")], built
+            mp.set_global_policy(None)
+            assert keras.layers.Dense(2).dtype_policy.name == "float32"
+        print(json.dumps(report))
+    """).replace("import json,", "import numpy as np, json,")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ)
     assert out.returncode == 0, out.stderr[-3000:]
-    import json
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_saved_with_keras_expressible_settings_loads_in_plain_keras_and_back_as_ours():
+def _save(model, x) -> tuple:
+    """Saves `model` with the inputs and predictions a fresh process checks it against."""
+    path = os.path.join(tempfile.mkdtemp(), f"{model.name}.keras")
+    model.save(path)
+    np.save(path + ".x.npy", x)
+    return path, model.predict(x, verbose=0)
+
+
+def test_saved_models_load_in_fresh_processes_with_and_without_mixedpolicy():
+    """A model trained with mixedpolicy's LossScaleOptimizer loads in a fresh process: settings
+    Keras can express (scale, counters) load in plain Keras as Keras's own optimizer and back as
+    ours with the skip count; settings it cannot (min_scale) keep mixedpolicy's class."""
     keras.utils.set_random_seed(0)  # the same weights, hence the same scale trajectory, each run
     x = np.random.default_rng(0).random((16, 4), dtype=np.float32)
     y = np.arange(16) % 3
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
-                              keras.layers.Dense(3)])
+                              keras.layers.Dense(3)], name="portable")
     mp.apply_policy(model, "mixed_float16")
     opt = mp.LossScaleOptimizer(keras.optimizers.Adam(1e-3), initial_scale=2.0**10,
                                 dynamic_growth_steps=3)
@@ -141,17 +146,29 @@ def test_saved_with_keras_expressible_settings_loads_in_plain_keras_and_back_as_
     saved = {"scale": opt.loss_scale, "counter": int(keras.ops.convert_to_numpy(opt.step_counter)),
              "iterations": int(keras.ops.convert_to_numpy(opt.iterations))}
     assert saved["iterations"] > 0 and (saved["scale"], saved["counter"]) != (2.0**10, 0)  # moved
-    path = os.path.join(tempfile.mkdtemp(), "portable.keras")
-    model.save(path)
+    portable, _ = _save(model, x)
 
-    plain = _load_in_fresh_process(path, with_mixedpolicy=False)
+    # the guide's model with a setting Keras's own LossScaleOptimizer has no field for
+    x8 = np.random.default_rng(0).normal(size=(8, 16)).astype("float32")
+    guide = mp.apply_policy(guide_model(), "mixed_float16")
+    guide.compile(mp.LossScaleOptimizer(keras.optimizers.Adam(1e-3), initial_scale=2.0**10,
+                                        dynamic_growth_steps=2, min_scale=0.5), "sparse_categorical_crossentropy")
+    guide.fit(x8, np.random.default_rng(1).integers(0, 4, size=(8,)), epochs=3, batch_size=4, verbose=0)
+    guide_saved = {"scale": guide.optimizer.loss_scale,
+                   "iterations": int(keras.ops.convert_to_numpy(guide.optimizer.iterations))}
+    guide_path, guide_predictions = _save(guide, x8)
+
+    (plain,) = _load_in_fresh_process([portable], with_mixedpolicy=False)
     assert not plain["mixedpolicy"] and not plain["is_ours"], plain
     assert plain["type"].endswith("loss_scale_optimizer.LossScaleOptimizer"), plain
     assert {k: plain[k] for k in saved} == saved and plain["warnings"] == [], plain
 
-    ours = _load_in_fresh_process(path, with_mixedpolicy=True)
+    ours, loaded = _load_in_fresh_process([portable, guide_path], with_mixedpolicy=True)
     assert ours["is_ours"] and ours["skipped"] == 2 and ours["warnings"] == [], ours
     assert {k: ours[k] for k in saved} == saved, ours
+    assert loaded["is_ours"] and loaded["min_scale"] == 0.5 and loaded["warnings"] == [], loaded
+    assert {k: loaded[k] for k in guide_saved} == guide_saved, loaded
+    np.testing.assert_allclose(loaded["predictions"], guide_predictions, rtol=1e-2, atol=1e-3)
 
 
 def test_settings_keras_cannot_express_keep_mixedpolicys_name():
