@@ -131,7 +131,7 @@ class KerasModels(ModelAdapter):
             policy, source = resolution.policy, resolution.source
             explicit = _explicit_dtype(layer, by_path.get(chain[-2].path) if len(chain) > 1 else None)
             if explicit is not None and resolution.origin != "key" and layer is not model:
-                planned.append((layer, explicit.name, f"the layer's own dtype={explicit.name!r}"))
+                planned.append((layer, explicit.name, f"the layer's own dtype={explicit.name!r}", None))
                 continue
             if resolution.origin == "rule" and chain[-1].kind == NORMALIZATION:
                 # float32 variables; Keras's own kernels compute the statistics in float32
@@ -161,7 +161,7 @@ class KerasModels(ModelAdapter):
             recipe = policy.float8_recipe if float8.eligible(layer) else None
             if recipe is not None:
                 float8.check(recipe, chain[-1].path, policy.reduce_dtype)
-            planned.append((layer, name if recipe is None else float8.dtype_policy(name, recipe), source))
+            planned.append((layer, name if recipe is None else float8.dtype_policy(name, recipe), source, recipe))
         if kept:
             warnings.warn(
                 f"{len(kept)} normalization layer(s) ({', '.join(kept[:3])}{', ...' if len(kept) > 3 else ''}) "
@@ -170,11 +170,13 @@ class KerasModels(ModelAdapter):
                 f"under a pure policy, apply the policy before the layers are built (a subclassed model "
                 f"before its first call), or give those layers dtype='float32'.", stacklevel=3)
         remove_policy(model)
-        for layer, name, source in planned:
-            object.__setattr__(layer, _STATE, (layer.dtype_policy, source))
-            layer.dtype_policy = keras.DTypePolicy(name) if isinstance(name, str) else name  # fp8: Keras quantizes
+        for layer, name, source, recipe in planned:
+            object.__setattr__(layer, _STATE, (layer.dtype_policy, source, type(layer)))
+            layer.dtype_policy = keras.DTypePolicy(name) if isinstance(name, str) else name  # delayed: Keras quantizes
+            if recipe is not None and recipe.recipe == "tensorwise":
+                float8.make_tensorwise(layer, recipe)
         scaled = any((keras.DTypePolicy(name) if isinstance(name, str) else name).compute_dtype == "float16"
-                     for _, name, _ in planned)
+                     for _, name, _, _ in planned)
         # a reduce dtype other than the variables' is carried by our optimizer (tf.distribute)
         reduced = any(step.policy.reduce_dtype != step.policy.variable_dtype for step in steps)
         updates = next((step.policy for step in steps if not step.policy.updates_as_the_optimizer_does), None)
@@ -203,7 +205,7 @@ class KerasModels(ModelAdapter):
             source = state[1] if state is not None else "no policy applied"
             dtype_policy = layer.dtype_policy
             policy = (Policy.from_keras(dtype_policy) if getattr(dtype_policy, "quantization_mode", None) == "float8"
-                      else Policy(dtype_policy.name))
+                      else Policy(dtype_policy.name, float8_recipe=float8.tensorwise_recipe(layer)))
             rows.append(LayerPolicy(chain[-1].path, type(layer).__name__, policy, source))
         return rows
 
@@ -214,6 +216,9 @@ def remove_policy(model: Any) -> Any:
         state = layer.__dict__.pop(_STATE, None)
         if state is not None:
             layer.dtype_policy = state[0]
+            if type(layer) is not state[2]:  # a tensorwise fp8 class: Keras's own back
+                layer.__dict__.pop("_mixedpolicy_float8", None)
+                layer.__class__ = state[2]
     return model
 
 
