@@ -8,6 +8,13 @@ saturated), and, in training, the next scale is ``amax_max / fp8_max * 2**margin
 history *before* this step's amax, which then enters the history (rolled, at index 0).
 The scales and histories are buffers: ``state_dict`` saves them, DDP broadcasts them with
 the other buffers.
+
+Across replicas (``torch.distributed`` initialized with more than one rank: DDP, FSDP2) the
+amax of the input and of the output gradient that enters the history is the largest over all
+ranks (one ``all_reduce(MAX)`` of a scalar each, in training), as Transformer Engine reduces
+its amaxes: every rank keeps the same histories and scales, so the replicas quantize alike.
+The weight's needs none: every rank computes with the same full weight. Each rank must run
+the same training forwards and backwards, as DDP and FSDP require anyway.
 """
 
 from __future__ import annotations
@@ -28,13 +35,26 @@ def _next_scale(history: torch.Tensor, scale: torch.Tensor, top: float, margin: 
     return torch.where(usable, 1.0 / factor, scale)
 
 
-def _update(x: torch.Tensor, scale: torch.Tensor, history: torch.Tensor, fmt: torch.dtype, margin: int) -> None:
-    """Keras's order: the next scale from the history so far, then this amax into the history."""
+def _replicated() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _update(x: torch.Tensor, scale: torch.Tensor, history: torch.Tensor, fmt: torch.dtype, margin: int,
+            across_replicas: bool = False) -> None:
+    """Keras's order: the next scale from the history so far, then this amax into the history
+    (`across_replicas`: the largest over the ranks, see the module docstring)."""
     top = torch.finfo(fmt).max
     with torch.no_grad():
+        amax = x.detach().abs().max().float()
+        if across_replicas and _replicated():
+            import torch.distributed as dist
+
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX)
         scale.copy_(_next_scale(history, scale, top, margin))
         history.copy_(torch.roll(history, -1))
-        history[0] = x.detach().abs().max().float()
+        history[0] = amax
 
 
 def _quantize(x: torch.Tensor, scale: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
@@ -54,7 +74,7 @@ class _Matmul(torch.autograd.Function):
         xs, ws = layer.input_scale.clone(), layer.weight_scale.clone()  # this step's scales
         xq, wq = _quantize(x, xs, fwd), _quantize(weight, ws, fwd)
         if layer.training:
-            _update(x, layer.input_scale, layer.input_amax_history, fwd, margin)
+            _update(x, layer.input_scale, layer.input_amax_history, fwd, margin, across_replicas=True)
             _update(weight, layer.weight_scale, layer.weight_amax_history, fwd, margin)
         ctx.save_for_backward(xq, wq, xs, ws)
         ctx.layer, ctx.dtypes = layer, (x.dtype, weight.dtype)
@@ -68,7 +88,7 @@ class _Matmul(torch.autograd.Function):
         gs = layer.grad_scale.clone()
         gq = _quantize(grad, gs, bwd)
         if layer.training:
-            _update(grad, layer.grad_scale, layer.grad_amax_history, bwd, layer.recipe.margin)
+            _update(grad, layer.grad_scale, layer.grad_amax_history, bwd, layer.recipe.margin, across_replicas=True)
         x_dtype, w_dtype = ctx.dtypes
         dx = torch._scaled_mm(gq, _column_major(wq), scale_a=gs, scale_b=ws, out_dtype=x_dtype)
         dw = torch._scaled_mm(gq.t().contiguous(), _column_major(xq), scale_a=gs, scale_b=xs, out_dtype=w_dtype)

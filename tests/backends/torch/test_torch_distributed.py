@@ -1,5 +1,6 @@
-"""DDP reduces gradients in the policy's reduce dtype, FSDP2 takes Policy.to_fsdp() (two gloo
-ranks on CPU: ddp_worker.py, fsdp_worker.py)."""
+"""DDP reduces gradients in the policy's reduce dtype, FSDP2 takes Policy.to_fsdp(), delayed fp8
+reduces its amaxes across ranks (two gloo ranks on CPU: ddp_worker.py, fsdp_worker.py,
+float8_ddp_worker.py)."""
 
 import json
 import socket
@@ -59,6 +60,20 @@ def test_every_reduce_dtype_on_two_gloo_ranks():
     assert figures["float8_e5m2"] == figures["float8_e4m3fn"] == n + 4  # one bucket, one scale
     assert n < figures["per_layer"] < figures["float32"]
     assert figures["table-1"] == -(-n // 8) + 4 and figures["table-8"] == n + 4 * 128  # and decode as numpy's
+
+
+@pytest.mark.slow
+def test_delayed_fp8_amaxes_are_reduced_across_ddp_ranks():
+    """A delayed-fp8 layer under DDP, each rank on its own data, DDP's buffer sync off: both
+    ranks keep the same scales and histories, the inputs' history holding the largest amax
+    over the ranks (asserts in float8_ddp_worker.py)."""
+    require_module("torch")
+    worker = Path(__file__).with_name("float8_ddp_worker.py")
+    done = subprocess.run([sys.executable, str(worker), str(_free_port())], capture_output=True,
+                          text=True, timeout=300, cwd=worker.parent)
+    lines = done.stdout.strip().splitlines()  # the report decides (see the test above)
+    assert lines and lines[-1].startswith("{"), done.stdout[-2000:] + done.stderr[-4000:]
+    assert json.loads(lines[-1])["ranks_agree"]
 
 
 @pytest.mark.slow
