@@ -90,9 +90,11 @@ def _check_float8(names: list, adapter: Any, what: str) -> None:
     if names and not getattr(adapter, "runs_float8", False):
         raise ValueError(
             f"Received the fp8 polic{'ies' if len(names) > 1 else 'y'} {', '.join(names)} for {what}: "
-            f"mixedpolicy runs fp8 matmuls on torch (torchao), Keras (Keras's float8 layers) and "
-            f"Flax (nnx.Linear, linen's nn.Dense) only so far. Use the source policy here "
-            f"(policy.source, e.g. 'mixed_bfloat16'); nothing was applied.")
+            f"mixedpolicy runs fp8 matmuls on torch (torchao), Keras (Dense, EinsumDense) and "
+            f"Flax (nnx.Linear, linen's nn.Dense) only so far (an Equinox layer or a plain "
+            f"function sees what jax.vmap hands it, one example at a time, where a per-tensor "
+            f"scale would be per example). Use the source policy here (policy.source, e.g. "
+            f"'mixed_bfloat16'); nothing was applied.")
 
 
 def _policies_in(policy_map: PolicyMap) -> tuple:
