@@ -37,6 +37,7 @@ from mixedpolicy._adapter import ModelAdapter
 from mixedpolicy.table import LayerPolicy
 from mixedpolicy.policy import Policy
 from mixedpolicy.backends.keras import float8, patches
+from mixedpolicy.backends.keras.policy_maps import keep_through_save, own_policy, set_policy
 from mixedpolicy.backends.keras.compile import compile_with_loss_scale, use_bounded_loss_scale_in_compile
 from mixedpolicy.backends.keras.reduce import reduce_engine
 from mixedpolicy.layer_plan import plan
@@ -142,22 +143,22 @@ class KerasModels(ModelAdapter):
                     source += f" (float32 variables; {type(layer).__name__} computes in {surrounding})"
             name = _keras_policy(policy, chain[-1].path)
             own_variables = layer._trainable_variables + layer._non_trainable_variables
-            built_dtype = layer.dtype_policy.variable_dtype
+            built_dtype = own_policy(layer).variable_dtype
             if (own_variables and resolution.origin == "rule" and chain[-1].kind == NORMALIZATION
                     and built_dtype == resolution.policy.output_dtype != keras.DTypePolicy(name).variable_dtype):
                 # Built under a pure global policy (a functional model's layers are built as it
                 # is defined): its half variables cannot become float32, so it stays as Keras
                 # built it (Keras's norms compute their statistics in float32 all the same).
-                name = layer.dtype_policy.name
+                name = own_policy(layer).name
                 source += f" (kept {built_dtype}: built before the policy was applied)"
                 kept.append(chain[-1].path)
             elif own_variables and keras.DTypePolicy(name).variable_dtype != built_dtype:
                 raise ValueError(
                     f"Received the policy {name} for the built layer {chain[-1].path!r}, whose "
-                    f"variables are {layer.dtype_policy.variable_dtype}: Keras cannot change the "
+                    f"variables are {own_policy(layer).variable_dtype}: Keras cannot change the "
                     f"dtype of existing variables. Apply the policy before the model is built "
                     f"(before its first call or model.build), or choose a policy with "
-                    f"{layer.dtype_policy.variable_dtype} variables.")
+                    f"{own_policy(layer).variable_dtype} variables.")
             recipe = policy.float8_recipe if float8.eligible(layer) else None
             if recipe is not None:
                 float8.check(recipe, chain[-1].path, policy.reduce_dtype)
@@ -171,10 +172,11 @@ class KerasModels(ModelAdapter):
                 f"before its first call), or give those layers dtype='float32'.", stacklevel=3)
         remove_policy(model)
         for layer, name, source, recipe in planned:
-            object.__setattr__(layer, _STATE, (layer.dtype_policy, source, type(layer)))
-            layer.dtype_policy = keras.DTypePolicy(name) if isinstance(name, str) else name  # delayed: Keras quantizes
+            object.__setattr__(layer, _STATE, (layer._dtype_policy, source, type(layer)))
+            set_policy(layer, keras.DTypePolicy(name) if isinstance(name, str) else name)  # delayed: Keras quantizes
             if recipe is not None and recipe.recipe == "tensorwise":
                 float8.make_tensorwise(layer, recipe)
+        keep_through_save([layer for layer, *_ in planned])
         scaled = any((keras.DTypePolicy(name) if isinstance(name, str) else name).compute_dtype == "float16"
                      for _, name, _, _ in planned)
         # a reduce dtype other than the variables' is carried by our optimizer (tf.distribute)
@@ -203,7 +205,7 @@ class KerasModels(ModelAdapter):
         for layer, chain in _layers(model):
             state = layer.__dict__.get(_STATE)
             source = state[1] if state is not None else "no policy applied"
-            dtype_policy = layer.dtype_policy
+            dtype_policy = own_policy(layer)
             policy = (Policy.from_keras(dtype_policy) if getattr(dtype_policy, "quantization_mode", None) == "float8"
                       else Policy(dtype_policy.name, float8_recipe=float8.tensorwise_recipe(layer)))
             rows.append(LayerPolicy(chain[-1].path, type(layer).__name__, policy, source))
@@ -215,7 +217,7 @@ def remove_policy(model: Any) -> Any:
     for layer, _ in _layers(model):
         state = layer.__dict__.pop(_STATE, None)
         if state is not None:
-            layer.dtype_policy = state[0]
+            set_policy(layer, state[0])
             if type(layer) is not state[2]:  # a tensorwise fp8 class: Keras's own back
                 layer.__dict__.pop("_mixedpolicy_float8", None)
                 layer.__class__ = state[2]

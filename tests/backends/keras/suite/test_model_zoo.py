@@ -106,3 +106,32 @@ def test_training_matches_keras_own_policy_and_the_weights_resume():
     x, _ = batches(1)[0]
     np.testing.assert_allclose(keras.ops.convert_to_numpy(keras.ops.cast(again(x), "float32")),
                                keras.ops.convert_to_numpy(keras.ops.cast(ours(x), "float32")), atol=1e-6)
+
+
+def test_per_layer_policies_survive_a_whole_model_save_and_load():
+    """keras-hub makes a backbone's layers again from one dtype when a model loads; the
+    overrides come back through the DTypePolicyMap mixedpolicy gives the backbone (Keras's own
+    way, which keras-hub uses for quantized layers)."""
+    model = classifier()
+    rules = mp.PolicyMap("mixed_bfloat16", {keras.layers.Embedding: "float32", "logits": "float32"})
+    mp.apply_policy(model, rules)
+    x, _ = batches(1)[0]
+    expected = keras.ops.convert_to_numpy(keras.ops.cast(model(x), "float32"))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "zoo.keras")
+        model.save(path)
+        again = keras.saving.load_model(path)
+    # every layer Keras gives a path to (an attention's softmax and dropout have none, and
+    # follow the backbone's own policy) computes in the policy it was saved with
+    layers = {layer.path: layer for layer in again._flatten_layers(include_self=False) if layer.path}
+    embeddings = [p for p, layer in layers.items() if isinstance(layer, keras.layers.Embedding)]
+    assert embeddings and all(layers[p].compute_dtype == "float32" for p in embeddings)
+    assert again.get_layer("logits").compute_dtype == "float32"
+    assert all(by_path(again)[p].policy == mp.Policy("float32") for p in embeddings)  # describe reads the map
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(keras.ops.cast(again(x), "float32")), expected)
+    # applied again and taken off: the loaded model's own map is left as it was
+    mp.apply_policy(again, "float32")
+    assert all(layer.compute_dtype == "float32" for layer in again._flatten_layers())
+    mp.remove_policy(again)
+    assert all(layers[p].compute_dtype == "float32" for p in embeddings)
+    assert any(layer.compute_dtype == "bfloat16" for layer in layers.values())
