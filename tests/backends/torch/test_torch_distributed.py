@@ -21,6 +21,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _report(worker_name: str) -> dict:
+    """Runs a two-rank worker script of this folder; rank 0's last line, a JSON report, once
+    both ranks passed every check. On a loaded 2-core machine gloo can abort while tearing
+    down after that ("terminate called without an active exception"): the report decides,
+    the exit status only when it is missing."""
+    worker = Path(__file__).with_name(worker_name)
+    done = subprocess.run([sys.executable, str(worker), str(_free_port())], capture_output=True,
+                          text=True, timeout=300, cwd=worker.parent)
+    lines = done.stdout.strip().splitlines()
+    assert lines and lines[-1].startswith("{"), done.stdout[-2000:] + done.stderr[-4000:]
+    return json.loads(lines[-1])
+
+
 @pytest.mark.slow
 def test_adaprec_around_a_ddp_loop_on_two_gloo_ranks():
     """mp.AdaPrec with live state (snapshot/restore of state dicts): float32 alone is bit for bit
@@ -29,12 +42,7 @@ def test_adaprec_around_a_ddp_loop_on_two_gloo_ranks():
     (asserts in adaprec_worker.py)."""
     require_module("torch")
     require_module("sklearn")
-    worker = Path(__file__).with_name("adaprec_worker.py")
-    done = subprocess.run([sys.executable, str(worker), str(_free_port())], capture_output=True,
-                          text=True, timeout=300, cwd=worker.parent)
-    lines = done.stdout.strip().splitlines()  # the report decides (see the test below)
-    assert lines and lines[-1].startswith("{"), done.stdout[-2000:] + done.stderr[-4000:]
-    report = json.loads(lines[-1])
+    report = _report("adaprec_worker.py")
     assert report["decisions"][0][0] == 0 and report["accuracy"] > 0.85
     assert report["bytes_vs_float32"] < 0.6
 
@@ -46,15 +54,7 @@ def test_every_reduce_dtype_on_two_gloo_ranks():
     overflow on one rank makes both skip in every reduce dtype, with the same scale and
     equal replicas after (asserts in ddp_worker.py)."""
     require_module("torch")
-    worker = Path(__file__).with_name("ddp_worker.py")
-    done = subprocess.run([sys.executable, str(worker), str(_free_port())], capture_output=True,
-                          text=True, timeout=300, cwd=worker.parent)
-    # rank 0 reports once both ranks passed every check. On a loaded 2-core machine gloo
-    # can abort while tearing down after that ("terminate called without an active
-    # exception"): the report decides, the exit status only when it is missing.
-    lines = done.stdout.strip().splitlines()
-    assert lines and lines[-1].startswith("{"), done.stdout[-2000:] + done.stderr[-4000:]
-    figures = json.loads(lines[-1])
+    figures = _report("ddp_worker.py")
     n = figures["float32"] // 4  # the model's parameter count
     assert (figures["bfloat16"], figures["float16"]) == (2 * n, 2 * n)
     assert figures["float8_e5m2"] == figures["float8_e4m3fn"] == n + 4  # one bucket, one scale
@@ -68,12 +68,7 @@ def test_delayed_fp8_amaxes_are_reduced_across_ddp_ranks():
     ranks keep the same scales and histories, the inputs' history holding the largest amax
     over the ranks (asserts in float8_ddp_worker.py)."""
     require_module("torch")
-    worker = Path(__file__).with_name("float8_ddp_worker.py")
-    done = subprocess.run([sys.executable, str(worker), str(_free_port())], capture_output=True,
-                          text=True, timeout=300, cwd=worker.parent)
-    lines = done.stdout.strip().splitlines()  # the report decides (see the test above)
-    assert lines and lines[-1].startswith("{"), done.stdout[-2000:] + done.stderr[-4000:]
-    assert json.loads(lines[-1])["ranks_agree"]
+    assert _report("float8_ddp_worker.py")["ranks_agree"]
 
 
 @pytest.mark.slow
