@@ -6,9 +6,9 @@ that land below the format's smallest normal (subnormal: fewer bits) or below ha
 smallest subnormal (flushed to zero). Activations travel in e4m3, gradients in e5m2 (the
 recipe's formats): a layer's output gradient is the e5m2 operand of its own backward
 matmuls; its output is the e4m3 input of the *next* matmul, whichever layer that is, so
-only the gradients decide which layers `keep_out` names (the outputs are shown, for the
-user to read against the model's order). The weights, the third operand, are not in the
-stats. The fractions come from each tensor's log2 histogram and its largest
+only the gradients decide which layers `keep_out` names (the outputs and the weights, the
+third operand, in e4m3 too, are shown, for the user to read against the model's order;
+a layer's weights row holds all its own parameters, the bias too). The fractions come from each tensor's log2 histogram and its largest
 |x| over the batches inspected, to a power of two's resolution (a bin counts as lost only
 when its upper edge is, so the figures are a lower bound); a batch whose own amax is
 smaller scales its values up further, so it loses less than this says. Per-row scaling
@@ -24,7 +24,7 @@ import numpy as np
 #: largest finite, smallest normal, smallest subnormal of the fp8 formats
 FLOAT8_LIMITS = {"float8_e4m3fn": (448.0, 2.0**-6, 2.0**-9), "float8_e5m2": (57344.0, 2.0**-14, 2.0**-16)}
 #: which format each kind of value travels in under the per-tensor recipes
-FORMAT_OF = {"activation": "float8_e4m3fn", "activation_grad": "float8_e5m2"}
+FORMAT_OF = {"weight": "float8_e4m3fn", "activation": "float8_e4m3fn", "activation_grad": "float8_e5m2"}
 
 
 class Float8Loss(NamedTuple):

@@ -1,8 +1,8 @@
 """Is float16 safe for this model, with which loss scale, and which layers should stay float32?
 
 `inspect_gradients(model, loss_fn, batches)` runs a few batches forward and backward and
-reports, per layer (the paths `describe` and `PolicyMap` use), the magnitudes of the
-weights' gradients and, where the framework exposes them cheaply (PyTorch's module
+reports, per layer (the paths `describe` and `PolicyMap` use), the magnitudes of its
+weights and their gradients and, where the framework exposes them cheaply (PyTorch's module
 hooks), of the activations and the activations' gradients: a histogram over log2 |x|,
 the largest |x|, and for float16 and bfloat16 the exact counts that would overflow, become
 subnormal or be flushed to zero, at scale 1 and at the loss scale asked about. Each
@@ -22,7 +22,7 @@ from typing import Any, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
-from mixedpolicy.ranges import BINS, EMAX, EMIN, LIMITS, RangeStats
+from mixedpolicy.ranges import BINS, EMAX, EMIN, GRADIENTS, LIMITS, RangeStats
 
 
 class Recommendation(NamedTuple):
@@ -61,7 +61,7 @@ class GradientReport:
         """The largest power-of-two scale at which the largest gradient seen, times `margin`,
         stays finite in float16 (at least 1; the default margin, three powers of two, leaves
         room for the gradients' growth once training moves the weights); and the layers that stay in float32: those
-        whose activations overflow float16, whose gradients overflow even at scale 1, or
+        whose weights or activations overflow float16, whose gradients overflow even at scale 1, or
         more than `max_flushed` of whose gradients still flush to zero at that scale.
 
         Raises:
@@ -75,25 +75,25 @@ class GradientReport:
         # gradients too large for float16 even at scale 1 keep their layer in float32 and
         # do not hold the others' scale down
         for r in self.rows:
-            if r.kind == "activation" and r.amax > top:
-                reasons.setdefault(r.path, f"activations reach {r.amax:.3g} > float16's {top:g}")
-            elif r.kind != "activation" and r.amax * margin > top:
+            if r.kind not in GRADIENTS and r.amax > top:  # its weights or outputs, cast as they are
+                reasons.setdefault(r.path, f"{r.kind}s reach {r.amax:.3g} > float16's {top:g}")
+            elif r.kind in GRADIENTS and r.amax * margin > top:
                 reasons.setdefault(r.path, f"gradients reach {r.amax:.3g}: beyond float16's {top:g} "
                                            f"at scale 1 with the margin")
-        kept = [r.amax for r in self.rows if r.kind != "activation" and r.path not in reasons]
+        kept = [r.amax for r in self.rows if r.kind in GRADIENTS and r.path not in reasons]
         amax = max(kept, default=0.0)
         scale = 1.0 if amax <= 0 else 2.0 ** max(0, math.floor(math.log2(top / (amax * margin))))
         scale = min(scale, 2.0**24)
         for r in self.rows:
-            if r.kind != "activation" and r.path not in reasons and r.flushed_at(scale) > max_flushed:
+            if r.kind in GRADIENTS and r.path not in reasons and r.flushed_at(scale) > max_flushed:
                 reasons[r.path] = (f"{r.flushed_at(scale):.1%} of its {r.kind.replace('_', ' ')}s flush to "
                                    f"zero in float16 at scale {scale:g}")
         return Recommendation(scale, {p: "float32" for p in reasons}, reasons)
 
     def float8(self) -> list:
-        """fp8 what-if: per layer, the fractions of its outputs (e4m3, the next matmul's input)
-        and output gradients (e5m2) that become subnormal or zero under per-tensor current
-        scaling, a lower bound to a power of two's resolution (see `mixedpolicy.float8_ranges`);
+        """fp8 what-if: per layer, the fractions of its weights and outputs (e4m3: its matmul's
+        and the next one's operands) and output gradients (e5m2) that become subnormal or zero
+        under per-tensor current scaling, a lower bound to a power of two's resolution (see `mixedpolicy.float8_ranges`);
         ``mixedpolicy.float8_ranges.table(report.float8())`` prints them."""
         from mixedpolicy.float8_ranges import what_if
 
@@ -117,7 +117,7 @@ class GradientReport:
 
     def __str__(self) -> str:
         """One row per (layer, kind): the float16/bfloat16 fractions at the loss scale asked
-        about (activations, which the loss scale does not touch, at 1)."""
+        about (weights and activations, which the loss scale does not touch, at 1)."""
         scale = self.scales[-1]
         header = ("path", "kind", "values", "max |x|", "min |x|>0", "at scale",
                   "f16 overflow", "f16 subnormal", "f16 zero", "bf16 zero")
@@ -125,7 +125,7 @@ class GradientReport:
         for r in self.rows:
             nonzero = np.nonzero(r.hist)[0]
             low = f"2^{EMIN + int(nonzero[0])}" if nonzero.size else "-"
-            at = 1.0 if r.kind == "activation" else scale
+            at = scale if r.kind in GRADIENTS else 1.0
             f16, bf16 = r.fractions[("float16", at)], r.fractions[("bfloat16", at)]
             cells.append((r.path or "(root)", r.kind, str(r.size), f"{r.amax:.3g}", low, f"{at:g}",
                           f"{f16[0]:.2%}", f"{f16[1]:.2%}", f"{f16[2]:.2%}", f"{bf16[2]:.2%}"))

@@ -23,7 +23,10 @@ LIMITS = {  # largest finite, smallest normal, smallest subnormal
     "float16": (65504.0, 2.0**-14, 2.0**-24),
     "bfloat16": (3.3895313892515355e38, 2.0**-126, 2.0**-133),
 }
-KINDS = ("weight_grad", "activation", "activation_grad")
+#: what a row holds: a layer's own weights (their values), its weights' gradients, its
+#: outputs and its outputs' gradients; the loss scale multiplies the gradients only
+KINDS = ("weight", "weight_grad", "activation", "activation_grad")
+GRADIENTS = ("weight_grad", "activation_grad")
 _HEAD = 4  # count, zeros, nonfinite, amax
 
 

@@ -92,7 +92,8 @@ def test_the_recommended_scale_trains_under_float16_and_the_hot_layer_stays_floa
     report = mp.inspect_gradients(model, loss_fn, batches, loss_scale=2.0**15)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # nothing trained
     assert all(p.grad is None for p in model.parameters())  # the user's gradients as they were
-    assert {r.kind for r in report} == {"activation", "activation_grad", "weight_grad"}
+    assert {r.kind for r in report} == {"weight", "activation", "activation_grad", "weight_grad"}
+    assert report.row("0", "weight").size == 64 * 32 + 32  # its weight and bias, once
     assert report.row("2").amax > 65504
     advice = report.recommend()
     assert advice.overrides == {"2": "float32"}, advice.reasons
@@ -128,11 +129,14 @@ def test_jax_nnx_and_pytrees_report_by_layer_path():
 
     x = jnp.asarray(np.random.default_rng(0).standard_normal((16, 8)), jnp.float32)
     report = mp.inspect_gradients(MLP(), lambda m, b: jnp.mean(m(b) ** 2), [x, x], loss_scale=1024)
-    assert sorted(r.path for r in report) == ["hidden", "out"] and {r.kind for r in report} == {"weight_grad"}
+    assert [(r.path, r.kind) for r in report] == [("hidden", "weight"), ("hidden", "weight_grad"),
+                                                  ("out", "weight"), ("out", "weight_grad")]
+    assert report.row("hidden", "weight").size == 8 * 16 + 16  # once, however many batches
     assert report.row("hidden").size == 2 * (8 * 16 + 16)  # two batches
     params = {"dense": {"kernel": jnp.full((8, 4), 1e-3), "bias": jnp.zeros(4)}}
     tree = mp.inspect_gradients(params, lambda p, b: jnp.sum(b @ p["dense"]["kernel"] + p["dense"]["bias"]), x)
-    assert [r.path for r in tree] == ["dense"] and tree.row("dense").size == 36
+    assert [(r.path, r.kind) for r in tree] == [("dense", "weight"), ("dense", "weight_grad")]
+    assert tree.row("dense").size == 36 and tree.row("dense", "weight").amax == pytest.approx(1e-3)
 
 
 def test_bad_input_says_what_was_expected():
@@ -185,9 +189,12 @@ def test_fp8_what_if_counts_what_per_tensor_scaling_loses_and_names_the_layers()
     values = np.array([1.0] * 80 + [2.0**-31] * 10 + [2.0**-40] * 10, np.float32)
     rows = [RangeStats.from_vector("body", "activation_grad", numpy_stats(values, (1.0,)), (1.0,)),
             RangeStats.from_vector("head", "activation_grad", numpy_stats(np.ones(8, np.float32), (1.0,)), (1.0,)),
-            RangeStats.from_vector("body", "activation", numpy_stats(values, (1.0,)), (1.0,))]
+            RangeStats.from_vector("body", "activation", numpy_stats(values, (1.0,)), (1.0,)),
+            RangeStats.from_vector("body", "weight", numpy_stats(values[:90], (1.0,)), (1.0,))]
     report = GradientReport(rows, (1.0,), "numpy", 1)
-    body, head, out = report.float8()
+    body, head, out, weight = report.float8()
+    # the weights, e4m3 like the outputs: 2^-31 * 448 lands below half e4m3's smallest subnormal
+    assert (weight.kind, weight.format, weight.flushed) == ("weight", "float8_e4m3fn", 10 / 90)
     assert (body.format, body.subnormal, body.flushed) == ("float8_e5m2", 0.1, 0.1)  # 2^-31 * 57344 < 2^-14
     assert (head.subnormal, head.flushed) == (0.0, 0.0)
     assert out.format == "float8_e4m3fn" and out.flushed == 0.2  # e4m3's range is narrower

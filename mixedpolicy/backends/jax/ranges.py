@@ -61,23 +61,25 @@ def by_layer(grads: Any) -> dict:
     return {path: jnp.concatenate(leaves) for path, leaves in layers.items()}
 
 
-def _collect(grads_per_batch: list, scales: tuple) -> dict:
-    totals: dict = {}
+def _collect(params: Any, grads_per_batch: list, scales: tuple) -> dict:
+    """Each layer's weights (once) and its gradients (merged over the batches), by layer."""
+    totals: dict = {(path, "weight"): stats(flat, scales) for path, flat in by_layer(params).items()}
     for grads in grads_per_batch:
         for path, flat in by_layer(grads).items():
             vector = stats(flat, scales)  # one transfer per layer
             totals[(path, "weight_grad")] = merge(totals.get((path, "weight_grad")), vector)
-    return totals
+    order = {path: i for i, (path, _) in enumerate(totals)}
+    return dict(sorted(totals.items(), key=lambda item: (order[item[0][0]], item[0][1] != "weight")))
 
 
 def pytree_stats(params: Any, loss_fn: Any, batches: list, scales: tuple) -> dict:
     grad = jax.grad(loss_fn)
-    return _collect([grad(params, batch) for batch in batches], scales)
+    return _collect(params, [grad(params, batch) for batch in batches], scales)
 
 
 def nnx_stats(model: Any, loss_fn: Any, batches: list, scales: tuple) -> dict:
     from flax import nnx
 
     grad = nnx.grad(loss_fn)
-    return _collect([nnx.to_pure_dict(grad(model, batch)) if hasattr(nnx, "to_pure_dict") else grad(model, batch)
-                     for batch in batches], scales)
+    pure = nnx.to_pure_dict if hasattr(nnx, "to_pure_dict") else (lambda state: state)
+    return _collect(pure(nnx.state(model, nnx.Param)), [pure(grad(model, batch)) for batch in batches], scales)

@@ -60,7 +60,10 @@ def _stats(flat: list, scales: tuple) -> np.ndarray:
 
 def range_stats(model: Any, loss_fn: Any, batches: list, scales: tuple) -> dict:
     variables = list(model.trainable_variables)
-    totals: dict = {}
+    weights: dict = {}
+    for v in variables:  # the weights as they are (no step is taken)
+        weights.setdefault(v.path.rpartition("/")[0], []).append(v.value)
+    totals: dict = {(path, "weight"): _stats(flat, scales) for path, flat in weights.items()}
     for batch in batches:
         layers: dict = {}
         for v, g in zip(variables, _gradients(model, loss_fn, batch, variables)):
@@ -68,4 +71,5 @@ def range_stats(model: Any, loss_fn: Any, batches: list, scales: tuple) -> dict:
                 layers.setdefault(v.path.rpartition("/")[0], []).append(g)
         for path, flat in layers.items():
             totals[(path, "weight_grad")] = merge(totals.get((path, "weight_grad")), _stats(flat, scales))
-    return totals
+    order = {path: i for i, path in enumerate(weights)}
+    return dict(sorted(totals.items(), key=lambda item: (order.get(item[0][0], len(order)), item[0][1] != "weight")))

@@ -59,6 +59,10 @@ def range_stats(model: torch.nn.Module, loss_fn: Any, batches: list, scales: tup
                         output.register_hook(lambda g, path=path: add((path, "activation_grad"), stats(g, scales)))
 
             handles.append(module.register_forward_hook(hook))
+    for path, module in model.named_modules():  # the weights as they are (no step is taken)
+        own = [p.detach().reshape(-1) for p in module.parameters(recurse=False) if p.is_floating_point()]
+        if own:
+            add((path, "weight"), stats(torch.cat(own), scales))
     saved = {n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()}
     try:
         for batch in batches:
@@ -75,7 +79,7 @@ def range_stats(model: torch.nn.Module, loss_fn: Any, batches: list, scales: tup
         for n, p in model.named_parameters():  # the user's gradients as they were
             p.grad = saved[n]
     order = {path: i for i, (path, _) in enumerate(model.named_modules())}
-    kinds = ("activation", "activation_grad", "weight_grad")
+    kinds = ("weight", "activation", "activation_grad", "weight_grad")
     keys = sorted(totals, key=lambda k: (order.get(k[0], len(order)), kinds.index(k[1])))
     return {key: totals[key].cpu().numpy() for key in keys}  # one transfer per (layer, kind)
 

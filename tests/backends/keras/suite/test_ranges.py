@@ -15,8 +15,11 @@ def test_keras_gradients_by_layer_path_with_a_recommendation():
     before = [w.copy() for w in model.get_weights()]
     report = mp.inspect_gradients(model, lambda m, b: lossf(b[1], m(b[0], training=True)), [(x, y), (x, y)],
                                   loss_scale=4096)
-    assert [r.path for r in report] == ["net/d1", "net/d2"]  # the paths describe shows
+    assert [(r.path, r.kind) for r in report] == [  # the paths describe shows
+        ("net/d1", "weight"), ("net/d1", "weight_grad"), ("net/d2", "weight"), ("net/d2", "weight_grad")]
     assert report.row("net/d1").size == 2 * (8 * 16 + 16)
+    weights = report.row("net/d1", "weight")  # once, the values as they are
+    assert weights.size == 8 * 16 + 16 and weights.amax == np.abs(before[0]).max()
     assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
     advice = report.recommend()
     assert advice.overrides == {} and advice.loss_scale >= 4096
