@@ -90,20 +90,24 @@ def _load_in_fresh_process(paths: list, with_mixedpolicy: bool) -> list:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 m = keras.saving.load_model(path)
-            o = m.optimizer
+            o = getattr(m, "optimizer", None)  # a model never compiled has none
             report.append({{
                 "mixedpolicy": "mixedpolicy" in sys.modules,
-                "type": type(o).__module__ + "." + type(o).__qualname__,
-                "is_ours": any(c.__module__.startswith("mixedpolicy") for c in type(o).__mro__),
-                "scale": float(keras.ops.convert_to_numpy(o.dynamic_scale)),
-                "counter": int(keras.ops.convert_to_numpy(o.step_counter)),
-                "iterations": int(keras.ops.convert_to_numpy(o.iterations)),
-                "skipped": getattr(o, "num_skipped_steps", None),
-                "min_scale": getattr(getattr(o, "_scale_settings", None), "min_scale", None),
+                "classes": sorted({{type(layer).__name__ for layer in m._flatten_layers()}}),
                 "predictions": m.predict(np.load(path + ".x.npy"), verbose=0).tolist(),
                 "warnings": [str(w.message) for w in caught if "Skipping" in str(w.message)
                              or "could not be loaded" in str(w.message)],
             }})
+            if o is not None:
+                report[-1].update({{
+                    "type": type(o).__module__ + "." + type(o).__qualname__,
+                    "is_ours": any(c.__module__.startswith("mixedpolicy") for c in type(o).__mro__),
+                    "scale": float(keras.ops.convert_to_numpy(o.dynamic_scale)),
+                    "counter": int(keras.ops.convert_to_numpy(o.step_counter)),
+                    "iterations": int(keras.ops.convert_to_numpy(o.iterations)),
+                    "skipped": getattr(o, "num_skipped_steps", None),
+                    "min_scale": getattr(getattr(o, "_scale_settings", None), "min_scale", None),
+                }})
         if {with_mixedpolicy!r}:
             mp.set_global_policy("mixed_float16")
             built = []
@@ -131,7 +135,8 @@ def _save(model, x) -> tuple:
 def test_saved_models_load_in_fresh_processes_with_and_without_mixedpolicy():
     """A model trained with mixedpolicy's LossScaleOptimizer loads in a fresh process: settings
     Keras can express (scale, counters) load in plain Keras as Keras's own optimizer and back as
-    ours with the skip count; settings it cannot (min_scale) keep mixedpolicy's class."""
+    ours with the skip count; settings it cannot (min_scale) keep mixedpolicy's class; fp8
+    tensorwise layers load as such, computing what they computed."""
     keras.utils.set_random_seed(0)  # the same weights, hence the same scale trajectory, each run
     x = np.random.default_rng(0).random((16, 4), dtype=np.float32)
     y = np.arange(16) % 3
@@ -157,13 +162,21 @@ def test_saved_models_load_in_fresh_processes_with_and_without_mixedpolicy():
     guide_saved = {"scale": guide.optimizer.loss_scale,
                    "iterations": int(keras.ops.convert_to_numpy(guide.optimizer.iterations))}
     guide_path, guide_predictions = _save(guide, x8)
+    # a model with fp8 tensorwise layers (mixedpolicy's classes, registered when it is imported)
+    keras.utils.set_random_seed(0)
+    fp8 = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, name="up"), keras.layers.Dense(4, name="head")],
+                           name="fp8")
+    mp.apply_policy(fp8, mp.Policy("mixed_bfloat16", float8_recipe="tensorwise"))
+    fp8_path, fp8_predictions = _save(fp8, x8)
 
     (plain,) = _load_in_fresh_process([portable], with_mixedpolicy=False)
     assert not plain["mixedpolicy"] and not plain["is_ours"], plain
     assert plain["type"].endswith("loss_scale_optimizer.LossScaleOptimizer"), plain
     assert {k: plain[k] for k in saved} == saved and plain["warnings"] == [], plain
 
-    ours, loaded = _load_in_fresh_process([portable, guide_path], with_mixedpolicy=True)
+    ours, loaded, tensorwise = _load_in_fresh_process([portable, guide_path, fp8_path], with_mixedpolicy=True)
+    assert "Float8TensorwiseDense" in tensorwise["classes"] and tensorwise["warnings"] == [], tensorwise
+    np.testing.assert_array_equal(tensorwise["predictions"], fp8_predictions)
     assert ours["is_ours"] and ours["skipped"] == 2 and ours["warnings"] == [], ours
     assert {k: ours[k] for k in saved} == saved, ours
     assert loaded["is_ours"] and loaded["min_scale"] == 0.5 and loaded["warnings"] == [], loaded
