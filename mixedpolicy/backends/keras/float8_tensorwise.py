@@ -74,6 +74,10 @@ class _Tensorwise:
     def from_config(cls, config: dict) -> Any:
         config = dict(config)
         recipe = Float8Recipe.from_config(config.pop("float8_recipe", {"recipe": "tensorwise"}))
+        if recipe.recipe != "tensorwise":
+            raise ValueError(f"Received {recipe!r} in the config of a {cls.__name__}, which runs "
+                             f"Float8Recipe('tensorwise') only (Keras's own float8 layers run 'delayed'). "
+                             f"Save the model again from mixedpolicy, or give this layer a tensorwise recipe.")
         layer = super().from_config(config)  # type: ignore[misc]
         object.__setattr__(layer, "_mixedpolicy_float8", recipe)
         return layer

@@ -210,6 +210,10 @@ def test_tensorwise_trains_saves_loads_and_comes_off():
     assert type(again.get_layer("a")).__name__ == "Float8TensorwiseDense"
     assert mp.describe(again)[1].policy == mp.Policy("mixed_bfloat16", float8_recipe="tensorwise")
     np.testing.assert_array_equal(again.predict(x, verbose=0), expected)
+    config = keras.saving.serialize_keras_object(again.get_layer("a"))
+    config["config"]["float8_recipe"] = {"recipe": "rowwise"}  # a config this class cannot run
+    with pytest.raises(ValueError, match="Float8Recipe\\('rowwise'\\) in the config of a Float8TensorwiseDense"):
+        keras.saving.deserialize_keras_object(config)
     mp.remove_policy(model)
     assert type(model.get_layer("a")) is keras.layers.Dense and model.get_layer("a").dtype_policy.name == "float32"
     # an EinsumDense (attention's projections) too
