@@ -64,6 +64,9 @@ def code_map(signed: bool) -> np.ndarray:
     return np.concatenate([-mags[:0:-1], mags, [1.0]]).astype(np.float32)
 
 
+_MAPS = {signed: code_map(signed) for signed in (True, False)}
+
+
 # Where a magnitude's nearest entry is found: its float32 bit pattern's top 16 bits (sign 0, the
 # exponent and 7 mantissa bits) index a table of the largest entry at or below the bucket's
 # start; no bucket holds more than one entry (tests/test_memory.py checks it), so the nearest is
@@ -101,35 +104,26 @@ def quantizable(shape: tuple) -> bool:
     return size >= MIN_SIZE and size % BLOCK == 0
 
 
-def quantize(xp: Any, x: Any, signed: Any) -> tuple[Any, Any]:
+def quantize(xp: Any, x: Any, signed: bool) -> tuple[Any, Any]:
     """(codes, absmax): `x`'s uint8 codes in its own shape and the float32 largest magnitude of
-    each block of `BLOCK` values, each value rounded to the nearest entry of the map. `signed`
-    picks the map (a bool, or a boolean scalar array under a trace: then both are computed and
-    one is selected)."""
+    each block of `BLOCK` values, each value rounded to the nearest entry of the map `signed`
+    picks (under a trace, where the sign is an array, `jax.lax.cond` between the two calls
+    computes one map's codes only)."""
     blocks = xp.reshape(xp.astype(x, xp.float32), (-1, BLOCK))
     absmax = xp.max(xp.abs(blocks), axis=1)
     safe = xp.where(absmax > 0, absmax, xp.ones_like(absmax))
     normed = xp.clip(blocks / safe[:, None], -1.0, 1.0)
     m = xp.abs(normed)
 
-    def codes(which: bool) -> Any:
-        i = _nearest(xp, m, which)
-        return xp.where(normed < 0, 127 - i, 127 + i) if which else i
-
-    if isinstance(signed, (bool, np.bool_)):
-        idx = codes(bool(signed))
-    else:
-        idx = xp.where(signed, codes(True), codes(False))
+    i = _nearest(xp, m, bool(signed))
+    idx = xp.where(normed < 0, 127 - i, 127 + i) if signed else i
     return xp.reshape(xp.astype(idx, xp.uint8), x.shape), absmax
 
 
 def dequantize(xp: Any, codes: Any, absmax: Any, signed: Any) -> Any:
     """The float32 values `codes` and `absmax` (from `quantize`) stand for, in the codes' shape."""
-    table = (xp.asarray(code_map(bool(signed))) if isinstance(signed, (bool, np.bool_))
+    table = (xp.asarray(_MAPS[bool(signed)]) if isinstance(signed, (bool, np.bool_))
              else xp.where(signed, xp.asarray(_MAPS[True]), xp.asarray(_MAPS[False])))
     idx = xp.astype(xp.reshape(codes, (-1, BLOCK)), xp.int32)
     values = xp.take(table, idx) * absmax[:, None]
     return xp.reshape(values, codes.shape)
-
-
-_MAPS = {signed: code_map(signed) for signed in (True, False)}

@@ -57,7 +57,7 @@ def quantize_gradient(y: Any, fmt: str) -> Any:
     def output(value: Any) -> Any:
         def grad(*args: Any, upstream: Any = None) -> Any:
             return _fake_quantize(ops.cast(_upstream(args, upstream), "float32"), fmt)
-        return ops.multiply(value, 1.0), grad
+        return value, grad  # no op in the forward
 
     return output(y)
 

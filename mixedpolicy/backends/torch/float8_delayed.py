@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from mixedpolicy.float8 import Float8Recipe
 
@@ -36,8 +37,6 @@ def _next_scale(history: torch.Tensor, scale: torch.Tensor, top: float, margin: 
 
 
 def _replicated() -> bool:
-    import torch.distributed as dist
-
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
@@ -49,8 +48,6 @@ def _update(x: torch.Tensor, scale: torch.Tensor, history: torch.Tensor, fmt: to
     with torch.no_grad():
         amax = x.detach().abs().max().float()
         if across_replicas and _replicated():
-            import torch.distributed as dist
-
             dist.all_reduce(amax, op=dist.ReduceOp.MAX)
         scale.copy_(_next_scale(history, scale, top, margin))
         history.copy_(torch.roll(history, -1))

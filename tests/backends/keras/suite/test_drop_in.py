@@ -83,7 +83,7 @@ def _load_in_fresh_process(paths: list, with_mixedpolicy: bool) -> list:
     policy where Keras was imported first: it reaches Keras and a layer built in a worker thread
     (the import order the main run's fresh processes do not cover; see test_keras.py)."""
     code = textwrap.dedent(f"""
-        import json, sys, threading, warnings, keras
+        import numpy as np, json, sys, threading, warnings, keras
         {"import mixedpolicy as mp" if with_mixedpolicy else ""}
         report = []
         for path in {paths!r}:
@@ -118,7 +118,7 @@ def _load_in_fresh_process(paths: list, with_mixedpolicy: bool) -> list:
             mp.set_global_policy(None)
             assert keras.layers.Dense(2).dtype_policy.name == "float32"
         print(json.dumps(report))
-    """).replace("import json,", "import numpy as np, json,")
+    """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -176,7 +176,7 @@ def test_saved_models_load_in_fresh_processes_with_and_without_mixedpolicy():
 
     ours, loaded, tensorwise = _load_in_fresh_process([portable, guide_path, fp8_path], with_mixedpolicy=True)
     assert "Float8TensorwiseDense" in tensorwise["classes"] and tensorwise["warnings"] == [], tensorwise
-    np.testing.assert_array_equal(tensorwise["predictions"], fp8_predictions)
+    np.testing.assert_allclose(tensorwise["predictions"], fp8_predictions, rtol=1e-2, atol=1e-3)  # another process's program
     assert ours["is_ours"] and ours["skipped"] == 2 and ours["warnings"] == [], ours
     assert {k: ours[k] for k in saved} == saved, ours
     assert loaded["is_ours"] and loaded["min_scale"] == 0.5 and loaded["warnings"] == [], loaded

@@ -126,8 +126,6 @@ def _fake_quantize(x, fmt):
 
 def _grads(layer, x):
     """The layer's output, and the gradients of sum(output * w) for its input and kernel."""
-    import ml_dtypes  # noqa: F401 (the fp8 dtypes numpy needs)
-
     w = np.random.default_rng(5).normal(size=(x.shape[0], layer.units)).astype("float32")
     backend = keras.backend.backend()
     if backend == "jax":
@@ -209,7 +207,7 @@ def test_tensorwise_trains_saves_loads_and_comes_off():
         again = keras.saving.load_model(path)
     assert type(again.get_layer("a")).__name__ == "Float8TensorwiseDense"
     assert mp.describe(again)[1].policy == mp.Policy("mixed_bfloat16", float8_recipe="tensorwise")
-    np.testing.assert_array_equal(again.predict(x, verbose=0), expected)
+    np.testing.assert_allclose(again.predict(x, verbose=0), expected, atol=1e-6)  # a second program
     config = keras.saving.serialize_keras_object(again.get_layer("a"))
     config["config"]["float8_recipe"] = {"recipe": "rowwise"}  # a config this class cannot run
     with pytest.raises(ValueError, match="Float8Recipe\\('rowwise'\\) in the config of a Float8TensorwiseDense"):

@@ -128,7 +128,8 @@ def test_per_layer_policies_survive_a_whole_model_save_and_load():
     assert embeddings and all(layers[p].compute_dtype == "float32" for p in embeddings)
     assert again.get_layer("logits").compute_dtype == "float32"
     assert all(by_path(again)[p].policy == mp.Policy("float32") for p in embeddings)  # describe reads the map
-    np.testing.assert_array_equal(keras.ops.convert_to_numpy(keras.ops.cast(again(x), "float32")), expected)
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(keras.ops.cast(again(x), "float32")), expected,
+                               atol=1e-6)  # a float32 head computing in bfloat16 would be ~1e-3 off
     # applied again and taken off: the loaded model's own map is left as it was
     mp.apply_policy(again, "float32")
     assert all(layer.compute_dtype == "float32" for layer in again._flatten_layers())
