@@ -205,7 +205,7 @@ def test_an_optax_pass_through_state_is_the_inner_state_alone_and_moves_between_
     adopted = scaling.adopt_state(state)  # no scale was ever used: its own initial one
     assert isinstance(adopted, LossScaleState) and float(adopted.loss_scale) == 2.0**15
     np.testing.assert_array_equal(leaves(adopted.inner_state)[0], leaves(state.inner_state)[0])
-    _, grown = scaling.update(grads, adopted._replace(loss_scale=jnp.float32(64.0)), params)
+    _, grown = scaling.update(grads, adopted.with_loss_scale(jnp.float32(64.0)), params)
     assert float(scaling.adopt_state(grown).loss_scale) == 64.0  # scaling to scaling: the scale kept
     static = mp.LossScaleOptimizer(inner, loss_scale=mp.StaticLossScale(8.0))
     assert float(static.adopt_state(grown).loss_scale) == 8.0  # a fixed scale keeps its own

@@ -61,22 +61,27 @@ def _value(x: Any) -> Any:
 class LossScaleState(NamedTuple):
     """The state of an optax `LossScaleOptimizer`.
 
-    The three counters travel in one int32 array, ``counts``: every array of an
-    optimizer state costs a little on each call of a jitted step (more under
-    ``nnx.jit``), and these are read rarely. They are read as fields all the same.
+    The scale and the three counters travel in one int32 array, ``counts``: every array of
+    an optimizer state costs on each call of a jitted step (about 9 us under ``nnx.jit`` on
+    a CPU, 5% of a 0.2 ms MLP step), and these are read rarely. The scale is kept there as
+    its float32 bit pattern, exactly. All of them are read as fields.
 
     Attributes:
       inner_state: the wrapped transformation's state.
+      counts: ``[counter, last_step_skipped, num_skipped_steps, the scale's float32 bits]``,
+        int32.
       loss_scale: the current scale, a float32 scalar.
-      counts: ``[counter, last_step_skipped, num_skipped_steps]``, int32.
       counter: finite steps since the scale last changed, an int32 scalar.
       last_step_skipped: whether the last update was skipped, a bool scalar.
       num_skipped_steps: how many updates were skipped so far, an int32 scalar.
     """
 
     inner_state: Any
-    loss_scale: Any
     counts: Any
+
+    @property
+    def loss_scale(self) -> Any:
+        return jax.lax.bitcast_convert_type(_value(self.counts)[..., 3], jnp.float32)
 
     @property
     def counter(self) -> Any:
@@ -89,6 +94,19 @@ class LossScaleState(NamedTuple):
     @property
     def num_skipped_steps(self) -> Any:
         return _value(self.counts)[..., 2]
+
+    def with_loss_scale(self, loss_scale: Any) -> "LossScaleState":
+        """This state with another scale (the counters kept), e.g. to resume from a scale
+        recorded elsewhere."""
+        return self._replace(counts=pack_counts(loss_scale, self.counter, self.last_step_skipped,
+                                                self.num_skipped_steps))
+
+
+def pack_counts(loss_scale: Any, counter: Any, skipped: Any, num_skipped: Any) -> Any:
+    """The ``counts`` array of a `LossScaleState`: the three counters and the scale's bits."""
+    bits = jax.lax.bitcast_convert_type(jnp.asarray(loss_scale, jnp.float32), jnp.int32)
+    return jnp.stack([jnp.asarray(counter, jnp.int32), jnp.asarray(skipped, jnp.int32),
+                      jnp.asarray(num_skipped, jnp.int32), bits])
 
 
 class PassThroughState(NamedTuple):
@@ -166,7 +184,7 @@ class LossScaleTransformation(optax.GradientTransformationExtraArgs):
         _check_state(state, self.update.loss_scale)
         if isinstance(self.update.loss_scale, NoLossScale):
             return loss
-        return jnp.asarray(loss).astype(jnp.float32) * _value(state.loss_scale)
+        return jnp.asarray(loss).astype(jnp.float32) * state.loss_scale
 
     def adopt_state(self, state: Any, params: Any = None) -> Any:
         """`state`, saved by a mixedpolicy optax wrapper under any policy or scale setting,
@@ -200,7 +218,7 @@ class LossScaleTransformation(optax.GradientTransformationExtraArgs):
         fresh = self.update.make_state(inner_state)
         if isinstance(state, LossScaleState) and isinstance(self.update.loss_scale, DynamicLossScale):
             # the dynamic scale goes on from the saved one (a static scale keeps its own)
-            return LossScaleState(inner_state, state.loss_scale, state.counts)
+            return LossScaleState(inner_state, state.counts)
         return fresh
 
 
@@ -228,9 +246,7 @@ def loss_scale_transformation(inner: Any, config: LossScale, axis_name: Any = No
     def make_state(inner_state: Any) -> Any:
         if is_pass_through(config):
             return PassThroughState(inner_state)
-        scale = jnp.asarray(config.loss_scale, jnp.float32)
-        counter = jnp.asarray(getattr(config, "counter", 0), jnp.int32)
-        return LossScaleState(inner_state, scale, jnp.stack([counter, jnp.int32(0), jnp.int32(0)]))
+        return LossScaleState(inner_state, pack_counts(config.loss_scale, getattr(config, "counter", 0), 0, 0))
 
     def init(params: Any) -> Any:
         inner_state = inner.init(params)
@@ -271,8 +287,8 @@ def loss_scale_transformation(inner: Any, config: LossScale, axis_name: Any = No
         handed = _first_leaf(updates)
         if handed is not None:
             _handed_on[id(handed)] = handed
-        return updates, LossScaleState(inner_state, jnp.asarray(scale.loss_scale, jnp.float32),
-                                       jnp.stack([counter, skipped, state.num_skipped_steps + skipped]))
+        return updates, LossScaleState(inner_state, pack_counts(scale.loss_scale, counter, skipped,
+                                                                state.num_skipped_steps + skipped))
 
     update.loss_scale = config  # what scale_loss needs to know of the settings
     update.make_state = make_state  # and adopt_state, the state a fresh wrapper starts from

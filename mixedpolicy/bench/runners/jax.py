@@ -243,7 +243,7 @@ class Ours(_Nnx):
 
     def loss_scale(self):
         state = self.optimizer.opt_state
-        return float(state.loss_scale.get_value()) if self._scaled else None
+        return float(state.loss_scale) if self._scaled else None
 
 
 class Native(_Nnx):
