@@ -261,7 +261,7 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
         if not self._unscaled:
             self._check_loss_was_scaled("step()")
         # NoLossScale too: its scale is 1, and a non-finite step is still skipped
-        scale = self._ensure_scale(self._first_device())
+        scale = self._scale if self._scale is not None else self._ensure_scale(self._first_device())
         fused = all(getattr(opt, "_step_supports_amp_scaling", False) for opt in stepped)
         if fused:
             if self._found_inf is None:  # the fused kernel unscales; only check here
