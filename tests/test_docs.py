@@ -9,10 +9,14 @@ HTML comment that readers of the rendered page do not see::
 
 and be exercised by a comment just below it (``<!-- doc-after ... -->``), for
 example calling the step function the block defines. Blocks of docs/keras.md run
-under every Keras backend; every block runs in a fresh process (Keras picks its
-backend per process, JAX and TensorFlow their devices).
+under every Keras backend. A page's blocks run in order in a fresh process of their own
+(Keras picks its backend per process, JAX and TensorFlow their devices), each in a
+fresh namespace with the global policies set back (tests/docs_runner.py): one process
+per page, not per block, since starting one and importing the frameworks is most of a
+block's time.
 """
 
+import json
 import os
 import re
 import subprocess
@@ -31,28 +35,47 @@ _BLOCK = re.compile(r"(?:<!-- doc-setup\n(?P<setup>.*?)-->\n)?```python\n(?P<cod
                     r"(?:<!-- doc-after\n(?P<after>.*?)-->\n)?", re.S)
 
 
-def blocks():
+def blocks(name: str) -> list:
+    """The page's blocks, each with its preamble and after-comment, named ``page#i``."""
+    text = (ROOT / name).read_text()
+    return [(f"{name}#{i}", (m["setup"] or "") + m["code"] + (m["after"] or ""))
+            for i, m in enumerate(_BLOCK.finditer(text))]
+
+
+def pages():
     for name in FILES:
-        text = (ROOT / name).read_text()
-        for i, m in enumerate(_BLOCK.finditer(text)):
-            program = (m["setup"] or "") + m["code"] + (m["after"] or "")
-            backends = KERAS_BACKENDS if name == "docs/keras.md" else (None,)
-            for backend in backends:
-                suffix = f"-{backend}" if backend else ""
-                yield pytest.param(program, backend, id=f"{name}#{i}{suffix}")
+        if not blocks(name):
+            continue
+        for backend in (KERAS_BACKENDS if name == "docs/keras.md" else (None,)):
+            yield pytest.param(name, backend, id=name + (f"-{backend}" if backend else ""))
 
 
 def test_there_are_blocks_to_run():
-    assert len(list(blocks())) >= 10
+    assert sum(len(blocks(name)) for name in FILES) >= 10
 
 
-@pytest.mark.parametrize("program, backend", list(blocks()))
-def test_the_block_runs_as_written(program, backend, tmp_path):
+@pytest.mark.parametrize("page, backend", list(pages()))
+def test_the_pages_blocks_run_as_written(page, backend, tmp_path):
     # as a user runs them: JAX's default (standard) promotion, not the suite's strict one
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", JAX_PLATFORMS="cpu",
                JAX_NUMPY_DTYPE_PROMOTION="standard")
     if backend:
         env["KERAS_BACKEND"] = backend
-    proc = subprocess.run([sys.executable, "-c", program], cwd=tmp_path, env=env,
+    runner = str(Path(__file__).with_name("docs_runner.py"))
+    proc = subprocess.run([sys.executable, runner], input=json.dumps(blocks(page)), cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"--- program\n{program}\n--- stderr\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, proc.stderr[-6000:]
+
+
+def test_a_failing_block_is_named_and_stops_the_run(tmp_path):
+    """The runner's own contract: the global policy is back to float32 for each block, and a
+    failure names its block."""
+    programs = [("a.md#0", "import mixedpolicy as mp\nmp.set_global_policy('mixed_bfloat16')"),
+                ("a.md#1", "import mixedpolicy as mp\nassert str(mp.global_policy()) == 'float32'\n1 / 0"),
+                ("a.md#2", "raise SystemExit('never reached')")]
+    runner = str(Path(__file__).with_name("docs_runner.py"))
+    proc = subprocess.run([sys.executable, runner], input=json.dumps(programs), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "--- a.md#1 failed" in proc.stderr and "ZeroDivisionError" in proc.stderr
+    assert "never reached" not in proc.stderr
