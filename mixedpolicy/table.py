@@ -8,12 +8,18 @@ from mixedpolicy.policy import Policy
 
 
 class LayerPolicy(NamedTuple):
-    """One row of `describe`: a layer, its policy and where that policy came from."""
+    """One row of `describe`: a layer, its policy and where that policy came from.
+
+    ``runs_float8`` is False for a layer whose policy has an fp8 recipe but that has no
+    matmul of its own to run in fp8 (a dropout, an activation, a container): its ``float8``
+    cell then reads ``"-"``, while ``policy`` keeps what was applied to it.
+    """
 
     path: str
     layer_type: str
     policy: Policy
     source: str
+    runs_float8: bool = True
 
     @property
     def variable_dtype(self) -> str:
@@ -43,9 +49,9 @@ class LayerPolicy(NamedTuple):
 
     @property
     def float8(self) -> str:
-        """The fp8 recipe its matmuls run under (``"tensorwise"``...), or ``"-"``."""
+        """The fp8 recipe its matmuls run under (``"tensorwise"``...), or ``"-"`` where none does."""
         recipe = self.policy.float8_recipe
-        return "-" if recipe is None else recipe.recipe
+        return "-" if recipe is None or not self.runs_float8 else recipe.recipe
 
 
 class PolicyTable(tuple):

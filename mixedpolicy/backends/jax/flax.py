@@ -1,23 +1,22 @@
 """Policies on Flax modules, NNX and linen, through Flax's own ``dtype`` / ``param_dtype``.
 
-Every Flax layer takes a compute ``dtype`` (inputs and parameters are cast to it before
-the math) and a ``param_dtype`` (what new parameters are created in); a policy sets both
-per layer from the `PolicyMap`, so the math is what a hand-written Flax model with those
-arguments does.
+Every Flax layer takes a compute ``dtype`` (inputs and parameters are cast to it before the
+math) and a ``param_dtype`` (what new parameters are created in); a policy sets both per layer
+from the `PolicyMap`, so the math is what a hand-written Flax model with those arguments does.
 
-- NNX modules are mutable: `apply_policy` sets ``dtype`` / ``param_dtype`` on each
-  submodule that has them, casts existing parameters to the variable dtype, and swaps the
-  class of a layer whose output dtype differs from its compute dtype for a subclass that
-  casts its outputs; fp8 layers get their ``dot_general`` hook (float8.py). What changed is
-  kept on the module as a static, hashable record (it survives ``nnx.jit`` and
-  ``nnx.split`` / ``nnx.merge``), and `remove_policy` restores it all.
-- linen modules are immutable and build their submodules lazily, so `apply_policy`
-  returns a `PolicyLinen` whose ``init`` and ``apply`` run the module under a method
-  interceptor that resolves each submodule's policy at its first call and sets its
-  fields for the call (fp8 ``nn.Dense``: Flax's own ``Fp8DirectDotGeneralOp``).
+- NNX modules are mutable: `apply_policy` sets ``dtype`` / ``param_dtype`` on each submodule
+  that has them, casts existing parameters to the variable dtype, and swaps the class of a
+  layer whose output dtype differs from its compute dtype for a subclass that casts its
+  outputs; fp8 layers get their ``dot_general`` hook (float8.py). What changed is kept on the
+  module as a static, hashable record (it survives ``nnx.jit`` and ``nnx.split`` /
+  ``nnx.merge``), and `remove_policy` restores it all.
+- linen modules are immutable and build their submodules lazily, so `apply_policy` returns a
+  `PolicyLinen` whose ``init`` and ``apply`` run the module under a method interceptor that
+  resolves each submodule's policy at its first call and sets its fields for the call (fp8
+  ``nn.Dense``: Flax's own ``Fp8DirectDotGeneralOp``).
 
-Layer paths are the module paths joined with dots: ``"blocks.0.linear"`` in NNX,
-``"Dense_0"`` or ``"encoder.head"`` in linen (the keys of the params tree).
+Layer paths are the module paths joined with dots: ``"blocks.0.linear"`` in NNX, ``"Dense_0"``
+or ``"encoder.head"`` in linen (the keys of the params tree).
 """
 
 from __future__ import annotations
@@ -221,7 +220,7 @@ def _nnx_describe(model: Any) -> list:
             compute = dtype_name(getattr(module, "dtype", None)) or variable
             policy = Policy(f"params={variable},compute={compute},output={compute}")
             source, cls = "no policy applied", type(module)
-        rows.append(LayerPolicy(path, cls.__name__, policy, source))
+        rows.append(LayerPolicy(path, cls.__name__, policy, source, applied is not None and applied.dot_general is not _MISSING))
     return rows
 
 
@@ -343,8 +342,9 @@ class PolicyLinen:
             raise ValueError(
                 f"describe needs one init or apply call of this PolicyLinen first: linen "
                 f"builds the submodules of {type(self.module).__name__} only when called.")
-        return [LayerPolicy(path, cls.__name__, resolution.policy, resolution.source)
-                for path, (cls, resolution) in self._seen.items()]  # call order: parents first
+        dense = sys.modules["flax.linen"].Dense  # Flax's fp8 op goes on Dense alone; rows in call order
+        return [LayerPolicy(path, cls.__name__, r.policy, r.source, runs_float8=cls is dense)
+                for path, (cls, r) in self._seen.items()]
 
     def __repr__(self) -> str:
         return f"PolicyLinen({self.module!r}, {self.policy_map!r})"

@@ -169,7 +169,9 @@ class TorchModels(ModelAdapter):
                 dtypes = {_NAMES.get(p.dtype) for p in module.parameters(recurse=False)} - {None}
                 dtype = dtypes.pop() if len(dtypes) == 1 else "float32"
                 policy, source = Policy(dtype), "no policy applied"
-            rows.append(LayerPolicy(path, type(module).__name__, policy, source))
+            # fp8 runs where a layer was swapped for an fp8 one, not in its container or a dropout
+            rows.append(LayerPolicy(path, type(module).__name__, policy, source,
+                                    runs_float8=state is not None and "float8_original" in state))
         return rows
 
 

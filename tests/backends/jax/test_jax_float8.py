@@ -69,6 +69,7 @@ def test_rules_describe_training_under_jit_and_remove_policy():
     mp.apply_policy(net, "p=f32,c=bf16,float8=tensorwise")
     rows = {r.path: r for r in mp.describe(net)}
     assert rows["a"].float8 == rows["b"].float8 == "tensorwise"
+    assert rows[""].float8 == "-" and rows[""].policy.float8_recipe is not None  # the container runs no matmul
     for path, why in (("embed", "embeddings"), ("head", "the output head"), ("norm", "normalization")):
         assert rows[path].float8 == "-" and why in rows[path].source, rows[path]
     optimizer = nnx.Optimizer(net, mp.LossScaleOptimizer(optax.sgd(0.1), policy="mixed_bfloat16"), wrt=nnx.Param)
@@ -140,6 +141,7 @@ def test_tensorwise_on_linen_is_the_nnx_hook_on_the_same_weights():
     assert not np.allclose(np.asarray(ours), np.asarray(plain), rtol=1e-6, atol=1e-6)
     rows = {r.path: r for r in mp.describe(lin)}
     assert rows["a"].float8 == rows["b"].float8 == "tensorwise" and rows["head"].float8 == "-"
+    assert rows[""].float8 == "-" and rows[""].policy.float8_recipe is not None  # the container runs no matmul
 
 
 def test_delayed_on_linen_is_flax_own_fp8_op_bit_for_bit():

@@ -89,6 +89,9 @@ def test_describe_shows_the_recipe_and_the_built_in_rules_and_a_key_overrides_th
     for path, why in kept.items():
         assert rows[path].float8 == "-" and why in rows[path].source, rows[path]
     assert rows["7"].policy == mp.Policy("mixed_bfloat16")  # the source precision
+    # no matmul of their own, nothing in fp8: the container, Flatten, ReLU (their policy kept)
+    for path in ("", "1", "3"):
+        assert rows[path].float8 == "-" and rows[path].policy.float8_recipe is not None, rows[path]
     assert "fp8" in str(mp.describe(model)).splitlines()[0]
     assert [type(model[i]) for i in (2, 4)] == [Float8Linear, Float8Linear] and type(model[7]) is torch.nn.Linear
     # a key beats a rule: the head in fp8 by path, a layer kept out by class
