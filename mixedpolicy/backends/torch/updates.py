@@ -111,32 +111,60 @@ def reconcile(optimizer: Any, saved: dict) -> set:
 
 # -- stochastic rounding after any optimizer's step ------------------------------------------
 # murmur3's finaliser and the golden-ratio step: the counter-based hash the optax and Keras rules
-# use, in int64 arithmetic masked to 32 bits, so one model rounds alike on torch, optax and Keras
+# use, so one model rounds alike on torch, optax and Keras. Here in int32 arithmetic, whose
+# products wrap modulo 2**32 as the rules' masked arithmetic does (right shifts masked to be
+# logical), over all of a step's parameters at once: a handful of ops per step, not per parameter
 _MASK, _GOLDEN, _M1, _M2, _VARIABLE, _SEED = 0xFFFFFFFF, 0x9E3779B1, 0x85EBCA6B, 0xC2B2AE35, 668265261, 0x5EED
+_CHUNK = 1 << 24  # elements hashed at once: bounds the int32 temporaries (and keeps indices < 2**31)
 STEP_KEY = "stochastic_rounding_step"  # in the first param group: saved and loaded with the optimizer
 KAHAN_KEY = "kahan_compensation"  # per bfloat16 parameter, in the optimizer's state
 
 
-def _mix(h: Any) -> Any:
-    h = h ^ (h >> 16)
-    h = (h * _M1) & _MASK
-    h = h ^ (h >> 13)
-    h = (h * _M2) & _MASK
-    return h ^ (h >> 16)
+def _int32(value: int) -> int:
+    """The int32 with the bits of the uint32 `value`."""
+    value &= _MASK
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def _mix_(h: Any) -> Any:
+    """murmur3's 32-bit finaliser, in place on an int32 tensor."""
+    h.bitwise_xor_(h.bitwise_right_shift(16).bitwise_and_(0xFFFF)).mul_(_int32(_M1))
+    h.bitwise_xor_(h.bitwise_right_shift(13).bitwise_and_(0x7FFFF)).mul_(_int32(_M2))
+    return h.bitwise_xor_(h.bitwise_right_shift(16).bitwise_and_(0xFFFF))
+
+
+def _bits16(sizes: list, indices: list, step: int, device: Any, seed: int) -> list:
+    """16 random bits per element of each of several flat tensors (int32, one tensor each)."""
+    import torch
+
+    out: list = []
+    i = 0
+    while i < len(sizes):  # chunks of parameters of at most _CHUNK elements (a larger one alone)
+        j, total = i + 1, sizes[i]
+        while j < len(sizes) and total + sizes[j] <= _CHUNK:
+            total, j = total + sizes[j], j + 1
+        starts = [(step * _GOLDEN + ((index * _VARIABLE + seed) & 0x7FFFFFFF)) & _MASK for index in indices[i:j]]
+        offsets = [sum(sizes[i:k]) for k in range(i, j)]
+        counts = torch.tensor(sizes[i:j], device=device)
+        # element k of parameter p hashes k * golden + start_p; over the chunk, its flat position
+        # times golden plus (start_p - offset_p * golden), modulo 2**32
+        shift = torch.tensor([_int32(s - o * _GOLDEN) for s, o in zip(starts, offsets)], dtype=torch.int32, device=device)
+        h = torch.arange(total, dtype=torch.int32, device=device).mul_(_int32(_GOLDEN))
+        h = _mix_(h.add_(shift.repeat_interleave(counts, output_size=total)))
+        start = torch.tensor([_int32(s) for s in starts], dtype=torch.int32, device=device)
+        h = _mix_(h.add_(start.repeat_interleave(counts, output_size=total))).bitwise_and_(0xFFFF)
+        out.extend(h.split(sizes[i:j]))
+        i = j
+    return out
 
 
 def random_bits16(shape: tuple, step: int, index: int, device: Any = None, seed: int = _SEED) -> Any:
     """16 random bits per element (int32 in [0, 65536)): the hash of the element's position, the
     step, the parameter's index and the seed that the optax and Keras rules draw."""
-    import torch
-
     size = 1
     for d in shape:
         size *= int(d)
-    position = torch.arange(max(size, 1), dtype=torch.int64, device=device).reshape(shape)
-    start = (step * _GOLDEN + ((index * _VARIABLE + seed) & 0x7FFFFFFF)) & _MASK
-    h = _mix((position * _GOLDEN + start) & _MASK)
-    return (_mix((h + start) & _MASK) & 0xFFFF).to(torch.int32)
+    return _bits16([size], [index], step, device, seed)[0].reshape(shape)
 
 
 def stochastic_round_bfloat16(x: Any, bits16: Any) -> Any:
@@ -183,6 +211,10 @@ class _RoundedStep:
             result = step_of_class(optimizer) if closure is None else step_of_class(optimizer, closure)
         finally:
             count = optimizer.param_groups[0][STEP_KEY]
+            bits: dict = {}  # every parameter's random bits in a few ops per device
+            for device in {p.device for p, _, _ in widened} if self.rounding == "stochastic" else ():
+                on = [i for i, (p, _, _) in enumerate(widened) if p.device == device]
+                bits.update(zip(on, _bits16([widened[i][0].numel() for i in on], on, count, device, _SEED)))
             for index, (p, grad, old) in enumerate(widened):
                 new, p.grad = p.data, None
                 if self.rounding == "kahan":  # what nearest rounding dropped is added back next step
@@ -191,7 +223,7 @@ class _RoundedStep:
                     p.data = (old.float() + update).to(torch.bfloat16)
                     state[KAHAN_KEY] = (update - (p.data.float() - old.float())).to(torch.bfloat16)
                 elif self.rounding == "stochastic":
-                    p.data = stochastic_round_bfloat16(new, random_bits16(tuple(new.shape), count, index, new.device))
+                    p.data = stochastic_round_bfloat16(new, bits[index].view(new.shape))
                 else:
                     p.data = new.to(torch.bfloat16)
                 p.grad = grad

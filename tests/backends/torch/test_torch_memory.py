@@ -62,6 +62,41 @@ def test_the_rule_around_any_optimizer_rounds_stochastically_with_the_bits_optax
     assert abs(float(r.mean()) - (1.0 + 2.0**-10)) < 1e-4
 
 
+def _reference_bits16(size, step, index, seed=0x5EED):
+    """The counter-based hash in uint64 numpy arithmetic masked to 32 bits (the rules' definition)."""
+    import numpy as np
+
+    mask = np.uint64(0xFFFFFFFF)
+
+    def mix(h):
+        h = h ^ (h >> np.uint64(16))
+        h = (h * np.uint64(0x85EBCA6B)) & mask
+        h = h ^ (h >> np.uint64(13))
+        h = (h * np.uint64(0xC2B2AE35)) & mask
+        return h ^ (h >> np.uint64(16))
+
+    start = np.uint64((step * 0x9E3779B1 + ((index * 668265261 + seed) & 0x7FFFFFFF)) & 0xFFFFFFFF)
+    h = mix((np.arange(size, dtype=np.uint64) * np.uint64(0x9E3779B1) + start) & mask)
+    return (mix((h + start) & mask) & np.uint64(0xFFFF)).astype(np.int64)
+
+
+def test_the_bits_of_all_parameters_at_once_are_each_parameters_own(monkeypatch):
+    """The torch rule hashes a step's parameters together in int32 (products wrapping as the
+    masked definition's do), in chunks: each parameter's bits are still the hash of its own
+    element positions, index and step, across chunk boundaries and for a parameter larger than
+    a chunk."""
+    import numpy as np
+
+    from mixedpolicy.backends.torch import updates
+
+    monkeypatch.setattr(updates, "_CHUNK", 1000)
+    sizes, indices = [700, 200, 2500, 1, 99], [0, 1, 2, 3, 7]
+    got = updates._bits16(sizes, indices, 123456789, None, 0x5EED)
+    for size, index, bits in zip(sizes, indices, got):
+        assert bits.dtype == torch.int32 and bits.shape == (size,)
+        np.testing.assert_array_equal(bits.numpy(), _reference_bits16(size, 123456789, index))
+
+
 def _digits_accuracy(policy, steps=400):
     from sklearn.datasets import load_digits
     import numpy as np
