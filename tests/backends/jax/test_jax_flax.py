@@ -297,3 +297,42 @@ def test_functools_partial_binds_non_array_arguments():
 
     g = mp.apply_policy(functools.partial(f, activation=jnp.tanh), "mixed_bfloat16")
     assert g(jnp.ones((6, 2)), X).dtype == jnp.bfloat16
+
+
+def test_an_orbax_checkpoint_of_model_and_scaling_optimizer_resumes_bit_for_bit(tmp_path):
+    """nnx.state of the model and an nnx.Optimizer around the optax LossScaleOptimizer, saved
+    with orbax mid-run and restored into a fresh build: the same losses after as without the
+    save, and the same scale and counters (what JAX users checkpoint with)."""
+    ocp = require_module("orbax.checkpoint", "jax")
+    import optax
+
+    def build():
+        model = mp.apply_policy(nnx.Sequential(nnx.Linear(8, 16, rngs=nnx.Rngs(0)), nnx.relu,
+                                               nnx.Linear(16, 4, rngs=nnx.Rngs(1))), "mixed_float16")
+        tx = mp.LossScaleOptimizer(optax.sgd(0.05, momentum=0.9), policy="mixed_float16", dynamic_growth_steps=3)
+        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, x, y):
+        def loss(model):
+            value = jnp.mean((model(x).astype(jnp.float32) - y) ** 2)
+            return optimizer.tx.scale_loss(value, optimizer.opt_state), value
+        grads, value = nnx.grad(loss, has_aux=True)(model)
+        optimizer.update(model, grads)
+        return value
+
+    rng = np.random.default_rng(0)
+    x, y = jnp.asarray(rng.normal(size=(32, 8)), jnp.float32), jnp.asarray(rng.normal(size=(32, 4)), jnp.float32)
+    model, optimizer = build()
+    for _ in range(5):
+        step(model, optimizer, x, y)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "ckpt", nnx.state((model, optimizer)))
+    checkpointer.wait_until_finished()
+    expected = [float(step(model, optimizer, x, y)) for _ in range(4)]
+    fresh_model, fresh_optimizer = build()
+    abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, nnx.state((fresh_model, fresh_optimizer)))
+    nnx.update((fresh_model, fresh_optimizer), checkpointer.restore(tmp_path / "ckpt", abstract))
+    assert [float(step(fresh_model, fresh_optimizer, x, y)) for _ in range(4)] == expected
+    assert mp.metrics(fresh_optimizer) == mp.metrics(optimizer)
+    assert float(optimizer.opt_state.loss_scale) > 2.0**15  # the scale grew, and came back grown
