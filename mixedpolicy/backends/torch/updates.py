@@ -12,6 +12,7 @@ copies of the bfloat16 parameters, gradients and moments for the length of the s
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 _EIGHT_BIT = ("Adam8bit", "AdamW8bit")
@@ -144,7 +145,7 @@ def _bits16(sizes: list, indices: list, step: int, device: Any, seed: int) -> li
         while j < len(sizes) and total + sizes[j] <= _CHUNK:
             total, j = total + sizes[j], j + 1
         starts = [(step * _GOLDEN + ((index * _VARIABLE + seed) & 0x7FFFFFFF)) & _MASK for index in indices[i:j]]
-        offsets = [sum(sizes[i:k]) for k in range(i, j)]
+        offsets = [0, *itertools.accumulate(sizes[i:j - 1])]
         counts = torch.tensor(sizes[i:j], device=device)
         # element k of parameter p hashes k * golden + start_p; over the chunk, its flat position
         # times golden plus (start_p - offset_p * golden), modulo 2**32
