@@ -199,6 +199,9 @@ def test_an_optax_pass_through_state_is_the_inner_state_alone_and_moves_between_
     assert mp.metrics(state) == {"loss_scale": 1.0, "skipped_steps": 0, "last_step_skipped": False}
 
     scaling = mp.LossScaleOptimizer(inner, policy="mixed_float16")
+    # a checking or scaling wrapper keeps one int32 array of its own: the scale's bits and the counters
+    for wrapper in (scaling, mp.LossScaleOptimizer(inner, policy="float32")):
+        assert len(leaves(wrapper.init(params))) == len(leaves(inner.init(params))) + 1
     with pytest.raises(TypeError, match=r"Received a PassThroughState for a LossScaleOptimizer whose state is "
                                         r"a LossScaleState .*tx.adopt_state\(state\)"):
         scaling.update(grads, state, params)
