@@ -116,17 +116,58 @@ def install(optimizer: Any, rounding: str) -> Any:
     optimizer.assign_add, optimizer.assign_sub = assign_add, assign_sub
     if hasattr(optimizer, "_parallel_update_step"):
         # Keras's torch optimizers update all variables at once with torch._foreach_* ops, past
-        # assign_add / assign_sub: they take Keras's per-variable path (update_step) instead
-        import torch
-        from keras.src.optimizers.base_optimizer import BaseOptimizer
-
-        def update_each(grads: Any, trainable_variables: Any, learning_rate: Any) -> None:
-            with torch.no_grad():
-                BaseOptimizer._backend_update_step(optimizer, grads, trainable_variables, learning_rate)
-
-        optimizer._backend_update_step = update_each
+        # assign_add / assign_sub: stochastic rounding runs around that update (float32 stand-ins
+        # for the bfloat16 variables, one hash for all); Kahan's sum takes Keras's per-variable
+        # path (update_step), where its compensations are read and written
+        optimizer._backend_update_step = (_parallel_rounded(optimizer) if rounding == "stochastic"
+                                          else _per_variable(optimizer))
     optimizer._mixedpolicy_update_rounding = rounding
     return optimizer
+
+
+def _per_variable(optimizer: Any) -> Any:
+    import torch
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+    def update_each(grads: Any, trainable_variables: Any, learning_rate: Any) -> None:
+        with torch.no_grad():
+            BaseOptimizer._backend_update_step(optimizer, grads, trainable_variables, learning_rate)
+
+    return update_each
+
+
+def _parallel_rounded(optimizer: Any) -> Any:
+    """Keras's own torch._foreach_* update with each bfloat16 model variable's value swapped for
+    a float32 copy for its length; the results are then rounded stochastically into the
+    variables with the bits the per-variable rule draws (the torch rule's hash, all at once)."""
+    import torch
+
+    from mixedpolicy.backends.torch.updates import _SEED, _bits16
+    from mixedpolicy.backends.torch.updates import stochastic_round_bfloat16 as round_torch
+
+    cls = type(optimizer)
+
+    def update_all(grads: Any, trainable_variables: Any, learning_rate: Any) -> None:
+        indices = getattr(optimizer, "_trainable_variables_indices", {})
+        halves = [(v, indices[optimizer._var_key(v)]) for v in trainable_variables
+                  if standardize_dtype(v.dtype) == "bfloat16" and optimizer._var_key(v) in indices]
+        with torch.no_grad():
+            kept = [v._value for v, _ in halves]
+            for (v, _), value in zip(halves, kept):
+                v._value = value.float()
+            try:
+                cls._parallel_update_step(optimizer, grads, trainable_variables, learning_rate)
+            finally:
+                wide = [v._value for v, _ in halves]
+                for (v, _), value in zip(halves, kept):
+                    v._value = value
+            if halves:
+                bits = _bits16([w.numel() for w in wide], [i for _, i in halves], optimizer.iterations.value,
+                               wide[0].device, _SEED)  # the step read on the device: no host sync
+                for value, w, b in zip(kept, wide, bits):
+                    value.copy_(round_torch(w, b.view(w.shape)))
+
+    return update_all
 
 
 def rounding_to_config(optimizer: Any) -> dict:

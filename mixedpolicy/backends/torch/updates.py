@@ -134,9 +134,13 @@ def _mix_(h: Any) -> Any:
     return h.bitwise_xor_(h.bitwise_right_shift(16).bitwise_and_(0xFFFF))
 
 
-def _bits16(sizes: list, indices: list, step: int, device: Any, seed: int) -> list:
-    """16 random bits per element of each of several flat tensors (int32, one tensor each)."""
+def _bits16(sizes: list, indices: list, step: Any, device: Any, seed: int) -> list:
+    """16 random bits per element of each of several flat tensors (int32, one tensor each);
+    `step` a Python int or an integer tensor on `device` (read there, no host sync)."""
     import torch
+
+    on_device = torch.is_tensor(step)
+    step_term = step.to(device=device, dtype=torch.int32) * _int32(_GOLDEN) if on_device else step * _GOLDEN
 
     out: list = []
     i = 0
@@ -144,15 +148,21 @@ def _bits16(sizes: list, indices: list, step: int, device: Any, seed: int) -> li
         j, total = i + 1, sizes[i]
         while j < len(sizes) and total + sizes[j] <= _CHUNK:
             total, j = total + sizes[j], j + 1
-        starts = [(step * _GOLDEN + ((index * _VARIABLE + seed) & 0x7FFFFFFF)) & _MASK for index in indices[i:j]]
+        # start_p = step * golden + base_p; element k of parameter p hashes k * golden + start_p,
+        # over the chunk its flat position times golden plus (start_p - offset_p * golden), mod 2**32
+        bases = [(index * _VARIABLE + seed) & 0x7FFFFFFF for index in indices[i:j]]
         offsets = [0, *itertools.accumulate(sizes[i:j - 1])]
+        if on_device:
+            shift = torch.tensor([_int32(b - o * _GOLDEN) for b, o in zip(bases, offsets)], dtype=torch.int32,
+                                 device=device).add_(step_term)
+            start = torch.tensor([_int32(b) for b in bases], dtype=torch.int32, device=device).add_(step_term)
+        else:
+            shift = torch.tensor([_int32(step_term + b - o * _GOLDEN) for b, o in zip(bases, offsets)],
+                                 dtype=torch.int32, device=device)
+            start = torch.tensor([_int32(step_term + b) for b in bases], dtype=torch.int32, device=device)
         counts = torch.tensor(sizes[i:j], device=device)
-        # element k of parameter p hashes k * golden + start_p; over the chunk, its flat position
-        # times golden plus (start_p - offset_p * golden), modulo 2**32
-        shift = torch.tensor([_int32(s - o * _GOLDEN) for s, o in zip(starts, offsets)], dtype=torch.int32, device=device)
         h = torch.arange(total, dtype=torch.int32, device=device).mul_(_int32(_GOLDEN))
         h = _mix_(h.add_(shift.repeat_interleave(counts, output_size=total)))
-        start = torch.tensor([_int32(s) for s in starts], dtype=torch.int32, device=device)
         h = _mix_(h.add_(start.repeat_interleave(counts, output_size=total))).bitwise_and_(0xFFFF)
         out.extend(h.split(sizes[i:j]))
         i = j
