@@ -139,6 +139,10 @@ class OptimizerAdapter(abc.ABC):
         adds it (once `update_refusal` found nothing wrong); by default the optimizer itself."""
         return optimizer
 
+    def warn_arithmetic(self, optimizer: Any, policies: tuple) -> None:
+        """Warns where `optimizer`'s own arithmetic under `policies` cannot train (e.g. a
+        coefficient that rounds to 1 in the variables' dtype); by default nothing is known."""
+
     def policies_of(self, optimizer: Any) -> tuple[Any, str] | None:
         """(the policies the optimizer's variables are trained under, where that was read),
         or None where the framework cannot tell (the global policy then decides)."""

@@ -39,6 +39,7 @@ def _with_updates(adapter: Any, inner: Any, policies: tuple) -> Any:
     """`inner`, carrying out the update rounding and optimizer state dtype the policies ask for
     (the framework's own optimizer, or a rule the adapter adds); refused, before anything is
     wrapped, where it would update otherwise."""
+    adapter.warn_arithmetic(inner, policies)
     asked = [p for p in policies if not p.updates_as_the_optimizer_does]
     recipes = sorted({(p.update_rounding, p.optimizer_state_dtype) for p in asked})
     if len(recipes) > 1:

@@ -14,8 +14,12 @@ one model rounds alike on jax, torch and tensorflow.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
+import keras
+import ml_dtypes
+import numpy as np
 from keras import ops
 from keras.backend import standardize_dtype
 
@@ -188,3 +192,27 @@ class KerasUpdates:
 
     def with_updates(self, optimizer: Any, policy: Any) -> Any:
         return install(optimizer, policy.update_rounding)
+
+    def warn_arithmetic(self, optimizer: Any, policies: tuple) -> None:
+        """Keras computes an update in the variable's dtype (its torch optimizers in the first
+        variable's): a decay rate such as Adam's beta_2=0.999 is 1.0 in bfloat16, so ``1 - beta_2**t``
+        is 0 and so is every update, with or without mixedpolicy. Said once, with the fix; not
+        where the stochastic rounding on torch hands Keras float32 stand-ins."""
+        stand_ins = keras.backend.backend() == "torch" and hasattr(optimizer, "_parallel_update_step")
+        for policy in policies:
+            if policy.variable_dtype not in ("bfloat16", "float16") or (
+                    stand_ins and policy.update_rounding == "stochastic"):
+                continue
+            for name in ("beta_1", "beta_2"):
+                rate = getattr(optimizer, name, None)
+                half = ml_dtypes.bfloat16 if policy.variable_dtype == "bfloat16" else np.float16
+                if isinstance(rate, float) and 0 < rate < 1 and float(np.asarray(rate, half)) == 1.0:
+                    below = 1 - 2.0 ** -(8 if policy.variable_dtype == "bfloat16" else 11)
+                    warnings.warn(
+                        f"Received {type(optimizer).__name__}({name}={rate}) under the policy "
+                        f"{policy.name!r}: Keras computes the update in the variables' dtype, where "
+                        f"{name}={rate} rounds to 1.0, so every update is 0 and the model does not "
+                        f"train (Keras does the same without mixedpolicy). Give {name} <= {below} "
+                        f"(the largest {policy.variable_dtype} below 1), or keep float32 variables "
+                        f"(a mixed policy such as 'mixed_{policy.variable_dtype}').", stacklevel=4)
+                    return

@@ -112,3 +112,34 @@ def test_what_keras_cannot_carry_is_refused_before_anything_changes():
     with pytest.raises(ValueError, match="keep their state in each variable's dtype"):
         mp.LossScaleOptimizer(opt, policy="p=bf16,rounding=kahan,state=float32")
     assert "assign_add" not in vars(opt)  # refused: the optimizer was left as it was
+
+
+def test_a_decay_rate_that_rounds_to_one_in_the_variables_dtype_is_named_with_the_fix():
+    """Keras computes Adam's update in the variables' dtype: beta_2=0.999 is 1.0 in bfloat16, so
+    1 - beta_2**t and every update are 0 (plain Keras alike). The wrapper says so with the fix,
+    except where Keras computes on float32 stand-ins (stochastic rounding on torch), which trains."""
+    import warnings
+
+    stand_ins = keras.backend.backend() == "torch"
+    with pytest.warns(UserWarning, match=r"Adam\(beta_2=0.999\) under the policy 'bfloat16'.*rounds to 1.0.*"
+                                         r"beta_2 <= 0.99609375.*'mixed_bfloat16'"):
+        mp.LossScaleOptimizer(keras.optimizers.Adam(), policy="bfloat16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        mp.LossScaleOptimizer(keras.optimizers.Adam(), policy="mixed_bfloat16")
+        mp.LossScaleOptimizer(keras.optimizers.Adam(), policy="float16")  # 0.999 is below 1 in float16
+        mp.LossScaleOptimizer(keras.optimizers.Adam(beta_2=0.99), policy="bfloat16_stochastic")
+        if stand_ins:
+            mp.LossScaleOptimizer(keras.optimizers.Adam(), policy="bfloat16_stochastic")
+    if stand_ins:  # and it trains there
+        keras.utils.set_random_seed(0)
+        mp.set_global_policy("bfloat16_stochastic")
+        try:
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+        finally:
+            mp.set_global_policy("float32")
+        before = keras.ops.convert_to_numpy(keras.ops.cast(model.layers[0].kernel, "float32"))
+        opt = mp.LossScaleOptimizer(keras.optimizers.Adam(1e-2), policy="bfloat16_stochastic")
+        opt.apply([keras.ops.ones((8, 4), "bfloat16"), keras.ops.ones((4,), "bfloat16")], model.trainable_variables)
+        after = keras.ops.convert_to_numpy(keras.ops.cast(model.layers[0].kernel, "float32"))
+        assert np.all(after < before)
