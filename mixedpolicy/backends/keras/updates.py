@@ -146,7 +146,7 @@ def _parallel_rounded(optimizer: Any) -> Any:
     variables with the bits the per-variable rule draws (the torch rule's hash, all at once)."""
     import torch
 
-    from mixedpolicy.backends.torch.updates import _SEED, _bits16
+    from mixedpolicy.backends.torch.updates import random_bits16_all
     from mixedpolicy.backends.torch.updates import stochastic_round_bfloat16 as round_torch
 
     cls = type(optimizer)
@@ -166,8 +166,8 @@ def _parallel_rounded(optimizer: Any) -> Any:
                 for (v, _), value in zip(halves, kept):
                     v._value = value
             if halves:
-                bits = _bits16([w.numel() for w in wide], [i for _, i in halves], optimizer.iterations.value,
-                               wide[0].device, _SEED)  # the step read on the device: no host sync
+                bits = random_bits16_all([w.numel() for w in wide], [i for _, i in halves],
+                                         optimizer.iterations.value, wide[0].device)  # no host sync
                 for value, w, b in zip(kept, wide, bits):
                     value.copy_(round_torch(w, b.view(w.shape)))
 
@@ -203,9 +203,9 @@ class KerasUpdates:
             if policy.variable_dtype not in ("bfloat16", "float16") or (
                     stand_ins and policy.update_rounding == "stochastic"):
                 continue
+            half = ml_dtypes.bfloat16 if policy.variable_dtype == "bfloat16" else np.float16
             for name in ("beta_1", "beta_2"):
                 rate = getattr(optimizer, name, None)
-                half = ml_dtypes.bfloat16 if policy.variable_dtype == "bfloat16" else np.float16
                 if isinstance(rate, float) and 0 < rate < 1 and float(np.asarray(rate, half)) == 1.0:
                     below = 1 - 2.0 ** -(8 if policy.variable_dtype == "bfloat16" else 11)
                     warnings.warn(

@@ -134,7 +134,7 @@ def _mix_(h: Any) -> Any:
     return h.bitwise_xor_(h.bitwise_right_shift(16).bitwise_and_(0xFFFF))
 
 
-def _bits16(sizes: list, indices: list, step: Any, device: Any, seed: int) -> list:
+def random_bits16_all(sizes: list, indices: list, step: Any, device: Any = None, seed: int = _SEED) -> list:
     """16 random bits per element of each of several flat tensors (int32, one tensor each);
     `step` a Python int or an integer tensor on `device` (read there, no host sync)."""
     import torch
@@ -175,7 +175,7 @@ def random_bits16(shape: tuple, step: int, index: int, device: Any = None, seed:
     size = 1
     for d in shape:
         size *= int(d)
-    return _bits16([size], [index], step, device, seed)[0].reshape(shape)
+    return random_bits16_all([size], [index], step, device, seed)[0].reshape(shape)
 
 
 def stochastic_round_bfloat16(x: Any, bits16: Any) -> Any:
@@ -225,7 +225,7 @@ class _RoundedStep:
             bits: dict = {}  # every parameter's random bits in a few ops per device
             for device in {p.device for p, _, _ in widened} if self.rounding == "stochastic" else ():
                 on = [i for i, (p, _, _) in enumerate(widened) if p.device == device]
-                bits.update(zip(on, _bits16([widened[i][0].numel() for i in on], on, count, device, _SEED)))
+                bits.update(zip(on, random_bits16_all([widened[i][0].numel() for i in on], on, count, device)))
             for index, (p, grad, old) in enumerate(widened):
                 new, p.grad = p.data, None
                 if self.rounding == "kahan":  # what nearest rounding dropped is added back next step

@@ -91,8 +91,8 @@ def test_the_bits_of_all_parameters_at_once_are_each_parameters_own(monkeypatch)
 
     monkeypatch.setattr(updates, "_CHUNK", 1000)
     sizes, indices = [700, 200, 2500, 1, 99], [0, 1, 2, 3, 7]
-    got = updates._bits16(sizes, indices, 123456789, None, 0x5EED)
-    on_device = updates._bits16(sizes, indices, torch.tensor(123456789), None, 0x5EED)  # Keras's step variable
+    got = updates.random_bits16_all(sizes, indices, 123456789, None, 0x5EED)
+    on_device = updates.random_bits16_all(sizes, indices, torch.tensor(123456789), None, 0x5EED)  # Keras's step variable
     for size, index, bits, bits_of_tensor_step in zip(sizes, indices, got, on_device):
         assert bits.dtype == torch.int32 and bits.shape == (size,)
         np.testing.assert_array_equal(bits.numpy(), _reference_bits16(size, 123456789, index))
