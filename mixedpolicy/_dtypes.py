@@ -10,6 +10,8 @@ without importing the framework the object came from.
 
 from __future__ import annotations
 
+from typing import Any
+
 FLOATING_DTYPES = ("float16", "bfloat16", "float32", "float64")
 HALF_DTYPES = ("float16", "bfloat16")
 #: the 8-bit floating formats gradients may travel in (never stored or computed in)
@@ -164,3 +166,18 @@ def canonical_reduce_dtype(value: object, *, what: str = "reduce_dtype") -> str:
         valid = ", ".join(repr(n) for n in REDUCE_DTYPES)
         raise ValueError(f"Received {what}={show(value)}, which is not a dtype gradients can be "
                          f"reduced in. Expected one of {valid}.") from None
+
+
+def host_leaves_finite(leaves: Any) -> bool:
+    """Are the host-side floating leaves among `leaves` (Python floats, numpy floating arrays and
+    scalars, ml_dtypes' bfloat16 among them) free of inf and NaN, each checked in its own dtype
+    (a float64 1e300 is finite)? Other leaves (a framework's tensors, integers) are not looked at:
+    every framework's ``all_finite`` checks its own tensors on the device and these here."""
+    import numpy as np
+
+    for leaf in leaves:
+        if isinstance(leaf, float) or (isinstance(leaf, (np.ndarray, np.generic))
+                                       and np.dtype(leaf.dtype).name in FLOATING_DTYPES):
+            if not bool(np.isfinite(leaf).all()):
+                return False
+    return True

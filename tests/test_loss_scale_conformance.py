@@ -27,6 +27,17 @@ def test_python_float_gradients_are_unscaled_and_checked():
     assert bool(all_finite({"g": 1.0, "h": np.ones(2, np.float32)}))
 
 
+def test_all_finite_checks_python_floats_and_numpy_leaves_beside_a_frameworks_tensors(backend):
+    """As jmp's all_finite: every floating leaf counts, whichever framework holds it, each in its
+    own dtype (a float64 1e300 is finite; it was cast to float32 and read as inf)."""
+    ones = backend.asarray(np.ones(3), "float32")
+    assert bool(all_finite({"t": ones, "g": 1.0, "h": np.float64(1e300), "n": np.array([1e300])}))
+    assert not bool(all_finite({"t": ones, "g": float("inf")}))
+    assert not bool(all_finite({"t": ones, "h": np.array([0.0, np.nan], np.float32)}))
+    assert not bool(all_finite([ones, np.float16(np.inf)]))
+    assert bool(all_finite({"t": ones, "step": 3, "flag": True}))  # integers are not looked at
+
+
 def test_scale_takes_a_tree_on_every_loss_scale():
     tree = {"a": np.ones(2, np.float16), "n": np.arange(2)}
     for s in (mp.StaticLossScale(8.0), mp.DynamicLossScale(8.0)):

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mixedpolicy._adapter import ArrayOps
-from mixedpolicy._dtypes import FLOATING_DTYPES
+from mixedpolicy._dtypes import FLOATING_DTYPES, host_leaves_finite
 
 _JNP_DTYPES = {name: jnp.dtype(name) for name in FLOATING_DTYPES}
 _JNP_DTYPES.update(bool=jnp.dtype("bool"), int32=jnp.dtype("int32"), int64=jnp.dtype("int64"))
@@ -79,9 +79,12 @@ def restore_leaf(current: Any, original: Any, dtype: str) -> Any:
 
 
 def all_finite(tree: Any) -> Any:
-    """A boolean scalar: are all floating leaves free of inf and NaN? (no host sync)"""
-    flags = [jnp.isfinite(x).all() for x in jax.tree_util.tree_leaves(tree)
-             if isinstance(x, jax.Array) and dtype_name(x.dtype) is not None]
+    """A boolean scalar: are all floating leaves free of inf and NaN? (no host sync; a Python
+    float or numpy array among them is checked on the host, in its own dtype)"""
+    leaves = jax.tree_util.tree_leaves(tree)
+    if not host_leaves_finite(leaves):
+        return jnp.asarray(False)
+    flags = [jnp.isfinite(x).all() for x in leaves if isinstance(x, jax.Array) and dtype_name(x.dtype) is not None]
     return jnp.stack(flags).all() if flags else jnp.asarray(True)
 
 

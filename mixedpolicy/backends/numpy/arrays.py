@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from mixedpolicy._dtypes import FLOATING_DTYPES
+from mixedpolicy._dtypes import FLOATING_DTYPES, host_leaves_finite
 from mixedpolicy._adapter import ArrayOps
 
 
@@ -75,11 +75,7 @@ class NumpyArrays(ArrayOps):
         return np.asarray(x).astype(_np_dtype(dtype))
 
     def all_finite(self, tree: Any) -> Any:
-        ok = True
-        for leaf in self.leaves(tree):
-            if isinstance(leaf, float) or self.floating_dtype(leaf) is not None:
-                ok = ok and bool(np.isfinite(np.asarray(leaf, np.float32)).all())
-        return np.asarray(ok)
+        return np.asarray(host_leaves_finite(self.leaves(tree)))
 
     def where(self, cond: Any, a: Any, b: Any) -> Any:
         return np.where(cond, a, b)

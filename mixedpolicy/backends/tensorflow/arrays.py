@@ -7,7 +7,7 @@ from typing import Any, Callable, Iterable
 import tensorflow as tf
 
 from mixedpolicy._adapter import ArrayOps
-from mixedpolicy._dtypes import FLOATING_DTYPES
+from mixedpolicy._dtypes import FLOATING_DTYPES, host_leaves_finite
 
 TF_DTYPES = {name: tf.as_dtype(name) for name in FLOATING_DTYPES}
 TF_DTYPES.update(bool=tf.bool, int32=tf.int32, int64=tf.int64)
@@ -44,8 +44,10 @@ class TensorFlowArrays(ArrayOps):
         return x
 
     def all_finite(self, tree: Any) -> Any:
-        flags = [tf.reduce_all(tf.math.is_finite(x)) for x in tf.nest.flatten(tree)
-                 if _is_tensor(x) and x.dtype.is_floating]
+        leaves = tf.nest.flatten(tree)
+        if not host_leaves_finite(leaves):  # a Python float or numpy array among the tensors
+            return tf.constant(False)
+        flags = [tf.reduce_all(tf.math.is_finite(x)) for x in leaves if _is_tensor(x) and x.dtype.is_floating]
         return tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
 
     def where(self, cond: Any, a: Any, b: Any) -> Any:

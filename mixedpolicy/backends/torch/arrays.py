@@ -8,7 +8,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from mixedpolicy._adapter import ArrayOps
-from mixedpolicy._dtypes import FLOATING_DTYPES
+from mixedpolicy._dtypes import FLOATING_DTYPES, host_leaves_finite
 
 TORCH_DTYPES = {name: getattr(torch, name) for name in FLOATING_DTYPES}
 TORCH_DTYPES.update(bool=torch.bool, int32=torch.int32, int64=torch.int64)
@@ -45,8 +45,10 @@ class TorchArrays(ArrayOps):
         return x
 
     def all_finite(self, tree: Any) -> Any:
-        flags = [torch.isfinite(x).all() for x in pytree.tree_leaves(tree)
-                 if isinstance(x, torch.Tensor) and x.is_floating_point()]
+        leaves = pytree.tree_leaves(tree)
+        flags = [torch.isfinite(x).all() for x in leaves if isinstance(x, torch.Tensor) and x.is_floating_point()]
+        if not host_leaves_finite(leaves):  # a Python float or numpy array among the tensors
+            return torch.tensor(False, device=flags[0].device if flags else None)
         return torch.stack(flags).all() if flags else torch.tensor(True)
 
     def where(self, cond: Any, a: Any, b: Any) -> Any:
