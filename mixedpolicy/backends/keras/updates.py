@@ -23,6 +23,8 @@ import numpy as np
 from keras import ops
 from keras.backend import standardize_dtype
 
+from mixedpolicy._dtypes import HALF_DTYPES
+
 _SEED = 0x5EED
 # murmur3's constants and the golden-ratio step, as signed 32-bit integers (the arithmetic wraps)
 _GOLDEN, _M1, _M2, _VARIABLE = -1640531535, -2048144789, -1028477387, 668265261
@@ -200,14 +202,13 @@ class KerasUpdates:
         where the stochastic rounding on torch hands Keras float32 stand-ins."""
         stand_ins = keras.backend.backend() == "torch" and hasattr(optimizer, "_parallel_update_step")
         for policy in policies:
-            if policy.variable_dtype not in ("bfloat16", "float16") or (
-                    stand_ins and policy.update_rounding == "stochastic"):
+            if policy.variable_dtype not in HALF_DTYPES or (stand_ins and policy.update_rounding == "stochastic"):
                 continue
             half = ml_dtypes.bfloat16 if policy.variable_dtype == "bfloat16" else np.float16
+            below = 1 - float(ml_dtypes.finfo(half).epsneg)  # the largest value below 1
             for name in ("beta_1", "beta_2"):
                 rate = getattr(optimizer, name, None)
                 if isinstance(rate, float) and 0 < rate < 1 and float(np.asarray(rate, half)) == 1.0:
-                    below = 1 - 2.0 ** -(8 if policy.variable_dtype == "bfloat16" else 11)
                     warnings.warn(
                         f"Received {type(optimizer).__name__}({name}={rate}) under the policy "
                         f"{policy.name!r}: Keras computes the update in the variables' dtype, where "
