@@ -12,6 +12,7 @@ copies of the bfloat16 parameters, gradients and moments for the length of the s
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Any
 
@@ -136,15 +137,33 @@ def _mix_(h: Any) -> Any:
 
 def random_bits16_all(sizes: list, indices: list, step: Any, device: Any = None, seed: int = _SEED) -> list:
     """16 random bits per element of each of several flat tensors (int32, one tensor each);
-    `step` a Python int or an integer tensor on `device` (read there, no host sync)."""
+    `step` a Python int or an integer tensor on `device` (read there). No host sync and no copy
+    from the host: what does not change from step to step is built once per device."""
     import torch
 
-    on_device = torch.is_tensor(step)
-    step_term = step.to(device=device, dtype=torch.int32) * _int32(_GOLDEN) if on_device else step * _GOLDEN
-
+    if torch.is_tensor(step):
+        step_term = step.to(device=device, dtype=torch.int32) * _int32(_GOLDEN)
+    else:
+        step_term = _int32(int(step) * _GOLDEN)  # an int32 scalar: added as a kernel argument
     out: list = []
-    i = 0
-    while i < len(sizes):  # chunks of parameters of at most _CHUNK elements (a larger one alone)
+    for total, chunk_sizes, shift, start, counts in _chunks(tuple(sizes), tuple(indices), str(torch.device(
+            device or "cpu")), seed):
+        h = torch.arange(total, dtype=torch.int32, device=counts.device).mul_(_int32(_GOLDEN))
+        h = _mix_(h.add_(shift.add(step_term).repeat_interleave(counts, output_size=total)))
+        h = _mix_(h.add_(start.add(step_term).repeat_interleave(counts, output_size=total))).bitwise_and_(0xFFFF)
+        out.extend(h.split(chunk_sizes))
+    return out
+
+
+@functools.lru_cache(maxsize=16)
+def _chunks(sizes: tuple, indices: tuple, device: str, seed: int) -> tuple:
+    """The parameters in chunks of at most _CHUNK elements (a larger one alone), each as (its
+    elements, its parameters' sizes, and on `device` the hash's per-parameter terms without the
+    step's, and the sizes): int32 arithmetic wraps as the hash's uint32 arithmetic does."""
+    import torch
+
+    chunks, i = [], 0
+    while i < len(sizes):
         j, total = i + 1, sizes[i]
         while j < len(sizes) and total + sizes[j] <= _CHUNK:
             total, j = total + sizes[j], j + 1
@@ -152,21 +171,11 @@ def random_bits16_all(sizes: list, indices: list, step: Any, device: Any = None,
         # over the chunk its flat position times golden plus (start_p - offset_p * golden), mod 2**32
         bases = [(index * _VARIABLE + seed) & 0x7FFFFFFF for index in indices[i:j]]
         offsets = [0, *itertools.accumulate(sizes[i:j - 1])]
-        if on_device:
-            shift = torch.tensor([_int32(b - o * _GOLDEN) for b, o in zip(bases, offsets)], dtype=torch.int32,
-                                 device=device).add_(step_term)
-            start = torch.tensor([_int32(b) for b in bases], dtype=torch.int32, device=device).add_(step_term)
-        else:
-            shift = torch.tensor([_int32(step_term + b - o * _GOLDEN) for b, o in zip(bases, offsets)],
-                                 dtype=torch.int32, device=device)
-            start = torch.tensor([_int32(step_term + b) for b in bases], dtype=torch.int32, device=device)
-        counts = torch.tensor(sizes[i:j], device=device)
-        h = torch.arange(total, dtype=torch.int32, device=device).mul_(_int32(_GOLDEN))
-        h = _mix_(h.add_(shift.repeat_interleave(counts, output_size=total)))
-        h = _mix_(h.add_(start.repeat_interleave(counts, output_size=total))).bitwise_and_(0xFFFF)
-        out.extend(h.split(sizes[i:j]))
+        terms = torch.tensor([[_int32(b - o * _GOLDEN) for b, o in zip(bases, offsets)],
+                              [_int32(b) for b in bases]], dtype=torch.int32).to(device)
+        chunks.append((total, list(sizes[i:j]), terms[0], terms[1], torch.tensor(sizes[i:j]).to(device)))
         i = j
-    return out
+    return tuple(chunks)
 
 
 def random_bits16(shape: tuple, step: int, index: int, device: Any = None, seed: int = _SEED) -> Any:
