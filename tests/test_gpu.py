@@ -50,6 +50,31 @@ def test_fused_optimizer_steps_without_a_host_sync_on_cuda():
     assert not opt.last_step_skipped
 
 
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "bfloat16", "bfloat16_stochastic",
+                                    "p=bf16,rounding=kahan"])
+@pytest.mark.parametrize("fused", [True, None], ids=["fused", "torch's-choice"])
+def test_every_policy_steps_without_a_host_sync_on_cuda(policy, fused):
+    """The check that scales nothing (float32, bf16) and the update rules (stochastic rounding's
+    hash, Kahan's compensation) stay on the device as the scaling step does; an optimizer that
+    left its implementation to torch takes the fused kernel, which skips on the device."""
+    torch = _cuda()
+    model = mp.apply_policy(_model(torch, "cuda"), policy)
+    opt = mp.LossScaleOptimizer(torch.optim.AdamW(model.parameters(), fused=fused), policy=policy)
+    x = torch.randn(8, 16, device="cuda")
+    for step in range(2):
+        opt.zero_grad()
+        opt.scale_loss(model(x).float().pow(2).mean()).backward()
+        if step == 1:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert not opt.last_step_skipped
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_gradscaler_state_moves_both_ways(device):
     torch = require_module("torch")
@@ -112,6 +137,30 @@ def test_jax_on_gpu_keeps_the_step_on_the_device():
         params, state = step(params, state, x)
     assert not bool(state.last_step_skipped)
     assert np.isfinite(np.asarray(params["w"])).all()
+
+
+@pytest.mark.parametrize("policy", ["float32", "bfloat16_stochastic"])
+def test_optax_wrapper_keeps_its_one_state_array_on_the_device_under_nnx_jit(policy):
+    """The one int32 state array (counters and the scale's bits) and the stochastic-rounding
+    step stay on the GPU: no transfer after the first call."""
+    jax = require_module("jax")
+    optax = require_module("optax", "jax")
+    nnx = require_module("flax.nnx", "jax")
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs JAX with a GPU")
+    model = mp.apply_policy(nnx.Linear(16, 4, rngs=nnx.Rngs(0)), policy)
+    optimizer = nnx.Optimizer(model, mp.LossScaleOptimizer(optax.sgd(0.1), policy=policy), wrt=nnx.Param)
+    x = jax.numpy.ones((8, 16))
+
+    @nnx.jit
+    def step(model, optimizer, x):
+        grads = nnx.grad(lambda m: m(x).astype(jax.numpy.float32).mean())(model)
+        optimizer.update(model, grads)
+
+    step(model, optimizer, x)
+    with jax.transfer_guard("disallow"):
+        step(model, optimizer, x)
+    assert np.isfinite(np.asarray(model.kernel[...], np.float32)).all()
 
 
 def _fp8_net(torch, device, seed=0):

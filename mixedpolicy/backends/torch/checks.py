@@ -176,3 +176,74 @@ def unscaled_step_error(what: str, scale: float) -> RuntimeError:
         f"Lightning, let the Trainer scale: Trainer(plugins=[mixedpolicy.lightning."
         f"Precision(policy)]) with the plain optimizer from configure_optimizers; with the "
         f"Hugging Face Trainer, see docs/torch.md.")
+
+
+# (device type, dtype) pairs whose gradients torch's AMP kernel cannot unscale: CUDA's
+# `_amp_foreach_non_finite_check_and_unscale_` takes float64/32/16 only, so a pure bfloat16
+# model's gradients there go through `_unscale_and_check_by_norm`; a pair another device
+# refuses is learned the first time it is refused.
+_AMP_KERNEL_LACKS: set = {("cuda", torch.bfloat16)}
+_ONES: dict = {}
+
+
+def unscale_and_check_(grads: list, found_inf: torch.Tensor, inv_scale: torch.Tensor | None) -> None:
+    """Multiplies `grads` (one device, one dtype) by `inv_scale` in place (None: checks only) and
+    adds 1 to `found_inf` if any value was inf or NaN, without a host sync: torch's AMP kernel
+    where it takes the dtype, the same arithmetic from foreach kernels where it does not."""
+    key = (grads[0].device.type, grads[0].dtype)
+    if key not in _AMP_KERNEL_LACKS:
+        try:
+            if inv_scale is None:  # a 1 kept per device (the kernel always multiplies)
+                inv_scale = _ONES.get(found_inf.device)
+                if inv_scale is None:
+                    inv_scale = _ONES[found_inf.device] = torch.ones((), device=found_inf.device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+            return
+        except NotImplementedError:  # refused at dispatch, before any gradient was touched
+            _AMP_KERNEL_LACKS.add(key)
+    _unscale_and_check_by_norm(grads, found_inf, inv_scale)
+
+
+def _unscale_and_check_by_norm(grads: list, found_inf: torch.Tensor, inv_scale: torch.Tensor | None) -> None:
+    # the largest magnitude of each gradient: inf where one holds inf, NaN where one holds NaN
+    # (the max propagates NaN on every device), a finite number otherwise; no copy of a gradient
+    grads = [g for g in grads if g.numel()]  # (an empty tensor has no largest magnitude)
+    if not grads:
+        return
+    largest = torch.stack(torch._foreach_norm(grads, float("inf")))
+    found_inf.add_((~torch.isfinite(largest)).any().to(found_inf.dtype))
+    if inv_scale is not None:
+        torch._foreach_mul_(grads, inv_scale)
+
+
+# Device types where reading the found-inf flag on the host (a non-fused optimizer's skip)
+# stalls the device's queue: GPT-2 small in eager mode on an H100 took 13% longer a step with
+# the check than without it (docs/benchmarks.md); on a CPU the read costs nothing.
+_SYNC_COSTLY = {"cuda", "xpu", "mps", "hpu"}
+_WITH_FUSED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)  # fused on those devices too
+
+
+def take_fused_kernels(optimizers: list) -> bool:
+    """Calls `take_fused_kernel` on each; returns True (done)."""
+    for opt in optimizers:
+        take_fused_kernel(opt)
+    return True
+
+
+def take_fused_kernel(opt: torch.optim.Optimizer) -> None:
+    """Before its first step, a torch SGD, Adam or AdamW that left the choice of implementation
+    to torch (``fused=None, foreach=None``) takes its fused kernel where the parameters live on a
+    device that a host read stalls: that kernel unscales and skips on the device, as it does under
+    ``GradScaler``, so the step needs no host sync. A choice the user made is kept."""
+    if type(opt) not in _WITH_FUSED or opt.state or getattr(opt, "_step_supports_amp_scaling", False):
+        return
+    params = [p for g in opt.param_groups for p in g["params"]]
+    if not params or any(g.get("fused") is not None or g.get("foreach") is not None or g.get("differentiable")
+                         for g in opt.param_groups):
+        return
+    if any(p.device.type not in _SYNC_COSTLY or not p.is_floating_point() or (p.grad is not None and p.grad.is_sparse)
+           for p in params):
+        return
+    for group in opt.param_groups:
+        group["fused"] = True
+    opt._step_supports_amp_scaling = True  # as torch's constructor marks a fused optimizer

@@ -53,8 +53,7 @@ def closure_step(wrapper: Any, optimizer: torch.optim.Optimizer, closure: Any) -
         loss = closure()
         if first[0]:
             first[0] = False
-            wrapper._found_inf = wrapper._unscale_and_check(torch.ones((), dtype=torch.float32, device=scale.device),
-                                                             scale)
+            wrapper._found_inf = wrapper._unscale_and_check(None, scale)  # (it scales nothing: checks only)
             if wrapper._found_inf.item():
                 raise SkipStep
         return loss

@@ -25,7 +25,8 @@ from torch.optim import optimizer as _torch_optimizer
 from mixedpolicy._adapter import OptimizerAdapter
 from mixedpolicy.backends.torch.arrays import PARAMETER_POLICY
 from mixedpolicy.backends.torch.checks import (check_capturable, check_half_master_weights, grads_by_device_and_dtype,
-                                               params_by_device_and_dtype, unscaled_step_error)
+                                               params_by_device_and_dtype, take_fused_kernels, unscale_and_check_,
+                                               unscaled_step_error)
 from mixedpolicy.backends.torch.closure import check_closure_optimizers, closure_step, reevaluates_closure
 from mixedpolicy.backends.torch.inner import InnerView
 from mixedpolicy.backends.torch.updates import TorchUpdates
@@ -69,7 +70,7 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
         self._clean_flags: set = set()  # ... unless the last step read it as 0 (the devices here)
         self._partition: tuple | None = None  # (groups' key, parameters by device and dtype)
         self._per_device_flags = False  # the flag sums several devices' (then it may exceed 1)
-        self._unscaled = False
+        self._unscaled = self._kernels_chosen = False
         self._acting_on: torch.optim.Optimizer | None = None
         self._loss_scaled = False  # scale_loss ran since the last step (GradScaler's check, per step)
         self._skipped: torch.Tensor | None = None
@@ -84,9 +85,9 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self.__dict__.setdefault("_found_flags", {})
-        self.__dict__.setdefault("_clean_flags", set())
-        self.__dict__.setdefault("_partition", None)
+        for key, value in (("_found_flags", {}), ("_clean_flags", set()), ("_partition", None),
+                           ("_kernels_chosen", True)):  # (a wrapper pickled before these existed)
+            self.__dict__.setdefault(key, value)
 
     # -- scale ----------------------------------------------------------------
     def _ensure_scale(self, device: torch.device) -> torch.Tensor:
@@ -175,13 +176,13 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
                 return found
         return grads_by_device_and_dtype(groups, half_allowed=half_allowed)
 
-    def _inverse(self, scale: torch.Tensor) -> torch.Tensor:
+    def _inverse(self, scale: torch.Tensor) -> torch.Tensor | None:
         if isinstance(self._scale_settings, NoLossScale):
-            return scale  # its scale is 1: the check alone, no reciprocal to compute
+            return None  # its scale is 1: the check alone, no reciprocal to compute
         return scale.double().reciprocal().float()
 
-    def _unscale_and_check(self, inv_scale: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """Multiplies every gradient by `inv_scale` and returns one found-inf flag (no sync)."""
+    def _unscale_and_check(self, inv_scale: torch.Tensor | None, scale: torch.Tensor) -> torch.Tensor:
+        """Multiplies every gradient by `inv_scale` (None: only checks); one found-inf flag, no sync."""
         per_device: dict = {}
         for (device, _), grads in self._grads_by_device_and_dtype().items():
             found = per_device.get(device)
@@ -193,8 +194,8 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
                     found.zero_()
                 self._clean_flags.discard(device)
                 per_device[device] = found
-            torch._amp_foreach_non_finite_check_and_unscale_(
-                grads, found, inv_scale if inv_scale.device == device else inv_scale.to(device))
+            unscale_and_check_(grads, found, inv_scale if inv_scale is None or inv_scale.device == device
+                               else inv_scale.to(device))
         self._per_device_flags = len(per_device) > 1
         if not per_device:
             raise RuntimeError(
@@ -262,11 +263,12 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
             self._check_loss_was_scaled("step()")
         # NoLossScale too: its scale is 1, and a non-finite step is still skipped
         scale = self._scale if self._scale is not None else self._ensure_scale(self._first_device())
+        if not self._kernels_chosen:  # once, before the first step
+            self._kernels_chosen = take_fused_kernels(self._inners)
         fused = all(getattr(opt, "_step_supports_amp_scaling", False) for opt in stepped)
         if fused:
             if self._found_inf is None:  # the fused kernel unscales; only check here
-                self._found_inf = self._unscale_and_check(torch.ones((), dtype=torch.float32, device=scale.device),
-                                                          scale)
+                self._found_inf = self._unscale_and_check(None, scale)
             for opt in stepped:
                 opt.grad_scale = None if self._unscaled else scale
                 opt.found_inf = self._found_inf
@@ -337,7 +339,6 @@ class TorchOptimizers(TorchUpdates, OptimizerAdapter):
 
     def follow_policies(self, wrapper: Any, policies: tuple) -> None:
         wrapper._follow_policies(policies)
-
 
     def policies_of(self, optimizer: Any) -> tuple[Any, str] | None:
         inners = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]

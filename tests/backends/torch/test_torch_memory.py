@@ -220,3 +220,47 @@ def test_a_copied_optimizer_under_the_rule_steps_its_own_parameters():
     _train(twin["model"], twin["opt"], steps=1)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # the original untouched
     assert not all(torch.equal(a, b) for a, b in zip(twin_model.parameters(), twin["model"].parameters()))
+
+
+def test_the_check_made_of_foreach_kernels_finds_what_torchs_amp_kernel_finds(monkeypatch):
+    """CUDA's AMP unscale kernel takes no bfloat16 (a pure bfloat16 model failed its first step
+    there): the check that stands in finds the same inf and NaN and unscales the same, and a
+    (device, dtype) a kernel refuses is learned on the first refusal."""
+    from mixedpolicy.backends.torch import checks
+
+    inf, nan = float("inf"), float("nan")
+    for values in ([1.0, -2.5], [1.0, inf], [nan, 3.0], [-inf, 3e38]):
+        for dtype in (torch.bfloat16, torch.float32):
+            ours = [torch.tensor(values, dtype=dtype) * 4, torch.ones(3, dtype=dtype), torch.zeros(0, dtype=dtype)]
+            theirs = [g.clone() for g in ours]
+            found = [torch.zeros(()), torch.zeros(())]
+            checks._unscale_and_check_by_norm(ours, found[0], torch.tensor(0.25))
+            torch._amp_foreach_non_finite_check_and_unscale_(theirs, found[1], torch.tensor(0.25))
+            assert found[0].item() == found[1].item(), (values, dtype)
+            for a, b in zip(ours, theirs):
+                torch.testing.assert_close(a, b, equal_nan=True, rtol=0, atol=0)
+
+    def refuses(*args):
+        raise NotImplementedError("not implemented for 'BFloat16'")
+
+    monkeypatch.setattr(checks, "_AMP_KERNEL_LACKS", set())
+    monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", refuses)
+    found = torch.zeros(())
+    checks.unscale_and_check_([torch.tensor([1.0, inf], dtype=torch.bfloat16)], found, torch.tensor(1.0))
+    assert found.item() == 1 and checks._AMP_KERNEL_LACKS == {("cpu", torch.bfloat16)}
+
+
+@pytest.mark.parametrize("policy", ["bfloat16", "bfloat16_stochastic"])
+def test_a_pure_bfloat16_run_skips_and_steps_alike_where_the_amp_kernel_lacks_bfloat16(policy, monkeypatch):
+    from mixedpolicy.backends.torch import checks
+
+    runs = []
+    for lacks in (set(), {("cpu", torch.bfloat16)}):  # the CPU's kernel, then as on CUDA
+        monkeypatch.setattr(checks, "_AMP_KERNEL_LACKS", lacks)
+        model = mp.apply_policy(_model(), policy)
+        opt = mp.LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), policy=policy)
+        _train(model, opt, steps=3, poison=1)
+        runs.append((model.state_dict(), opt.num_skipped_steps))
+    assert runs[0][1] == runs[1][1] == 1
+    for name, value in runs[0][0].items():
+        torch.testing.assert_close(runs[1][0][name], value, rtol=0, atol=0, msg=name)

@@ -405,3 +405,51 @@ def test_a_step_reads_the_device_once_as_gradscaler_does_and_never_when_fused(na
             scaler.update()
         native.zero_grad()
         assert reads == native_reads == ours
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16", "float32"])
+@pytest.mark.parametrize("make", [lambda ps, **kw: torch.optim.SGD(ps, lr=0.1, momentum=0.9, **kw),
+                                  lambda ps, **kw: torch.optim.AdamW(ps, lr=1e-2, **kw)], ids=["sgd", "adamw"])
+def test_where_a_host_read_stalls_the_device_an_unchosen_implementation_takes_the_fused_kernel(
+        policy, make, monkeypatch):
+    """On a GPU a non-fused optimizer's skip reads the found-inf flag on the host (13% of an eager
+    GPT-2 step on an H100); torch's fused kernel skips on the device. Run here on the CPU as if
+    the read stalled it: the optimizer takes the fused kernel and trains as one made fused."""
+    from mixedpolicy.backends.torch import checks
+
+    def train(fused, costly):
+        monkeypatch.setattr(checks, "_SYNC_COSTLY", costly)
+        torch.manual_seed(0)
+        model = mp.apply_policy(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)),
+                                policy)
+        inner = make(model.parameters(), **({"fused": True} if fused else {}))
+        opt = mp.LossScaleOptimizer(inner, policy=policy)
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
+        for i in range(4):
+            loss = model(x).float().pow(2).mean()
+            opt.scale_loss(loss * float("inf") if i == 2 else loss).backward()
+            opt.step()
+            opt.zero_grad()
+        return inner, opt.num_skipped_steps, [p.detach().clone() for p in model.parameters()]
+
+    taken, skipped, weights = train(False, {"cpu"})
+    assert taken.param_groups[0]["fused"] is True and taken._step_supports_amp_scaling
+    made, made_skipped, made_weights = train(True, {"cpu"})
+    assert skipped == made_skipped == 1
+    for a, b in zip(weights, made_weights):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    kept, _, _ = train(False, set())  # on the CPU as it is: the read costs nothing, nothing changes
+    assert kept.param_groups[0]["fused"] is None and not getattr(kept, "_step_supports_amp_scaling", False)
+
+
+def test_an_implementation_the_user_chose_is_kept(monkeypatch):
+    from mixedpolicy.backends.torch import checks
+
+    monkeypatch.setattr(checks, "_SYNC_COSTLY", {"cpu"})
+    for kw in ({"foreach": True}, {"foreach": False}, {"fused": False}):
+        model = torch.nn.Linear(4, 2)
+        inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, **kw)
+        opt = mp.LossScaleOptimizer(inner, policy="mixed_bfloat16")
+        opt.scale_loss(model(torch.ones(3, 4)).sum()).backward()
+        opt.step()
+        assert inner.param_groups[0]["fused"] in (None, False) and inner.param_groups[0]["foreach"] == kw.get("foreach")
