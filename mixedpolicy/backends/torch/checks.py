@@ -235,9 +235,14 @@ def take_fused_kernel(opt: torch.optim.Optimizer) -> None:
     to torch (``fused=None, foreach=None``) takes its fused kernel where the parameters live on a
     device that a host read stalls: that kernel unscales and skips on the device, as it does under
     ``GradScaler``, so the step needs no host sync. A choice the user made is kept."""
-    if type(opt) not in _WITH_FUSED or opt.state or getattr(opt, "_step_supports_amp_scaling", False):
+    if type(opt) not in _WITH_FUSED or getattr(opt, "_step_supports_amp_scaling", False):
+        return
+    if opt.param_groups and all(g.get("fused") is True for g in opt.param_groups):
+        opt._step_supports_amp_scaling = True  # fused by a loaded state dict (its groups say so)
         return
     params = [p for g in opt.param_groups for p in g["params"]]
+    if opt.state:
+        return  # its state was made for the implementation it has
     if not params or any(g.get("fused") is not None or g.get("foreach") is not None or g.get("differentiable")
                          for g in opt.param_groups):
         return
