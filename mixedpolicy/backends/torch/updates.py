@@ -145,35 +145,44 @@ def random_bits16_all(sizes: list, indices: list, step: Any, device: Any = None,
         step_term = step.to(device=device, dtype=torch.int32) * _int32(_GOLDEN)
     else:
         step_term = _int32(int(step) * _GOLDEN)  # an int32 scalar: added as a kernel argument
+    where = torch.device(device or "cpu")
     out: list = []
-    for total, chunk_sizes, shift, start, counts in _chunks(tuple(sizes), tuple(indices), str(torch.device(
-            device or "cpu")), seed):
-        h = torch.arange(total, dtype=torch.int32, device=counts.device).mul_(_int32(_GOLDEN))
-        h = _mix_(h.add_(shift.add(step_term).repeat_interleave(counts, output_size=total)))
-        h = _mix_(h.add_(start.add(step_term).repeat_interleave(counts, output_size=total))).bitwise_and_(0xFFFF)
-        out.extend(h.split(chunk_sizes))
+    for total, chunk_sizes, terms, on_device in _chunks(tuple(sizes), tuple(indices), str(where), seed, _CHUNK):
+        h = torch.arange(total, dtype=torch.int32, device=where).mul_(_int32(_GOLDEN))
+        for stage in (0, 1):  # the element's hash input, then the finalised value plus the start
+            if on_device is None:  # a CPU: each parameter's term added to its slice (a few ops each)
+                for offset, size, term in zip(*terms[stage]):
+                    h[offset:offset + size].add_(term).add_(step_term)
+            else:  # one op for all: the terms repeated to each element
+                shift, counts = on_device[stage], on_device[2]
+                h.add_(shift.add(step_term).repeat_interleave(counts, output_size=total))
+            h = _mix_(h)
+        out.extend(h.bitwise_and_(0xFFFF).split(chunk_sizes))
     return out
 
 
 @functools.lru_cache(maxsize=16)
-def _chunks(sizes: tuple, indices: tuple, device: str, seed: int) -> tuple:
-    """The parameters in chunks of at most _CHUNK elements (a larger one alone), each as (its
-    elements, its parameters' sizes, and on `device` the hash's per-parameter terms without the
-    step's, and the sizes): int32 arithmetic wraps as the hash's uint32 arithmetic does."""
+def _chunks(sizes: tuple, indices: tuple, device: str, seed: int, chunk: int) -> tuple:
+    """The parameters in chunks of at most `chunk` elements (a larger one alone), each as (its
+    elements, its parameters' sizes, the hash's per-parameter terms without the step's as
+    (offsets, sizes, terms) for each stage, and off the CPU the terms and sizes as tensors on
+    `device`): int32 arithmetic wraps as the hash's uint32 arithmetic does."""
     import torch
 
     chunks, i = [], 0
     while i < len(sizes):
         j, total = i + 1, sizes[i]
-        while j < len(sizes) and total + sizes[j] <= _CHUNK:
+        while j < len(sizes) and total + sizes[j] <= chunk:
             total, j = total + sizes[j], j + 1
         # start_p = step * golden + base_p; element k of parameter p hashes k * golden + start_p,
         # over the chunk its flat position times golden plus (start_p - offset_p * golden), mod 2**32
         bases = [(index * _VARIABLE + seed) & 0x7FFFFFFF for index in indices[i:j]]
         offsets = [0, *itertools.accumulate(sizes[i:j - 1])]
-        terms = torch.tensor([[_int32(b - o * _GOLDEN) for b, o in zip(bases, offsets)],
-                              [_int32(b) for b in bases]], dtype=torch.int32).to(device)
-        chunks.append((total, list(sizes[i:j]), terms[0], terms[1], torch.tensor(sizes[i:j]).to(device)))
+        shifts, starts = [_int32(b - o * _GOLDEN) for b, o in zip(bases, offsets)], [_int32(b) for b in bases]
+        terms = ((offsets, sizes[i:j], shifts), (offsets, sizes[i:j], starts))
+        on_device = None if device == "cpu" else (
+            *torch.tensor([shifts, starts], dtype=torch.int32).to(device), torch.tensor(sizes[i:j]).to(device))
+        chunks.append((total, list(sizes[i:j]), terms, on_device))
         i = j
     return tuple(chunks)
 
