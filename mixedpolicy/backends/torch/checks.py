@@ -244,7 +244,7 @@ def take_fused_kernel(opt: torch.optim.Optimizer) -> None:
     if opt.state:
         return  # its state was made for the implementation it has
     if not params or any(g.get("fused") is not None or g.get("foreach") is not None or g.get("differentiable")
-                         for g in opt.param_groups):
+                         or torch.is_tensor(g.get("lr")) for g in opt.param_groups):  # (a tensor lr: kept)
         return
     if any(p.device.type not in _SYNC_COSTLY or not p.is_floating_point() or (p.grad is not None and p.grad.is_sparse)
            for p in params):
