@@ -128,11 +128,15 @@ def _int32(value: int) -> int:
     return value - (1 << 32) if value >= 1 << 31 else value
 
 
-def _mix_(h: Any) -> Any:
-    """murmur3's 32-bit finaliser, in place on an int32 tensor."""
-    h.bitwise_xor_(h.bitwise_right_shift(16).bitwise_and_(0xFFFF)).mul_(_int32(_M1))
-    h.bitwise_xor_(h.bitwise_right_shift(13).bitwise_and_(0x7FFFF)).mul_(_int32(_M2))
-    return h.bitwise_xor_(h.bitwise_right_shift(16).bitwise_and_(0xFFFF))
+def _mix_(h: Any, tmp: Any) -> Any:
+    """murmur3's 32-bit finaliser, in place on an int32 tensor (`tmp`: scratch of its size)."""
+    import torch
+
+    for shift, mask, factor in ((16, 0xFFFF, _int32(_M1)), (13, 0x7FFFF, _int32(_M2)), (16, 0xFFFF, None)):
+        h.bitwise_xor_(torch.bitwise_right_shift(h, shift, out=tmp).bitwise_and_(mask))  # a logical shift
+        if factor is not None:
+            h.mul_(factor)
+    return h
 
 
 def random_bits16_all(sizes: list, indices: list, step: Any, device: Any = None, seed: int = _SEED) -> list:
@@ -149,14 +153,17 @@ def random_bits16_all(sizes: list, indices: list, step: Any, device: Any = None,
     out: list = []
     for total, chunk_sizes, terms, on_device in _chunks(tuple(sizes), tuple(indices), str(where), seed, _CHUNK):
         h = torch.arange(total, dtype=torch.int32, device=where).mul_(_int32(_GOLDEN))
+        tmp = torch.empty_like(h)  # one scratch tensor for both finalisers
         for stage in (0, 1):  # the element's hash input, then the finalised value plus the start
-            if on_device is None:  # a CPU: each parameter's term added to its slice (a few ops each)
+            if on_device is None:  # a CPU: each parameter's term added to its slice (an op each)
                 for offset, size, term in zip(*terms[stage]):
-                    h[offset:offset + size].add_(term).add_(step_term)
+                    piece = h[offset:offset + size]
+                    piece.add_(term).add_(step_term) if torch.is_tensor(step_term) else piece.add_(
+                        _int32(term + step_term))
             else:  # one op for all: the terms repeated to each element
                 shift, counts = on_device[stage], on_device[2]
                 h.add_(shift.add(step_term).repeat_interleave(counts, output_size=total))
-            h = _mix_(h)
+            _mix_(h, tmp)
         out.extend(h.bitwise_and_(0xFFFF).split(chunk_sizes))
     return out
 
@@ -251,8 +258,9 @@ class _RoundedStep:
                     update = new - old.float() + state.get(KAHAN_KEY, torch.zeros_like(old)).float()
                     p.data = (old.float() + update).to(torch.bfloat16)
                     state[KAHAN_KEY] = (update - (p.data.float() - old.float())).to(torch.bfloat16)
-                elif self.rounding == "stochastic":
-                    p.data = stochastic_round_bfloat16(new, bits[index].view(new.shape))
+                elif self.rounding == "stochastic":  # in place: the float32 copy, then the weights
+                    new.view(torch.int32).add_(bits[index].view(new.shape)).bitwise_and_(-65536)
+                    p.data = old.copy_(new)  # exact: the low half is zero
                 else:
                     p.data = new.to(torch.bfloat16)
                 p.grad = grad
