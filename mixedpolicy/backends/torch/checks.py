@@ -246,9 +246,9 @@ def take_fused_kernel(opt: torch.optim.Optimizer) -> None:
     if not params or any(g.get("fused") is not None or g.get("foreach") is not None or g.get("differentiable")
                          or torch.is_tensor(g.get("lr")) for g in opt.param_groups):  # (a tensor lr: kept)
         return
-    if any(p.device.type not in _SYNC_COSTLY or not p.is_floating_point() or (p.grad is not None and p.grad.is_sparse)
-           for p in params):
-        return
+    if any(p.device.type not in _SYNC_COSTLY or not p.is_floating_point() or type(p.data) is not torch.Tensor
+           or (p.grad is not None and p.grad.is_sparse) for p in params):
+        return  # (a tensor subclass, FSDP2's DTensor say, keeps the implementation torch chose)
     for group in opt.param_groups:
         group["fused"] = True
     opt._step_supports_amp_scaling = True  # as torch's constructor marks a fused optimizer
