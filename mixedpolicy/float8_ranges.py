@@ -11,8 +11,11 @@ third operand, in e4m3 too, are shown, for the user to read against the model's 
 a layer's weights row holds all its own parameters, the bias too). The fractions come from each tensor's log2 histogram and its largest
 |x| over the batches inspected, to a power of two's resolution (a bin counts as lost only
 when its upper edge is, so the figures are a lower bound); a batch whose own amax is
-smaller scales its values up further, so it loses less than this says. Per-row scaling
-needs per-row maxima, which the stats do not keep: it is not estimated here.
+smaller scales its values up further, so it loses less than this says. Under per-row
+scaling (the ``rowwise`` recipes) each row is scaled by its own max |x|: the per-row
+figures come from each value's log2 relative to its row's max, to the same resolution (a
+row: a token's features for the outputs and their gradients, what one output multiplies
+for the weights, `mixedpolicy.ranges.rows`).
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ class Float8Loss(NamedTuple):
     format: str
     subnormal: float  # fraction of the nonzero finite values that become subnormal
     flushed: float    # fraction that become zero
+    row_subnormal: float = float("nan")  # the same under per-row scaling (nan: not measured)
+    row_flushed: float = float("nan")
 
 
 def what_if(rows: Any, emin: int) -> list[Float8Loss]:
@@ -50,7 +55,12 @@ def what_if(rows: Any, emin: int) -> list[Float8Loss]:
         scaled = 2.0 ** np.arange(emin + 1, emin + 1 + len(r.hist)) * (top / r.amax)  # bins' upper edges
         flushed = int(r.hist[scaled <= smallest / 2].sum())
         below_normal = int(r.hist[scaled <= tiny].sum())
-        out.append(Float8Loss(r.path, r.kind, fmt, (below_normal - flushed) / nonzero, flushed / nonzero))
+        row = (float("nan"), float("nan"))
+        if getattr(r, "row_hist", None) is not None and len(r.row_hist):
+            upper = 2.0 ** -np.arange(len(r.row_hist)) * top  # each relative bin's upper edge, scaled
+            row_flushed = int(r.row_hist[upper <= smallest / 2].sum())
+            row = ((int(r.row_hist[upper <= tiny].sum()) - row_flushed) / nonzero, row_flushed / nonzero)
+        out.append(Float8Loss(r.path, r.kind, fmt, (below_normal - flushed) / nonzero, flushed / nonzero, *row))
     return out
 
 
@@ -68,8 +78,8 @@ def keep_out(losses: list[Float8Loss], source: Any, max_flushed: float) -> tuple
 
 
 def table(losses: list[Float8Loss]) -> str:
-    header = ("path", "kind", "format", "subnormal", "zero")
-    cells = [header] + [(x.path or "(root)", x.kind, x.format, f"{x.subnormal:.2%}", f"{x.flushed:.2%}")
-                        for x in losses]
+    header = ("path", "kind", "format", "subnormal", "zero", "row subnormal", "row zero")
+    cells = [header] + [(x.path or "(root)", x.kind, x.format, f"{x.subnormal:.2%}", f"{x.flushed:.2%}",
+                         f"{x.row_subnormal:.2%}", f"{x.row_flushed:.2%}") for x in losses]
     widths = [max(len(c[i]) for c in cells) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)

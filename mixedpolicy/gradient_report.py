@@ -93,8 +93,9 @@ class GradientReport:
     def float8(self) -> list:
         """fp8 what-if: per layer, the fractions of its weights and outputs (e4m3: its matmul's
         and the next one's operands) and output gradients (e5m2) that become subnormal or zero
-        under per-tensor current scaling, a lower bound to a power of two's resolution (see `mixedpolicy.float8_ranges`);
-        ``mixedpolicy.float8_ranges.table(report.float8())`` prints them."""
+        under per-tensor current scaling and under per-row scaling (``row_subnormal``,
+        ``row_flushed``), a lower bound to a power of two's resolution (see
+        `mixedpolicy.float8_ranges`); ``mixedpolicy.float8_ranges.table(report.float8())`` prints them."""
         from mixedpolicy.float8_ranges import what_if
 
         return what_if(self.rows, EMIN)

@@ -204,3 +204,53 @@ def test_fp8_what_if_counts_what_per_tensor_scaling_loses_and_names_the_layers()
     assert "float8_e5m2" in table(report.float8())
     with pytest.raises(ValueError, match="max_flushed=2"):
         report.recommend_float8(max_flushed=2)
+
+
+def test_fp8_what_if_under_per_row_scaling_sees_each_row_by_its_own_max():
+    """A row of small values next to a row of large ones: per-tensor scaling flushes the small
+    row in e4m3, per-row scaling (the rowwise recipes) keeps it; within a row what lies far
+    below the row's max is lost either way."""
+    from mixedpolicy.float8_ranges import table, what_if
+    from mixedpolicy.ranges import EMIN, RangeStats, numpy_stats
+
+    x = np.array([[1.0] * 8, [2.0**-31] * 7 + [2.0**-52]], np.float32)
+    (loss,) = what_if([RangeStats.from_vector("body", "activation", numpy_stats(x, (1.0,)), (1.0,))], EMIN)
+    assert loss.flushed == 8 / 16  # 2^-31 * 448 is below half e4m3's smallest subnormal (2^-10)
+    assert loss.row_flushed == 1 / 16 and loss.row_subnormal == 0.0  # 2^-21 of its row's max
+    assert "row zero" in table([loss]) and "6.25%" in table([loss])
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(1, 5), st.integers(0, 7), st.integers(0, 2**31 - 1))
+def test_the_per_row_counts_are_the_same_on_every_backend(n_rows, width, seed):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((n_rows, width)) * 2.0 ** rng.integers(-30, 30, (n_rows, 1))).astype(np.float32)
+    x[rng.random(x.shape) < 0.2] = 0.0
+    x[rng.random(x.shape) < 0.05] = np.inf
+    want = ranges.numpy_stats(x, (1.0,))
+    assert want[-ranges.ROW_BINS:].sum() == np.sum(np.isfinite(x) & (x != 0))
+    torch = pytest.importorskip("torch")
+    from mixedpolicy.backends.torch.ranges import stats as torch_stats
+
+    np.testing.assert_array_equal(torch_stats(torch.from_numpy(x), (1.0,)).numpy(), want)
+    jnp = pytest.importorskip("jax.numpy")
+    from mixedpolicy.backends.jax.ranges import stats as jax_stats
+
+    np.testing.assert_array_equal(np.asarray(jax_stats(jnp.asarray(x), (1.0,))), want)
+
+
+def test_a_weights_rows_are_what_each_output_multiplies_on_torch_and_jax():
+    """A layer with one output's weights 2^-30 times the others': per-tensor scaling flushes
+    them in e4m3, per-row scaling (each output's own max) keeps them, on both layouts."""
+    torch = require_module("torch")
+    from mixedpolicy.backends.jax.ranges import by_output as jax_by_output, merged
+    from mixedpolicy.backends.torch.ranges import by_output, stats
+    from mixedpolicy.float8_ranges import what_if
+    from mixedpolicy.ranges import EMIN, RangeStats
+
+    w = np.ones((4, 8), np.float32)  # torch's (out, in)
+    w[3] *= 2.0**-30
+    for vector in (stats(by_output(torch.from_numpy(w)), (1.0,)).numpy(),
+                   merged([jax_by_output(require_module("jax").numpy.asarray(w.T))], (1.0,))):  # kernel (in, out)
+        (loss,) = what_if([RangeStats.from_vector("dense", "weight", vector, (1.0,))], EMIN)
+        assert (loss.flushed, loss.row_flushed) == (0.25, 0.0)

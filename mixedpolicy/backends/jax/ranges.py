@@ -2,9 +2,9 @@
 
 Flax NNX modules (``nnx.grad``) and pytrees of parameters (``jax.grad``: linen's params,
 Equinox or plain functions' weights). A leaf's layer is its path without the last key
-(``"dense.kernel"`` belongs to ``"dense"``), as `PolicyMap` resolves it; a layer's leaves
-are concatenated and their stats vector (`mixedpolicy.ranges.layout`) computed in one
-jitted function with XLA's own float16/bfloat16 casts, one transfer per layer. Activations
+(``"dense.kernel"`` belongs to ``"dense"``), as `PolicyMap` resolves it; each leaf's stats
+vector (`mixedpolicy.ranges.layout`; a kernel's rows are its outputs') is computed in a
+jitted function with XLA's own float16/bfloat16 casts, one transfer per leaf, and merged. Activations
 are not exposed cheaply in JAX: only the weights' gradients are reported.
 """
 
@@ -18,12 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from mixedpolicy.backends.jax.reduce import _path
-from mixedpolicy.ranges import BINS, EMIN, merge
+from mixedpolicy.ranges import BINS, EMIN, ROW_BINS, merge, rows
 
 
 @functools.partial(jax.jit, static_argnums=1)
 def _on_device(x: Any, scales: tuple) -> tuple:
-    """(int32 counts: size, zeros, non-finite, the histogram, the per-scale counts; max |x|)."""
+    """(int32 counts: size, zeros, non-finite, the histogram, the per-scale counts, the per-row
+    histogram (rows along the last axis); max |x|)."""
     a = jnp.abs(x.astype(jnp.float32)).reshape(-1)
     finite = jnp.isfinite(a)
     a = jnp.where(finite, a, 0.0)
@@ -41,6 +42,11 @@ def _on_device(x: Any, scales: tuple) -> tuple:
             parts.append(jnp.stack([jnp.sum(jnp.isinf(r) & nz, dtype=jnp.int32),
                                     jnp.sum((r != 0) & (jnp.abs(r) < tiny), dtype=jnp.int32),
                                     jnp.sum((r == 0) & nz, dtype=jnp.int32)]))
+    by_row = a.reshape(rows(x.shape))
+    top = jnp.max(by_row, axis=1, keepdims=True) if by_row.size else by_row
+    _, e = jnp.frexp(jnp.where(by_row > 0, by_row / jnp.where(top > 0, top, 1.0), 0.0).reshape(-1))
+    row_bins = jnp.where(nz, jnp.clip(-e, 0, ROW_BINS - 1), ROW_BINS)  # zeros to a spare bin
+    parts.append(jnp.bincount(row_bins, length=ROW_BINS + 1)[:ROW_BINS].astype(jnp.int32))
     return jnp.concatenate(parts), jnp.max(a) if a.size else jnp.float32(0)
 
 
@@ -52,22 +58,34 @@ def stats(x: Any, scales: tuple) -> np.ndarray:
     return np.concatenate([counts[:3], [float(amax)], counts[3:]])
 
 
+def by_output(leaf: Any) -> Any:
+    """A JAX kernel (..., in, out) as rows over what each output multiplies (a row per output)."""
+    return leaf.reshape(-1, leaf.shape[-1]).T if leaf.ndim > 1 else leaf
+
+
 def by_layer(grads: Any) -> dict:
-    """layer path -> the concatenated floating leaves of `grads` under it."""
+    """layer path -> the floating leaves of `grads` under it, each as `by_output` lays it out."""
     layers: dict = {}
     for keys, leaf in jax.tree_util.tree_flatten_with_path(grads)[0]:
         if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating):
-            layers.setdefault(_path(keys).rpartition(".")[0], []).append(jnp.ravel(leaf))
-    return {path: jnp.concatenate(leaves) for path, leaves in layers.items()}
+            layers.setdefault(_path(keys).rpartition(".")[0], []).append(by_output(leaf))
+    return layers
+
+
+def merged(leaves: list, scales: tuple) -> np.ndarray:
+    """One stats vector of several arrays, each scaled by rows of its own."""
+    total = None
+    for leaf in leaves:
+        total = merge(total, stats(leaf, scales))
+    return total
 
 
 def _collect(params: Any, grads_per_batch: list, scales: tuple) -> dict:
     """Each layer's weights (once) and its gradients (merged over the batches), by layer."""
-    totals: dict = {(path, "weight"): stats(flat, scales) for path, flat in by_layer(params).items()}
+    totals: dict = {(path, "weight"): merged(leaves, scales) for path, leaves in by_layer(params).items()}
     for grads in grads_per_batch:
-        for path, flat in by_layer(grads).items():
-            vector = stats(flat, scales)  # one transfer per layer
-            totals[(path, "weight_grad")] = merge(totals.get((path, "weight_grad")), vector)
+        for path, leaves in by_layer(grads).items():
+            totals[(path, "weight_grad")] = merge(totals.get((path, "weight_grad")), merged(leaves, scales))
     order = {path: i for i, (path, _) in enumerate(totals)}
     return dict(sorted(totals.items(), key=lambda item: (order[item[0][0]], item[0][1] != "weight")))
 

@@ -42,20 +42,25 @@ def _gradients(model: Any, loss_fn: Any, batch: Any, variables: list) -> list:
 
 
 def _stats(flat: list, scales: tuple) -> np.ndarray:
+    """One stats vector of a layer's variables (or their gradients), each a Keras kernel
+    (..., in, out) scaled by rows of its outputs, as on JAX."""
     backend = keras.backend.backend()
-    if backend == "torch":
-        import torch
+    total = None
+    for g in flat:
+        if backend == "torch":
+            from mixedpolicy.backends.torch.ranges import stats
 
-        from mixedpolicy.backends.torch.ranges import stats
+            g = g.reshape(-1, g.shape[-1]).T if g.dim() > 1 else g
+            vector = stats(g, scales).cpu().numpy()
+        elif backend == "jax":
+            from mixedpolicy.backends.jax.ranges import by_output, stats as jax_stats
 
-        return stats(torch.cat([g.reshape(-1) for g in flat]), scales).cpu().numpy()
-    if backend == "jax":
-        import jax.numpy as jnp
-
-        from mixedpolicy.backends.jax.ranges import stats
-
-        return stats(jnp.concatenate([jnp.ravel(g) for g in flat]), scales)
-    return numpy_stats(np.concatenate([np.ravel(keras.ops.convert_to_numpy(g)) for g in flat]), scales)
+            vector = jax_stats(by_output(g), scales)
+        else:
+            a = np.asarray(keras.ops.convert_to_numpy(g))
+            vector = numpy_stats(a.reshape(-1, a.shape[-1]).T if a.ndim > 1 else a, scales)
+        total = merge(total, vector)
+    return total
 
 
 def range_stats(model: Any, loss_fn: Any, batches: list, scales: tuple) -> dict:

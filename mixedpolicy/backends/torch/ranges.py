@@ -12,13 +12,14 @@ from typing import Any
 
 import torch
 
-from mixedpolicy.ranges import BINS, EMIN
+from mixedpolicy.ranges import BINS, EMIN, ROW_BINS, rows
 
 _DTYPES = (torch.float16, torch.bfloat16)
 
 
 def stats(x: torch.Tensor, scales: tuple) -> torch.Tensor:
-    """The stats vector of `x`, as a float64 tensor on its device."""
+    """The stats vector of `x` (its rows along its last axis), as a float64 tensor on its device."""
+    shape = tuple(x.shape)
     a = x.detach().abs().float().reshape(-1)
     finite = torch.isfinite(a)
     a = torch.where(finite, a, torch.zeros((), dtype=a.dtype, device=a.device))
@@ -37,7 +38,25 @@ def stats(x: torch.Tensor, scales: tuple) -> torch.Tensor:
             tiny = torch.finfo(dt).tiny
             parts.append(torch.stack([(torch.isinf(r) & nz).sum(), ((r != 0) & (r.abs() < tiny)).sum(),
                                       ((r == 0) & nz).sum()]).double())
+    by_row = a.reshape(rows(shape))
+    top = by_row.amax(dim=1, keepdim=True) if by_row.numel() else by_row
+    _, e = torch.frexp(torch.where(by_row > 0, by_row / torch.where(top > 0, top, 1.0), 0.0).reshape(-1))
+    parts.append(torch.bincount((-e.long()).clamp(0, ROW_BINS - 1)[nz], minlength=ROW_BINS).double())
     return torch.cat(parts)
+
+
+def by_output(p: torch.Tensor) -> torch.Tensor:
+    """A torch weight (out, in, ...) as rows over what each output multiplies (its input dims)."""
+    return p.reshape(p.shape[0], -1) if p.dim() > 1 else p
+
+
+def merged(tensors: list, scales: tuple) -> torch.Tensor:
+    """One stats vector of several tensors, each scaled by rows of its own."""
+    total = None
+    for t in tensors:
+        v = stats(t, scales)
+        total = v if total is None else _merge_device(total, v)
+    return total
 
 
 def range_stats(model: torch.nn.Module, loss_fn: Any, batches: list, scales: tuple, activations: bool) -> dict:
@@ -60,9 +79,9 @@ def range_stats(model: torch.nn.Module, loss_fn: Any, batches: list, scales: tup
 
             handles.append(module.register_forward_hook(hook))
     for path, module in model.named_modules():  # the weights as they are (no step is taken)
-        own = [p.detach().reshape(-1) for p in module.parameters(recurse=False) if p.is_floating_point()]
+        own = [by_output(p.detach()) for p in module.parameters(recurse=False) if p.is_floating_point()]
         if own:
-            add((path, "weight"), stats(torch.cat(own), scales))
+            add((path, "weight"), merged(own, scales))
     saved = {n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()}
     try:
         for batch in batches:
@@ -70,9 +89,9 @@ def range_stats(model: torch.nn.Module, loss_fn: Any, batches: list, scales: tup
             loss = loss_fn(model, batch)
             loss.backward()
             for path, module in model.named_modules():
-                grads = [p.grad.reshape(-1) for p in module.parameters(recurse=False) if p.grad is not None]
+                grads = [by_output(p.grad) for p in module.parameters(recurse=False) if p.grad is not None]
                 if grads:
-                    add((path, "weight_grad"), stats(torch.cat(grads), scales))
+                    add((path, "weight_grad"), merged(grads, scales))
     finally:
         for h in handles:
             h.remove()
