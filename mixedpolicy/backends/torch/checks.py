@@ -240,9 +240,9 @@ def take_fused_kernel(opt: torch.optim.Optimizer) -> None:
     if opt.param_groups and all(g.get("fused") is True for g in opt.param_groups):
         opt._step_supports_amp_scaling = True  # fused by a loaded state dict (its groups say so)
         return
-    params = [p for g in opt.param_groups for p in g["params"]]
     if opt.state:
         return  # its state was made for the implementation it has
+    params = [p for g in opt.param_groups for p in g["params"]]
     if not params or any(g.get("fused") is not None or g.get("foreach") is not None or g.get("differentiable")
                          or torch.is_tensor(g.get("lr")) for g in opt.param_groups):  # (a tensor lr: kept)
         return
