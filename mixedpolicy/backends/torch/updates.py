@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from typing import Any
+from typing import Any, Iterator
 
 _EIGHT_BIT = ("Adam8bit", "AdamW8bit")
 
@@ -143,6 +143,13 @@ def random_bits16_all(sizes: list, indices: list, step: Any, device: Any = None,
     """16 random bits per element of each of several flat tensors (int32, one tensor each);
     `step` a Python int or an integer tensor on `device` (read there). No host sync and no copy
     from the host: what does not change from step to step is built once per device."""
+    return [bits for h, chunk_sizes in _bits_by_chunk(sizes, indices, step, device, seed)
+            for bits in h.split(chunk_sizes)]
+
+
+def _bits_by_chunk(sizes: list, indices: list, step: Any, device: Any = None, seed: int = _SEED) -> Iterator:
+    """`random_bits16_all`'s bits as they are made: (one int32 tensor for consecutive
+    parameters, their sizes), chunk after chunk."""
     import torch
 
     if torch.is_tensor(step):
@@ -150,7 +157,6 @@ def random_bits16_all(sizes: list, indices: list, step: Any, device: Any = None,
     else:
         step_term = _int32(int(step) * _GOLDEN)  # an int32 scalar: added as a kernel argument
     where = torch.device(device or "cpu")
-    out: list = []
     for total, chunk_sizes, terms, on_device in _chunks(tuple(sizes), tuple(indices), str(where), seed, _CHUNK):
         h = torch.arange(total, dtype=torch.int32, device=where).mul_(_int32(_GOLDEN))
         tmp = torch.empty_like(h)  # one scratch tensor for both finalisers
@@ -164,8 +170,7 @@ def random_bits16_all(sizes: list, indices: list, step: Any, device: Any = None,
                 shift, counts = on_device[stage], on_device[2]
                 h.add_(shift.add(step_term).repeat_interleave(counts, output_size=total))
             _mix_(h, tmp)
-        out.extend(h.bitwise_and_(0xFFFF).split(chunk_sizes))
-    return out
+        yield h.bitwise_and_(0xFFFF), chunk_sizes
 
 
 @functools.lru_cache(maxsize=16)
@@ -231,47 +236,74 @@ class _RoundedStep:
     def __call__(self, closure: Any = None) -> Any:
         import torch
 
-        optimizer, widened = self.optimizer, []
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                state, keys = _moments(optimizer, p)
-                for key in keys:
-                    state[key] = state[key].float()
-                if p.dtype == torch.bfloat16:
-                    grad, p.grad, old = p.grad, None, p.data
-                    p.data = old.float()
-                    p.grad = None if grad is None else grad.float()
-                    widened.append((p, grad, old))
+        optimizer = self.optimizer
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        _retype(_moment_slots(optimizer, params), torch.float32)
+        widened = [(p, p.grad, p.data) for p in params if p.dtype == torch.bfloat16]
+        flats = {}  # device -> (float32 copies of its bfloat16 parameters, one buffer, in order; their places)
+        for device in {p.device for p, _, _ in widened}:
+            on = [i for i, (p, _, _) in enumerate(widened) if p.device == device]
+            flat = torch.empty(sum(widened[i][0].numel() for i in on), dtype=torch.float32, device=device)
+            views = [v.view(widened[i][0].shape) for i, v in zip(on, flat.split([widened[i][0].numel() for i in on]))]
+            torch._foreach_copy_(views, [widened[i][2] for i in on])
+            grads = [widened[i][1] for i in on]
+            dense = [g for g in grads if g is not None and not g.is_sparse]
+            wide = dict(zip(map(id, dense), _copies(dense, torch.float32)))
+            for i, view, g in zip(on, views, grads):
+                p = widened[i][0]
+                p.grad, p.data = None, view
+                p.grad = None if g is None else wide[id(g)] if id(g) in wide else g.float()
+            flats[device] = (flat, on, views)
         step_of_class = type(optimizer).step
         try:
             result = step_of_class(optimizer) if closure is None else step_of_class(optimizer, closure)
         finally:
             count = optimizer.param_groups[0][STEP_KEY]
-            bits: dict = {}  # every parameter's random bits in a few ops per device
-            for device in {p.device for p, _, _ in widened} if self.rounding == "stochastic" else ():
-                on = [i for i, (p, _, _) in enumerate(widened) if p.device == device]
-                bits.update(zip(on, random_bits16_all([widened[i][0].numel() for i in on], on, count, device)))
-            for index, (p, grad, old) in enumerate(widened):
-                new, p.grad = p.data, None
+            for device, (flat, on, views) in flats.items():
+                olds = [widened[i][2] for i in on]
+                if self.rounding == "stochastic":  # on the float32 buffer, chunk by chunk, in place
+                    sizes = [widened[i][0].numel() for i in on]
+                    start = 0
+                    for h, chunk_sizes in _bits_by_chunk(sizes, on, count, device):
+                        flat[start:start + h.numel()].view(torch.int32).add_(h).bitwise_and_(-65536)
+                        start += h.numel()
                 if self.rounding == "kahan":  # what nearest rounding dropped is added back next step
-                    state = optimizer.state[p]
-                    update = new - old.float() + state.get(KAHAN_KEY, torch.zeros_like(old)).float()
-                    p.data = (old.float() + update).to(torch.bfloat16)
-                    state[KAHAN_KEY] = (update - (p.data.float() - old.float())).to(torch.bfloat16)
-                elif self.rounding == "stochastic":  # in place: the float32 copy, then the weights
-                    new.view(torch.int32).add_(bits[index].view(new.shape)).bitwise_and_(-65536)
-                    p.data = old.copy_(new)  # exact: the low half is zero
-                else:
-                    p.data = new.to(torch.bfloat16)
-                p.grad = grad
-            state_dtype = getattr(torch, self.state_dtype)
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    state, keys = _moments(optimizer, p)
-                    for key in keys:
-                        state[key] = state[key].to(state_dtype)
+                    for i, new in zip(on, views):
+                        p, old = widened[i][0], widened[i][2]
+                        state = optimizer.state[p]
+                        before = old.float()
+                        update = new - before + state.get(KAHAN_KEY, torch.zeros_like(old)).float()
+                        old.copy_(before + update)  # to the nearest bfloat16
+                        state[KAHAN_KEY] = (update - (old.float() - before)).to(torch.bfloat16)
+                else:  # the weights in their own storage (stochastic: exact, the low half is zero)
+                    torch._foreach_copy_(olds, views)
+                for i, old in zip(on, olds):
+                    widened[i][0].data, widened[i][0].grad = old, widened[i][1]
+            _retype(_moment_slots(optimizer, params), getattr(torch, self.state_dtype))
             optimizer.param_groups[0][STEP_KEY] = count + 1
         return result
+
+
+def _moment_slots(optimizer: Any, params: list) -> list:
+    """(state, key) of every per-element floating moment of `params`."""
+    return [(state, key) for p in params for state, keys in (_moments(optimizer, p),) for key in keys]
+
+
+def _copies(tensors: list, dtype: Any) -> list:
+    """`tensors` in `dtype`, new tensors filled by one foreach copy."""
+    import torch
+
+    out = [torch.empty_like(t, dtype=dtype) for t in tensors]
+    if out:
+        torch._foreach_copy_(out, tensors)
+    return out
+
+
+def _retype(slots: list, dtype: Any) -> None:
+    """Each (state, key)'s tensor in `dtype` (those already in it stay as they are)."""
+    slots = [(state, key) for state, key in slots if state[key].dtype != dtype]
+    for (state, key), copy in zip(slots, _copies([state[key] for state, key in slots], dtype)):
+        state[key] = copy
 
 
 def install(optimizer: Any, policy: Any) -> Any:
