@@ -117,6 +117,7 @@ def reconcile(optimizer: Any, saved: dict) -> set:
 # products wrap modulo 2**32 as the rules' masked arithmetic does (right shifts masked to be
 # logical), over all of a step's parameters at once: a handful of ops per step, not per parameter
 _MASK, _GOLDEN, _M1, _M2, _VARIABLE, _SEED = 0xFFFFFFFF, 0x9E3779B1, 0x85EBCA6B, 0xC2B2AE35, 668265261, 0x5EED
+_SLICED = {"cpu"}  # devices where a parameter's terms are added slice by slice (small ops are cheap)
 _CHUNK = 1 << 24  # elements hashed at once: bounds the int32 temporaries (and keeps indices < 2**31)
 STEP_KEY = "stochastic_rounding_step"  # in the first param group: saved and loaded with the optimizer
 KAHAN_KEY = "kahan_compensation"  # per bfloat16 parameter, in the optimizer's state
@@ -157,11 +158,13 @@ def _bits_by_chunk(sizes: list, indices: list, step: Any, device: Any = None, se
     else:
         step_term = _int32(int(step) * _GOLDEN)  # an int32 scalar: added as a kernel argument
     where = torch.device(device or "cpu")
-    for total, chunk_sizes, terms, on_device in _chunks(tuple(sizes), tuple(indices), str(where), seed, _CHUNK):
+    sliced = where.type in _SLICED
+    for total, chunk_sizes, terms, on_device in _chunks(tuple(sizes), tuple(indices), str(where), seed, _CHUNK,
+                                                        sliced):
         h = torch.arange(total, dtype=torch.int32, device=where).mul_(_int32(_GOLDEN))
         tmp = torch.empty_like(h)  # one scratch tensor for both finalisers
         for stage in (0, 1):  # the element's hash input, then the finalised value plus the start
-            if on_device is None:  # a CPU: each parameter's term added to its slice (an op each)
+            if sliced:  # a CPU: each parameter's term added to its slice (an op each)
                 for offset, size, term in zip(*terms[stage]):
                     piece = h[offset:offset + size]
                     piece.add_(term).add_(step_term) if torch.is_tensor(step_term) else piece.add_(
@@ -174,11 +177,11 @@ def _bits_by_chunk(sizes: list, indices: list, step: Any, device: Any = None, se
 
 
 @functools.lru_cache(maxsize=16)
-def _chunks(sizes: tuple, indices: tuple, device: str, seed: int, chunk: int) -> tuple:
+def _chunks(sizes: tuple, indices: tuple, device: str, seed: int, chunk: int, sliced: bool) -> tuple:
     """The parameters in chunks of at most `chunk` elements (a larger one alone), each as (its
     elements, its parameters' sizes, the hash's per-parameter terms without the step's as
-    (offsets, sizes, terms) for each stage, and off the CPU the terms and sizes as tensors on
-    `device`): int32 arithmetic wraps as the hash's uint32 arithmetic does."""
+    (offsets, sizes, terms) for each stage, and unless `sliced` the terms and sizes as tensors
+    on `device`): int32 arithmetic wraps as the hash's uint32 arithmetic does."""
     import torch
 
     chunks, i = [], 0
@@ -192,7 +195,7 @@ def _chunks(sizes: tuple, indices: tuple, device: str, seed: int, chunk: int) ->
         offsets = [0, *itertools.accumulate(sizes[i:j - 1])]
         shifts, starts = [_int32(b - o * _GOLDEN) for b, o in zip(bases, offsets)], [_int32(b) for b in bases]
         terms = ((offsets, sizes[i:j], shifts), (offsets, sizes[i:j], starts))
-        on_device = None if device == "cpu" else (
+        on_device = None if sliced else (
             *torch.tensor([shifts, starts], dtype=torch.int32).to(device), torch.tensor(sizes[i:j]).to(device))
         chunks.append((total, list(sizes[i:j]), terms, on_device))
         i = j
