@@ -243,7 +243,7 @@ class _RoundedStep:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         _retype(_moment_slots(optimizer, params), torch.float32)
         widened = [(p, p.grad, p.data) for p in params if p.dtype == torch.bfloat16]
-        flats = {}  # device -> (float32 copies of its bfloat16 parameters, one buffer, in order; their places)
+        flats = {}  # device -> (one float32 buffer of its bfloat16 parameters, their places in widened, views)
         for device in {p.device for p, _, _ in widened}:
             on = [i for i, (p, _, _) in enumerate(widened) if p.device == device]
             flat = torch.empty(sum(widened[i][0].numel() for i in on), dtype=torch.float32, device=device)
@@ -267,7 +267,7 @@ class _RoundedStep:
                 if self.rounding == "stochastic":  # on the float32 buffer, chunk by chunk, in place
                     sizes = [widened[i][0].numel() for i in on]
                     start = 0
-                    for h, chunk_sizes in _bits_by_chunk(sizes, on, count, device):
+                    for h, _ in _bits_by_chunk(sizes, on, count, device):
                         flat[start:start + h.numel()].view(torch.int32).add_(h).bitwise_and_(-65536)
                         start += h.numel()
                 if self.rounding == "kahan":  # what nearest rounding dropped is added back next step
