@@ -188,7 +188,7 @@ _ONES: dict = {}
 
 def unscale_and_check_(grads: list, found_inf: torch.Tensor, inv_scale: torch.Tensor | None) -> None:
     """Multiplies `grads` (one device, one dtype) by `inv_scale` in place (None: checks only) and
-    adds 1 to `found_inf` if any value was inf or NaN, without a host sync: torch's AMP kernel
+    sets `found_inf` to 1 if any value was inf or NaN, without a host sync: torch's AMP kernel
     where it takes the dtype, the same arithmetic from foreach kernels where it does not."""
     key = (grads[0].device.type, grads[0].dtype)
     if key not in _AMP_KERNEL_LACKS:
@@ -211,7 +211,8 @@ def _unscale_and_check_by_norm(grads: list, found_inf: torch.Tensor, inv_scale: 
     if not grads:
         return
     largest = torch.stack(torch._foreach_norm(grads, float("inf")))
-    found_inf.add_((~torch.isfinite(largest)).any().to(found_inf.dtype))
+    # set to 1 as the AMP kernel sets it (not added: a device's other dtypes share the flag)
+    torch.maximum(found_inf, (~torch.isfinite(largest)).any().to(found_inf.dtype), out=found_inf)
     if inv_scale is not None:
         torch._foreach_mul_(grads, inv_scale)
 

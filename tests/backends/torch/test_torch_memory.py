@@ -293,3 +293,19 @@ def test_pure_bfloat16_computes_what_module_to_bfloat16_does_but_the_norms_it_ke
     assert ops(mp.apply_policy(_model(), mp.PolicyMap("bfloat16", builtin_rules=False)), x) == native + cast
     extra = ops(mp.apply_policy(_model(), "bfloat16"), x) - native
     assert set(extra) == {"aten._to_copy.default"}, extra
+
+
+def test_a_step_with_bfloat16_and_float32_gradients_that_both_overflow_counts_one_skip(monkeypatch):
+    """A pure bfloat16 model keeps its norms in float32: where the bfloat16 gradients take the
+    foreach check (CUDA) and the float32 ones torch's kernel, one device's flag says skipped once."""
+    from mixedpolicy.backends.torch import checks
+
+    monkeypatch.setattr(checks, "_AMP_KERNEL_LACKS", {("cpu", torch.bfloat16)})
+    torch.manual_seed(0)  # the float32 norm first: its gradients are checked before the bfloat16 ones
+    net = torch.nn.Sequential(torch.nn.LayerNorm(64), torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    model = mp.apply_policy(net, "bfloat16")
+    assert [p.dtype for p in model.parameters()][:3] == [torch.float32, torch.float32, torch.bfloat16]
+    # fused: the flag is counted on the device, as on a GPU (a non-fused step reads it as a bool)
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, fused=True), policy="bfloat16")
+    _train(model, opt, steps=2, poison=0)
+    assert opt.num_skipped_steps == 1
