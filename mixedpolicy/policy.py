@@ -30,8 +30,9 @@ class Policy:
     policy without one reduces as the frameworks do by default.
 
     Args:
-      name: a policy name of any of the families above, or ``None`` to build the
-        policy from the keywords alone.
+      name: a policy name of any of the families above, a dtype object (``np.float16``,
+        ``jnp.bfloat16``, ``torch.bfloat16``: that dtype everywhere), or ``None`` to build
+        the policy from the keywords alone.
       compute_dtype: dtype the math runs in.
       variable_dtype: dtype variables (weights) are stored in.
       output_dtype: dtype layer outputs are cast to.
@@ -106,6 +107,10 @@ class Policy:
             variable, compute, output, reduce, float8, named = parse_name(name)
         elif isinstance(name, int) and not isinstance(name, bool) and str(name) in ("32", "64"):
             variable, compute, output, reduce, float8, named = parse_name(str(name))  # Lightning's 32 and 64
+        elif not isinstance(name, (int, float)) and _is_dtype_object(name):
+            # a dtype object (np.float16, jnp.bfloat16, torch.bfloat16...): that dtype everywhere,
+            # as jmp's Policy(dtype, dtype, dtype) and Keras's DTypePolicy("bfloat16") read it
+            variable, compute, output, reduce, float8, named = parse_name(canonical_dtype(name, what="name"))
         else:
             hint = ""
             if isinstance(name, int) and not isinstance(name, bool):
@@ -155,6 +160,19 @@ class Policy:
 
     def __str__(self) -> str:
         return self.name
+
+    @property
+    def param_dtype(self) -> str:
+        """The variable dtype under jmp's and Flax's name for it."""
+        return self.variable_dtype
+
+    def with_output_dtype(self, output_dtype: Any) -> "Policy":
+        """The same policy with another output dtype (jmp's method).
+
+        >>> Policy("mixed_bfloat16").with_output_dtype("float32")
+        Policy('params=float32,compute=bfloat16,output=float32')
+        """
+        return Policy(self, output_dtype=canonical_dtype(output_dtype, what="output_dtype"))
 
     @property
     def needs_loss_scaling(self) -> bool:
@@ -281,6 +299,17 @@ class Policy:
         return cast_tree(tree, self.output_dtype)
 
 
+def _is_dtype_object(value: Any) -> bool:
+    """True for a framework's dtype object (not a string, number or container)."""
+    if isinstance(value, (str, bytes, Mapping, list, tuple)) or value is None:
+        return False
+    try:
+        canonical_dtype(value)
+    except (TypeError, ValueError):
+        return hasattr(value, "itemsize") or type(value).__name__ in ("dtype", "DType")
+    return True
+
+
 def _without_float8(policy: Policy) -> Policy:
     reduce = policy.reduce_dtype if policy.reduce_dtype != policy.variable_dtype else None
     return Policy(None, variable_dtype=policy.variable_dtype, compute_dtype=policy.compute_dtype,
@@ -320,8 +349,10 @@ def as_policy(value: Any, *, what: str = "policy") -> Policy:
         return Policy.from_jmp(value)
     if hasattr(value, "variable_dtype") and hasattr(value, "compute_dtype"):
         return Policy.from_keras(value)
+    if _is_dtype_object(value):
+        return Policy(value)
     raise TypeError(
         f"Received {what}={show(value)} of type {type(value).__name__}; expected a Policy, "
-        f"a policy name such as 'mixed_float16', a config dict, a Keras DTypePolicy or "
-        f"a jmp Policy."
+        f"a policy name such as 'mixed_float16', a floating dtype, a config dict, a Keras "
+        f"DTypePolicy or a jmp Policy."
     )

@@ -202,3 +202,17 @@ def test_jmp_conversion_round_trip():
         assert isinstance(j, jmp.Policy)
         assert Policy.from_jmp(j) == p
     assert Policy.from_jmp(jmp.get_policy("p=f32,c=bf16,o=f32")) == Policy("p=f32,c=bf16,o=f32")
+
+
+def test_a_dtype_object_names_the_policy_of_that_dtype_and_jmp_spellings_work():
+    """jmp's Policy(dtype, dtype, dtype) and its param_dtype / with_output_dtype."""
+    assert Policy(np.float16) == Policy(np.dtype("float16")) == Policy("float16")
+    assert as_policy(np.float32) == Policy("float32")
+    with pytest.raises(ValueError, match=r"name=<class 'numpy.int8'>.*not a floating dtype"):
+        Policy(np.int8)
+    p = Policy("mixed_bfloat16")
+    assert p.param_dtype == p.variable_dtype == "float32"
+    q = p.with_output_dtype(np.float32)
+    assert q == Policy("p=f32,c=bf16,o=f32") and p.output_dtype == "bfloat16"
+    with pytest.raises(ValueError, match="output_dtype='int32'"):
+        p.with_output_dtype("int32")
