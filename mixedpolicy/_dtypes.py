@@ -88,6 +88,21 @@ def canonical_dtype(value: object, *, what: str = "dtype") -> str:
     )
 
 
+def is_dtype_object(value: object) -> bool:
+    """True for a dtype object of numpy, ml_dtypes, JAX, PyTorch or TensorFlow (not a name)."""
+    if value is None or isinstance(value, (str, bytes, bool, int, float, list, tuple, dict)):
+        return False
+    if str(value).startswith("torch.") or hasattr(value, "as_numpy_dtype"):
+        return True
+    try:
+        import numpy as np
+
+        np.dtype(value)  # type: ignore[call-overload]  # any object numpy reads as a dtype
+    except TypeError:
+        return False
+    return True
+
+
 def _dtype_name(value: object, what: str) -> str:
     """Reads a dtype's name from a string or a framework dtype object, duck-typed."""
     if isinstance(value, str):

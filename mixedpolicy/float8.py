@@ -185,6 +185,13 @@ def as_float8_recipe(value: Any, *, amax_history_len: int | None = None,
     return Float8Recipe.from_config({k: v for k, v in config.items() if v is not None})
 
 
+#: the state of a delayed-scaling layer where a framework keeps it as named variables (Flax NNX),
+#: Keras's names with a prefix: a scale (shape ()) and an amax history each, for the input, the
+#: kernel and the output gradient
+DELAYED_STATE = tuple(f"float8_{operand}_{what}" for operand in ("inputs", "kernel", "outputs_grad")
+                      for what in ("scale", "amax_history"))
+
+
 def check_source(compute_dtype: str, variable_dtype: str) -> None:
     """Refuses a source precision fp8 matmuls cannot run from."""
     if compute_dtype == "float64" or variable_dtype == "float64":

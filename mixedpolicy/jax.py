@@ -1,11 +1,55 @@
 """JAX: reducing gradients across replicas (``shard_map``, ``pmap``) in a policy's reduce dtype,
-and the optax transformations that carry a policy's update recipe (the `LossScaleOptimizer`
-chains them itself; these are for a chain written by hand).
+the optax transformations that carry a policy's update recipe (the `LossScaleOptimizer`
+chains them itself; these are for a chain written by hand), and the training step of a Flax
+NNX model with delayed-scaling fp8 layers.
 
-Importing this module imports JAX and optax.
+Importing this module imports JAX and optax (Flax on the first call of the fp8 functions).
 """
+
+from typing import Any
 
 from mixedpolicy.backends.jax.reduce import all_reduce, bytes_per_step
 from mixedpolicy.backends.jax.updates import state_storage, update_rounding
 
-__all__ = ["all_reduce", "bytes_per_step", "state_storage", "update_rounding"]
+__all__ = ["all_reduce", "bytes_per_step", "state_storage", "update_rounding", "with_float8", "update_float8"]
+
+
+def with_float8(params: Any = None) -> Any:
+    """The ``nnx`` filter a training step differentiates by when a Flax NNX model has
+    delayed-scaling fp8 layers: `params` (default ``nnx.Param``) and the layers' fp8 state
+    (their scales and amax histories, of type ``Float8Meta``).
+
+    Those values move only through their "gradients", which hold their next values (the
+    output gradient's amax exists only in the backward pass); a step that differentiates the
+    kernels but not them is refused when it is traced. See `update_float8`::
+
+        grads = nnx.grad(loss_fn, argnums=nnx.DiffState(0, mp.jax.with_float8()))(model, x, y)
+        optimizer.update(model, grads)  # nnx.Optimizer(model, tx, wrt=nnx.Param)
+        mp.jax.update_float8(model, grads, optimizer)
+
+    Args:
+      params: the filter of what the optimizer trains (``nnx.Param``, ``nnx.LoRAParam``...).
+    """
+    from mixedpolicy.backends.jax.float8 import with_float8 as build
+
+    return build(params)
+
+
+def update_float8(model: Any, grads: Any, optimizer: Any = None) -> None:
+    """Overwrites the fp8 scales and amax histories of `model`'s delayed-scaling layers with
+    the values `grads` holds for them (taken with `with_float8`), as Keras's optimizers and
+    Flax's ``_overwrite_with_gradient`` collection do; exact, never an optimizer's update.
+
+    Args:
+      model: the Flax NNX model.
+      grads: what ``nnx.grad(..., argnums=nnx.DiffState(0, mp.jax.with_float8()))`` returned.
+      optimizer: the ``nnx.Optimizer`` (or its optax state) that has just applied the step:
+        where a mixedpolicy `LossScaleOptimizer` skipped it (a non-finite gradient), the fp8
+        state is kept too, as the parameters were. Call this after ``optimizer.update``.
+
+    Raises:
+      ValueError: the model has delayed fp8 layers and `grads` holds none of their state.
+    """
+    from mixedpolicy.backends.jax.float8 import update_float8 as overwrite
+
+    overwrite(model, grads, optimizer)

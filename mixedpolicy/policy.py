@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any, Mapping
 
 from mixedpolicy import _conversions
-from mixedpolicy._dtypes import canonical_dtype, canonical_reduce_dtype, show
+from mixedpolicy._dtypes import canonical_dtype, canonical_reduce_dtype, is_dtype_object, show
 from mixedpolicy._names import canonical_name, parse_name
 from mixedpolicy._registry import cast_tree
 from mixedpolicy.float8 import Float8Recipe, as_float8_recipe, check_source
@@ -86,7 +86,7 @@ class Policy:
     update_rounding: str
     optimizer_state_dtype: str
 
-    def __init__(self, name: str | int | None = "float32", *, compute_dtype: Any = None,
+    def __init__(self, name: Any = "float32", *, compute_dtype: Any = None,
                  variable_dtype: Any = None, output_dtype: Any = None, reduce_dtype: Any = None,
                  float8_recipe: Any = None, amax_history_len: int | None = None, margin: int | None = None,
                  update_rounding: Any = None, optimizer_state_dtype: Any = None):
@@ -107,7 +107,7 @@ class Policy:
             variable, compute, output, reduce, float8, named = parse_name(name)
         elif isinstance(name, int) and not isinstance(name, bool) and str(name) in ("32", "64"):
             variable, compute, output, reduce, float8, named = parse_name(str(name))  # Lightning's 32 and 64
-        elif not isinstance(name, (int, float)) and _is_dtype_object(name):
+        elif is_dtype_object(name):
             # a dtype object (np.float16, jnp.bfloat16, torch.bfloat16...): that dtype everywhere,
             # as jmp's Policy(dtype, dtype, dtype) and Keras's DTypePolicy("bfloat16") read it
             variable, compute, output, reduce, float8, named = parse_name(canonical_dtype(name, what="name"))
@@ -119,7 +119,7 @@ class Policy:
                         "variables, or 'float16' for float16 everywhere.")
             raise TypeError(
                 f"Received policy name {show(name)} of type {type(name).__name__}; expected "
-                f"a string such as 'mixed_float16' or a Policy.{hint} To convert a "
+                f"a string such as 'mixed_float16', a floating dtype or a Policy.{hint} To convert a "
                 f"Keras DTypePolicy or a jmp Policy use Policy.from_keras / Policy.from_jmp."
             )
         if variable_dtype is not None:
@@ -299,17 +299,6 @@ class Policy:
         return cast_tree(tree, self.output_dtype)
 
 
-def _is_dtype_object(value: Any) -> bool:
-    """True for a framework's dtype object (not a string, number or container)."""
-    if isinstance(value, (str, bytes, Mapping, list, tuple)) or value is None:
-        return False
-    try:
-        canonical_dtype(value)
-    except (TypeError, ValueError):
-        return hasattr(value, "itemsize") or type(value).__name__ in ("dtype", "DType")
-    return True
-
-
 def _without_float8(policy: Policy) -> Policy:
     reduce = policy.reduce_dtype if policy.reduce_dtype != policy.variable_dtype else None
     return Policy(None, variable_dtype=policy.variable_dtype, compute_dtype=policy.compute_dtype,
@@ -349,7 +338,7 @@ def as_policy(value: Any, *, what: str = "policy") -> Policy:
         return Policy.from_jmp(value)
     if hasattr(value, "variable_dtype") and hasattr(value, "compute_dtype"):
         return Policy.from_keras(value)
-    if _is_dtype_object(value):
+    if is_dtype_object(value):
         return Policy(value)
     raise TypeError(
         f"Received {what}={show(value)} of type {type(value).__name__}; expected a Policy, "

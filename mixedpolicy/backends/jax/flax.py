@@ -150,7 +150,7 @@ def _nnx_apply(model: Any, policy_map: PolicyMap) -> Any:
 
     _nnx_remove(model)
     modules = list(_nnx_modules(model))
-    head = next((m for _, m in reversed(modules) if float8.eligible(m)), None)
+    head = float8.head(model)
     layers = dotted_chains((path, module, LayerInfo(path, type(module), _kind(type(module), nnx)
                                                     or float8.kind(module, head, bool(_own_variables(module))),
                                                     matmul=float8.matmul(module)))
@@ -181,9 +181,7 @@ def _nnx_apply(model: Any, policy_map: PolicyMap) -> Any:
         region = step.changes_policy or before_dtype is not _MISSING
         if region and policy.output_dtype != policy.compute_dtype:
             module.__class__ = policy_subclass("jax", cls, _cast_outputs)
-        before_dot = _MISSING
-        if step.path in fp8:
-            before_dot, module.dot_general = module.dot_general, float8.TensorwiseDotGeneral(fp8[step.path])
+        before_dot = float8.attach(module, fp8[step.path]) if step.path in fp8 else _MISSING
         setattr(module, _STATE, _Applied(policy, resolution.source, before_dtype, before_param,
                                          cls, tuple(cast), Kept(kept) if kept else None, before_dot))
     return model
@@ -201,7 +199,7 @@ def _nnx_remove(model: Any) -> Any:
         if applied.param_dtype is not _MISSING:
             module.param_dtype = applied.param_dtype
         if applied.dot_general is not _MISSING:
-            module.dot_general = applied.dot_general
+            float8.detach(module, applied.dot_general)
         kept = applied.originals.arrays if applied.originals is not None else {}
         for name, dtype in applied.variables:
             var = getattr(module, name)

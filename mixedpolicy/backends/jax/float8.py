@@ -1,4 +1,4 @@
-"""fp8 matmuls on Flax NNX: the ``dot_general`` hook of ``nnx.Linear``, current scaling.
+"""fp8 matmuls on Flax NNX: the ``dot_general`` hook of ``nnx.Linear``, current and delayed scaling.
 
 Flax NNX has no fp8 layer of its own, so for the ``"tensorwise"`` recipe the adapter
 writes the quantize / dequantize around JAX's own matmul on fp8 operands
@@ -9,17 +9,30 @@ cast to the gradient format the same way, and both backward matmuls take the fp8
 operands, so the numbers are torchao's ``tensorwise`` recipe (within float32
 rounding: JAX computes the scale in float32, torchao in float64). No state: the
 scales are computed in the step, under ``jax.jit`` or not.
+
+For ``"delayed"`` the hook runs Keras's algorithm (as ``DelayedFloat8Linear`` does on torch):
+the input, the kernel and the output gradient each have a scale and an amax history, kept on
+the layer as `Float8Meta` variables under Keras's names (``float8_inputs_scale``...); a step
+quantizes with the current scale, and the next scale comes from the history before this
+step's amax, which then enters the history. The new values leave the step as the variables'
+"gradients" (the output gradient's amax exists only in the backward): a training step
+overwrites the variables with them (`update_float8`), as Keras's optimizers and Flax's
+``_overwrite_with_gradient`` collection do. A forward without gradients (evaluation) uses the scales and changes nothing.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
+import sys
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
-from mixedpolicy.float8 import Float8Recipe
+from mixedpolicy.backends._subclass import policy_subclass
+from mixedpolicy.float8 import DELAYED_STATE, Float8Recipe
 
 _EPS = 1e-12  # torchao's floor on amax
 
@@ -28,6 +41,32 @@ def eligible(module: Any) -> bool:
     from flax import nnx
 
     return type(module) is nnx.Linear
+
+
+def head(model: Any) -> Any:
+    """The output head: the last ``nnx.Linear`` in the order the model's attributes were set
+    (``nnx.iter_modules`` sorts them by name, which would make ``up`` come after ``head``)."""
+    found: list = []
+
+    def walk(value: Any, seen: set) -> None:
+        if id(value) in seen:
+            return
+        if isinstance(value, nnx.Module):
+            seen.add(id(value))
+            if eligible(value):
+                found.append(value)
+            children = [v for k, v in vars(value).items() if not k.startswith("_pytree__")]
+        elif isinstance(value, (list, tuple)):
+            children = list(value)
+        elif isinstance(value, dict):
+            children = list(value.values())
+        else:
+            return
+        for child in children:
+            walk(child, seen)
+
+    walk(model, set())
+    return found[-1] if found else None
 
 
 def matmul(module: Any) -> tuple | None:
@@ -51,13 +90,12 @@ def kind(module: Any, head: Any, has_weights: bool) -> str | None:
 
 
 def check(recipe: Float8Recipe, path: str) -> None:
-    if recipe.recipe == "tensorwise":
+    if recipe.recipe in ("tensorwise", "delayed"):
         return
     raise ValueError(
         f"Received the fp8 recipe {recipe.recipe!r} for Flax NNX layer {path or '(root)'!r}: on JAX "
-        f"mixedpolicy runs 'tensorwise' (current scaling, through nnx.Linear's dot_general) so far; "
-        f"{recipe.recipe!r} runs on " + ("Keras and torch" if recipe.recipe == "delayed" else "torch (torchao)")
-        + ". Nothing was applied.")
+        f"mixedpolicy runs 'tensorwise' (current scaling) and 'delayed' through nnx.Linear's "
+        f"dot_general; {recipe.recipe!r} runs on torch (torchao). Nothing was applied.")
 
 
 def _quantize(x: Any, fmt: Any) -> tuple[Any, Any]:
@@ -111,10 +149,157 @@ class TensorwiseDotGeneral:
         if rhs.ndim != 2 or tuple(contract_l) != (lhs.ndim - 1,) or tuple(contract_r) != (0,) or batch_l or batch_r:
             raise ValueError(f"Received a dot_general of shapes {lhs.shape} x {rhs.shape} with "
                              f"{dimension_numbers}; the fp8 hook runs nnx.Linear's x @ kernel only.")
-        x = lhs.reshape(-1, lhs.shape[-1])
-        out = _matmul(x, rhs, self.recipe.forward_dtype, self.recipe.backward_dtype, str(x.dtype), str(rhs.dtype))
-        out = out.reshape(*lhs.shape[:-1], rhs.shape[1])
+        out = self._matmul(lhs.reshape(-1, lhs.shape[-1]), rhs).reshape(*lhs.shape[:-1], rhs.shape[1])
         return out if preferred_element_type is None else out.astype(preferred_element_type)
+
+    def _matmul(self, x: Any, w: Any) -> Any:
+        return _matmul(x, w, self.recipe.forward_dtype, self.recipe.backward_dtype, str(x.dtype), str(w.dtype))
+
+
+# -- delayed scaling: Keras's algorithm, its state as variables on the layer -------------------
+class Float8Meta(nnx.Variable):
+    """The scales and amax histories of a delayed-scaling fp8 layer: overwritten by their
+    "gradients" (`update_float8`), never trained by an optimizer."""
+
+
+_LAYER: contextvars.ContextVar = contextvars.ContextVar("mixedpolicy_fp8_layer", default=None)
+
+
+def attach(module: Any, recipe: Float8Recipe) -> Any:
+    """Gives an ``nnx.Linear`` its fp8 hook (and, delayed, its state); returns its own hook."""
+    own = module.dot_general
+    if recipe.recipe == "delayed":
+        for name in DELAYED_STATE:
+            value = jnp.ones((), jnp.float32) if name.endswith("scale") else jnp.zeros(recipe.amax_history_len, jnp.float32)
+            setattr(module, name, Float8Meta(value))
+        module.__class__ = policy_subclass("jax-fp8-delayed", type(module), _named_call)
+        module.dot_general = DelayedDotGeneral(recipe)
+    else:
+        module.dot_general = TensorwiseDotGeneral(recipe)
+    return own
+
+
+def detach(module: Any, own: Any) -> None:
+    """Undoes `attach` (the class is restored by the caller)."""
+    module.dot_general = own
+    for name in DELAYED_STATE:
+        if name in vars(module):
+            delattr(module, name)
+
+
+def _named_call(module: Any, call_super: Any, args: tuple, kwargs: dict) -> Any:
+    """``__call__`` of a delayed layer: names the layer to its hook, which reads its state."""
+    token = _LAYER.set(module)
+    try:
+        return call_super(*args, **kwargs)
+    finally:
+        _LAYER.reset(token)
+
+
+def _differentiated(x: Any) -> bool:
+    """True where `x` is being differentiated at this level (a JVP or linearize tracer; never
+    on a JAX without these internal types, which only loses the refusal)."""
+    ad = sys.modules.get("jax._src.interpreters.ad")
+    kinds = tuple(getattr(ad, n) for n in ("JVPTracer", "LinearizeTracer") if hasattr(ad, n))
+    return bool(kinds) and isinstance(x, kinds)
+
+
+def _next(x: Any, scale: Any, history: Any, fmt: Any, margin: int) -> tuple[Any, Any]:
+    """Keras's order: the next scale from the history so far, then this amax into it."""
+    top = jnp.float32(jnp.finfo(fmt).max)
+    amax = jnp.max(history)
+    usable = (amax > 0) & jnp.isfinite(amax)
+    factor = top / amax / jnp.float32(2.0 ** margin)
+    new_scale = jnp.where(usable, 1.0 / factor, scale)
+    this = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    return new_scale, jnp.roll(history, -1).at[0].set(this)
+
+
+def _quantize_by(x: Any, scale: Any, fmt: Any) -> Any:
+    top = jnp.float32(jnp.finfo(fmt).max)
+    return jnp.clip(x.astype(jnp.float32) / scale, -top, top).astype(fmt)
+
+
+def _scaled_dot(a: Any, b: Any, scale: Any, dtype: str) -> Any:
+    return (jax.lax.dot(a, b, preferred_element_type=jnp.float32) * scale).astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _delayed(static: tuple, x: Any, w: Any, meta: tuple) -> Any:
+    return _delayed_fwd(static, x, w, meta)[0]
+
+
+def _delayed_fwd(static: tuple, x: Any, w: Any, meta: tuple) -> tuple:
+    forward, _, margin, x_dtype, _ = static
+    fmt = jnp.dtype(forward)
+    xs, xh, ws, wh, gs, gh = meta
+    xq, wq = _quantize_by(x, xs, fmt), _quantize_by(w, ws, fmt)
+    new_meta = _next(x, xs, xh, fmt, margin) + _next(w, ws, wh, fmt, margin)
+    return _scaled_dot(xq, wq, xs * ws, x_dtype), (xq, wq, xs, ws, gs, gh, new_meta)
+
+
+def _delayed_bwd(static: tuple, residuals: tuple, g: Any) -> tuple:
+    _, backward, margin, x_dtype, w_dtype = static
+    fmt = jnp.dtype(backward)
+    xq, wq, xs, ws, gs, gh, new_meta = residuals
+    gq = _quantize_by(g, gs, fmt)
+    dx = _scaled_dot(gq, wq.T, gs * ws, x_dtype)
+    dw = _scaled_dot(xq.T, gq, xs * gs, w_dtype)
+    return dx, dw, new_meta + _next(g, gs, gh, fmt, margin)
+
+
+_delayed.defvjp(_delayed_fwd, _delayed_bwd)
+
+
+class DelayedDotGeneral(TensorwiseDotGeneral):
+    """``nnx.Linear``'s ``dot_general`` for the delayed recipe (see the module docstring)."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, DelayedDotGeneral) and other.recipe == self.recipe
+
+    def __hash__(self) -> int:
+        return hash(("delayed", self.recipe))
+
+    def _matmul(self, x: Any, w: Any) -> Any:
+        layer = _LAYER.get()
+        if layer is None:
+            raise RuntimeError("A delayed fp8 dot_general was called outside its nnx.Linear; it reads "
+                               "the layer's scales, so call the layer itself.")
+        meta = tuple(getattr(layer, name)[...] for name in DELAYED_STATE)
+        if _differentiated(w) and not _differentiated(meta[0]):
+            raise ValueError(
+                "Received a gradient of a delayed-scaling fp8 layer's kernel without one of its fp8 "
+                "state (Float8Meta): its scales and amax histories move only through their "
+                "\"gradients\", so differentiate them too and write them back after the update: "
+                "grads = nnx.grad(loss_fn, argnums=nnx.DiffState(0, mp.jax.with_float8()))(model, ...); "
+                "optimizer.update(model, grads); mp.jax.update_float8(model, grads, optimizer).")
+        r = self.recipe
+        return _delayed((r.forward_dtype, r.backward_dtype, r.margin, str(x.dtype), str(w.dtype)), x, w, meta)
+
+
+def with_float8(params: Any = None) -> Any:
+    """The filter to differentiate by under a delayed fp8 policy: `params` (default
+    ``nnx.Param``) and the fp8 layers' `Float8Meta`."""
+    return nnx.Any(nnx.Param if params is None else params, Float8Meta)
+
+
+def update_float8(model: Any, grads: Any, optimizer: Any = None) -> None:
+    """Overwrites `model`'s fp8 scales and histories with the values in `grads`; where
+    `optimizer` (an ``nnx.Optimizer`` or a mixedpolicy optax state) skipped its last step,
+    they are kept, as the parameters were."""
+    new = nnx.state(grads, Float8Meta)
+    if not jax.tree_util.tree_leaves(new):
+        if not jax.tree_util.tree_leaves(nnx.state(model, Float8Meta)):
+            return  # no delayed fp8 layer: nothing to do
+        raise ValueError(
+            "Received gradients without the fp8 state of the model's delayed-scaling layers; take "
+            "them with nnx.grad(loss_fn, argnums=nnx.DiffState(0, mp.jax.with_float8())).")
+    state = getattr(optimizer, "opt_state", optimizer)
+    skipped = getattr(state, "last_step_skipped", None) if optimizer is not None else None
+    if skipped is not None:
+        old = nnx.state(model, Float8Meta)
+        new = jax.tree_util.tree_map(lambda n, o: jnp.where(skipped, o, n), new, old)
+    nnx.update(model, new)
 
 
 # -- Flax linen: Flax's own delayed-scaling op, and the tensorwise hook -------------------

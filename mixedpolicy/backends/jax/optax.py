@@ -38,6 +38,7 @@ import optax
 
 from mixedpolicy._adapter import OptimizerAdapter
 from mixedpolicy.backends.jax.arrays import all_finite
+from mixedpolicy.float8 import DELAYED_STATE
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, is_pass_through, summary
 
 # The updates each LossScaleOptimizer handed on (their first leaf, weakly): a second
@@ -222,6 +223,20 @@ class LossScaleTransformation(optax.GradientTransformationExtraArgs):
         return fresh
 
 
+def _refuse_float8_state(grads: Any) -> None:
+    """An optimizer must not train a delayed fp8 layer's scales: their "gradients" are values."""
+    for path, _ in jax.tree_util.tree_flatten_with_path(grads)[0]:
+        key = path[-1] if path else None
+        name = getattr(key, "key", getattr(key, "name", None))
+        if name in DELAYED_STATE:
+            raise TypeError(
+                f"Received gradients holding {jax.tree_util.keystr(path)}, a delayed fp8 layer's scale or "
+                f"amax history: an optimizer would train it as a weight, where it must be overwritten by "
+                f"its \"gradient\" (its next value). Give the optimizer the parameters alone "
+                f"(nnx.Optimizer(model, tx, wrt=nnx.Param)) and write the fp8 state back with "
+                f"mp.jax.update_float8(model, grads, optimizer).")
+
+
 def _scale_state(config: LossScale, state: LossScaleState) -> LossScale:
     if isinstance(config, DynamicLossScale):
         return config.with_state(state.loss_scale, state.counter)
@@ -269,6 +284,8 @@ def loss_scale_transformation(inner: Any, config: LossScale, axis_name: Any = No
                 "(two in one optax.chain?): they are already unscaled, and dividing them by a "
                 "second scale would make them 32768x too small. Use one LossScaleOptimizer around "
                 "the whole chain: mp.LossScaleOptimizer(optax.chain(...)).")
+        if isinstance(first, jax.core.Tracer):  # looked at once, when the step is traced
+            _refuse_float8_state(grads)
         if is_pass_through(config):  # the inner update, nothing added
             updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
             return updates, PassThroughState(inner_state)

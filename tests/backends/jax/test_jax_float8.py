@@ -1,5 +1,6 @@
-"""fp8 matmuls on Flax NNX (issue 29): 'tensorwise' through nnx.Linear's dot_general hook,
-the same numbers as torchao's tensorwise recipe on the same weights and inputs."""
+"""fp8 matmuls on Flax NNX (issue 29) through nnx.Linear's dot_general hook: 'tensorwise', the
+same numbers as torchao's tensorwise recipe, and 'delayed', the same scales and histories as
+the torch layer that runs Keras's algorithm, on the same weights and inputs."""
 
 import numpy as np
 import pytest
@@ -90,9 +91,7 @@ def test_rules_describe_training_under_jit_and_remove_policy():
 
 def test_what_nnx_cannot_run_is_refused_before_anything_changes():
     net = Net(nnx.Rngs(0))
-    with pytest.raises(ValueError, match=r"recipe 'delayed' for Flax NNX layer 'a'.*'tensorwise'.*runs on Keras"):
-        mp.apply_policy(net, "float8_from_mixed_bfloat16")
-    with pytest.raises(ValueError, match=r"recipe 'rowwise'.*runs on torch"):
+    with pytest.raises(ValueError, match=r"recipe 'rowwise' for Flax NNX layer 'a'.*'tensorwise'.*'delayed'.*runs on torch"):
         mp.apply_policy(net, "p=f32,c=bf16,float8=rowwise")
     assert all(r.source == "no policy applied" for r in mp.describe(net))
     linen = require_module("flax.linen", "jax")
@@ -188,3 +187,117 @@ def test_delayed_on_linen_is_flax_own_fp8_op_bit_for_bit():
     assert rows["Dense_0"].float8 == rows["Dense_1"].float8 == "delayed"
     assert rows["Dense_2"].float8 == "-" and "the output head" in rows["Dense_2"].source
     assert va["_overwrite_with_gradient"]["Dense_0"]["Fp8DirectDotGeneralOp_0"]["input_amax_history"].shape == (16,)
+
+
+# -- delayed: Keras's algorithm, its state as Float8Meta variables ---------------------------
+class Mlp(nnx.Module):
+    def __init__(self, rngs):
+        self.up = nnx.Linear(32, 64, rngs=rngs)
+        self.down = nnx.Linear(64, 16, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(jax.nn.relu(self.up(x)))
+
+
+def _delayed_step(lr=0.01):
+    def mse(model, x, y):
+        return jnp.mean(jnp.square(model(x).astype(jnp.float32) - y))
+
+    @nnx.jit
+    def step(model, optimizer, x, y):
+        loss, grads = nnx.value_and_grad(mse, argnums=nnx.DiffState(0, mp.jax.with_float8()))(model, x, y)
+        optimizer.update(model, grads)
+        mp.jax.update_float8(model, grads, optimizer)
+        return loss
+    return step
+
+
+def _inputs(steps):
+    rng = np.random.default_rng(0)
+    return [(rng.normal(size=(8, 32)).astype("float32") * (i + 1), np.zeros((8, 16), "float32")) for i in range(steps)]
+
+
+def test_delayed_gives_the_torch_layers_scales_and_histories_on_the_same_weights():
+    """NNX and torch (DelayedFloat8Linear) run Keras's delayed algorithm: the same scales and
+    amax histories for the input, the kernel and the output gradient, step by step."""
+    torch = require_module("torch")
+    net = Mlp(nnx.Rngs(0))
+    seq = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
+    for i, layer in ((0, net.up), (2, net.down)):
+        seq[i].weight.data = torch.tensor(np.asarray(layer.kernel[...]).T.copy())
+        seq[i].bias.data = torch.tensor(np.asarray(layer.bias[...]))
+    policy = mp.Policy("float8_from_float32", amax_history_len=4)
+    mp.apply_policy(net, mp.PolicyMap(policy, {"down": policy}))  # the head in fp8 too
+    mp.apply_policy(seq, mp.PolicyMap(policy, {"2": policy}))
+    assert [r.float8 for r in mp.describe(net)] == ["-", "delayed", "delayed"]
+    optimizer = nnx.Optimizer(net, mp.LossScaleOptimizer(optax.sgd(0.01)), wrt=nnx.Param)
+    sgd = torch.optim.SGD(seq.parameters(), lr=0.01)
+    step = _delayed_step()
+    for x, y in _inputs(4):
+        ours = float(step(net, optimizer, jnp.asarray(x), jnp.asarray(y)))
+        sgd.zero_grad()
+        theirs = torch.nn.functional.mse_loss(seq(torch.tensor(x)), torch.tensor(y))
+        theirs.backward()
+        sgd.step()
+        assert ours == pytest.approx(theirs.item(), rel=2e-3)  # fp8 roundings of values an ulp apart
+        for layer, twin in ((net.up, seq[0]), (net.down, seq[2])):
+            for operand, name in (("inputs", "input"), ("kernel", "weight"), ("outputs_grad", "grad")):
+                for what in ("scale", "amax_history"):
+                    got = np.asarray(getattr(layer, f"float8_{operand}_{what}")[...])
+                    want = getattr(twin, f"{name}_{what}").detach().numpy()
+                    np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=f"{operand}_{what}")
+    assert float(net.up.float8_outputs_grad_scale[...]) != 1.0  # the backward wrote its next scale
+
+
+def test_delayed_refuses_a_step_that_drops_its_state_and_evaluation_changes_nothing():
+    net = Mlp(nnx.Rngs(0))
+    mp.apply_policy(net, mp.Policy("mixed_bfloat16", float8_recipe="delayed", amax_history_len=8))
+    optimizer = nnx.Optimizer(net, optax.sgd(0.01), wrt=nnx.Param)
+    x, y = (jnp.asarray(a) for a in _inputs(1)[0])
+
+    @nnx.jit
+    def forgetful(model, optimizer, x, y):
+        grads = nnx.grad(lambda m: jnp.mean(jnp.square(m(x).astype(jnp.float32) - y)))(model)
+        optimizer.update(model, grads)
+
+    with pytest.raises(ValueError, match=r"without one of its fp8 state.*mp\.jax\.with_float8\(\)"):
+        forgetful(net, optimizer, x, y)
+    with pytest.raises(ValueError, match="without the fp8 state"):
+        mp.jax.update_float8(net, nnx.state(net, nnx.Param))
+    before = nnx.state(net, nnx.Not(nnx.Param))
+    assert net(x).dtype == jnp.bfloat16  # a forward alone quantizes with the scales it has ...
+    after = nnx.state(net, nnx.Not(nnx.Param))
+    assert jax.tree_util.tree_all(jax.tree_util.tree_map(lambda a, b: bool(jnp.array_equal(a, b)), before, after))
+    _delayed_step()(net, optimizer, x, y)  # ... and a training step moves them
+    assert float(net.up.float8_inputs_amax_history[...][0]) > 0
+    mp.remove_policy(net)
+    assert not [k for k in vars(net.up) if k.startswith("float8")] and type(net.up) is nnx.Linear
+
+
+def test_delayed_state_resumes_bit_for_bit_and_a_skipped_step_keeps_it():
+    policy = mp.Policy("float8_from_mixed_float16", amax_history_len=4)
+    net = Mlp(nnx.Rngs(0))
+    mp.apply_policy(net, mp.PolicyMap(policy, {"down": policy}))
+    optimizer = nnx.Optimizer(net, mp.LossScaleOptimizer(optax.sgd(0.01, momentum=0.9)), wrt=nnx.Param)
+    step = _delayed_step()
+    data = [(jnp.asarray(x), jnp.asarray(y)) for x, y in _inputs(4)]
+    for x, y in data[:2]:
+        step(net, optimizer, x, y)
+    graph, state = nnx.split((net, optimizer))
+    twin_net, twin_opt = nnx.merge(graph, jax.tree_util.tree_map(jnp.copy, state))
+    ours = [float(step(net, optimizer, x, y)) for x, y in data[2:]]
+    assert ours == [float(step(twin_net, twin_opt, x, y)) for x, y in data[2:]]
+    kept = nnx.state(net, mp.jax.with_float8(nnx.Not(nnx.Param)))
+    step(net, optimizer, data[0][0].at[0, 0].set(jnp.nan), data[0][1])  # NaN: the step is skipped
+    assert bool(optimizer.opt_state.last_step_skipped)
+    now = nnx.state(net, mp.jax.with_float8(nnx.Not(nnx.Param)))
+    assert jax.tree_util.tree_all(jax.tree_util.tree_map(lambda a, b: bool(jnp.array_equal(a, b)), kept, now))
+
+
+def test_an_optimizer_given_the_fp8_state_to_train_is_refused_with_the_fix():
+    net = Mlp(nnx.Rngs(0))
+    mp.apply_policy(net, "float8_from_mixed_bfloat16")
+    optimizer = nnx.Optimizer(net, mp.LossScaleOptimizer(optax.sgd(0.01)), wrt=mp.jax.with_float8())
+    x, y = (jnp.asarray(a) for a in _inputs(1)[0])
+    with pytest.raises(TypeError, match=r"float8_inputs_amax_history.*wrt=nnx\.Param.*update_float8"):
+        _delayed_step()(net, optimizer, x, y)
