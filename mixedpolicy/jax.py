@@ -35,7 +35,7 @@ def with_float8(params: Any = None) -> Any:
     return build(params)
 
 
-def update_float8(model: Any, grads: Any, optimizer: Any = None) -> None:
+def update_float8(model: Any, grads: Any, optimizer: Any = None, axis_name: Any = None) -> None:
     """Overwrites the fp8 scales and amax histories of `model`'s delayed-scaling layers with
     the values `grads` holds for them (taken with `with_float8`), as Keras's optimizers and
     Flax's ``_overwrite_with_gradient`` collection do; exact, never an optimizer's update.
@@ -46,10 +46,15 @@ def update_float8(model: Any, grads: Any, optimizer: Any = None) -> None:
       optimizer: the ``nnx.Optimizer`` (or its optax state) that has just applied the step:
         where a mixedpolicy `LossScaleOptimizer` skipped it (a non-finite gradient), the fp8
         state is kept too, as the parameters were. Call this after ``optimizer.update``.
+      axis_name: inside ``shard_map`` or ``pmap``, the replicas' axis: each replica saw its own
+        inputs and output gradients, so the amax entering each history is the largest over the
+        replicas (as ``DelayedFloat8Linear`` reduces it across torch ranks) and every replica
+        keeps the same scales. Under ``jax.jit`` with sharded arrays the amax is already the
+        whole array's.
 
     Raises:
       ValueError: the model has delayed fp8 layers and `grads` holds none of their state.
     """
     from mixedpolicy.backends.jax.float8 import update_float8 as overwrite
 
-    overwrite(model, grads, optimizer)
+    overwrite(model, grads, optimizer, axis_name)

@@ -283,10 +283,8 @@ def with_float8(params: Any = None) -> Any:
     return nnx.Any(nnx.Param if params is None else params, Float8Meta)
 
 
-def update_float8(model: Any, grads: Any, optimizer: Any = None) -> None:
-    """Overwrites `model`'s fp8 scales and histories with the values in `grads`; where
-    `optimizer` (an ``nnx.Optimizer`` or a mixedpolicy optax state) skipped its last step,
-    they are kept, as the parameters were."""
+def update_float8(model: Any, grads: Any, optimizer: Any = None, axis_name: Any = None) -> None:
+    """`mp.jax.update_float8` (mixedpolicy/jax.py): the values in `grads` into `model`'s fp8 state."""
     new = nnx.state(grads, Float8Meta)
     if not jax.tree_util.tree_leaves(new):
         if not jax.tree_util.tree_leaves(nnx.state(model, Float8Meta)):
@@ -294,11 +292,11 @@ def update_float8(model: Any, grads: Any, optimizer: Any = None) -> None:
         raise ValueError(
             "Received gradients without the fp8 state of the model's delayed-scaling layers; take "
             "them with nnx.grad(loss_fn, argnums=nnx.DiffState(0, mp.jax.with_float8())).")
-    state = getattr(optimizer, "opt_state", optimizer)
-    skipped = getattr(state, "last_step_skipped", None) if optimizer is not None else None
+    if axis_name is not None:  # the replicas' histories differ only in this step's amax: the largest
+        new = jax.lax.pmax(new, axis_name)
+    skipped = getattr(getattr(optimizer, "opt_state", optimizer), "last_step_skipped", None)
     if skipped is not None:
-        old = nnx.state(model, Float8Meta)
-        new = jax.tree_util.tree_map(lambda n, o: jnp.where(skipped, o, n), new, old)
+        new = jax.tree_util.tree_map(lambda n, o: jnp.where(skipped, o, n), new, nnx.state(model, Float8Meta))
     nnx.update(model, new)
 
 

@@ -301,3 +301,24 @@ def test_an_optimizer_given_the_fp8_state_to_train_is_refused_with_the_fix():
     x, y = (jnp.asarray(a) for a in _inputs(1)[0])
     with pytest.raises(TypeError, match=r"float8_inputs_amax_history.*wrt=nnx\.Param.*update_float8"):
         _delayed_step()(net, optimizer, x, y)
+
+
+def test_replicas_keep_the_same_fp8_state_with_the_largest_amax():
+    """Inside a mapped axis each replica sees its own inputs; `axis_name` makes the amax that
+    enters every replica's history the largest of them (here two replicas under jax.vmap)."""
+    net = Mlp(nnx.Rngs(0))
+    mp.apply_policy(net, mp.Policy("float8_from_mixed_bfloat16", amax_history_len=4))
+    graph, state = nnx.split(net)
+    xs = jnp.stack([jnp.ones((8, 32)), 3 * jnp.ones((8, 32))])
+
+    def replica(x, state, axis_name):
+        model = nnx.merge(graph, state)
+        grads = nnx.grad(lambda m: jnp.mean(m(x).astype(jnp.float32)),
+                         argnums=nnx.DiffState(0, mp.jax.with_float8()))(model)
+        mp.jax.update_float8(model, grads, axis_name=axis_name)
+        return model.up.float8_inputs_amax_history[...], model.up.float8_outputs_grad_amax_history[...]
+
+    inputs, grads = jax.vmap(lambda x, s: replica(x, s, "replicas"), (0, None), axis_name="replicas")(xs, state)
+    assert inputs[:, 0].tolist() == [3.0, 3.0] and float(grads[0, 0]) == float(grads[1, 0]) > 0
+    alone, _ = jax.vmap(lambda x, s: replica(x, s, None), (0, None))(xs, state)
+    assert alone[:, 0].tolist() == [1.0, 3.0]
