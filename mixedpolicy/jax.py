@@ -32,6 +32,10 @@ def with_float8(params: Any = None) -> Any:
     """
     from mixedpolicy.backends.jax.float8 import with_float8 as build
 
+    filters = params if isinstance(params, (tuple, list)) else (params,)
+    if not all(f is None or f is ... or isinstance(f, (type, str, bool)) or callable(f) for f in filters):
+        raise TypeError(f"Received params={params!r:.80} of type {type(params).__name__}; expected an nnx "
+                        f"filter of what the optimizer trains, such as nnx.Param or nnx.LoRAParam.")
     return build(params)
 
 
@@ -55,6 +59,14 @@ def update_float8(model: Any, grads: Any, optimizer: Any = None, axis_name: Any 
     Raises:
       ValueError: the model has delayed fp8 layers and `grads` holds none of their state.
     """
+    from flax import nnx
+
     from mixedpolicy.backends.jax.float8 import update_float8 as overwrite
 
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"Received model={model!r:.80} of type {type(model).__name__}; expected the Flax "
+                        f"NNX model whose delayed fp8 layers the step trained.")
+    if not isinstance(grads, (nnx.State, nnx.Module)):
+        raise TypeError(f"Received grads of type {type(grads).__name__}; expected what nnx.grad(loss_fn, "
+                        f"argnums=nnx.DiffState(0, mp.jax.with_float8())) returned (an nnx.State).")
     overwrite(model, grads, optimizer, axis_name)

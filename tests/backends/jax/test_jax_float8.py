@@ -264,6 +264,12 @@ def test_delayed_refuses_a_step_that_drops_its_state_and_evaluation_changes_noth
         forgetful(net, optimizer, x, y)
     with pytest.raises(ValueError, match="without the fp8 state"):
         mp.jax.update_float8(net, nnx.state(net, nnx.Param))
+    with pytest.raises(TypeError, match="Received grads of type dict; expected what nnx.grad"):
+        mp.jax.update_float8(net, {"up": {}})
+    with pytest.raises(TypeError, match="Received model='net' of type str"):
+        mp.jax.update_float8("net", nnx.state(net))
+    with pytest.raises(TypeError, match="Received params=42 of type int; expected an nnx filter"):
+        mp.jax.with_float8(42)
     before = nnx.state(net, nnx.Not(nnx.Param))
     assert net(x).dtype == jnp.bfloat16  # a forward alone quantizes with the scales it has ...
     after = nnx.state(net, nnx.Not(nnx.Param))
