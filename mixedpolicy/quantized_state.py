@@ -1,5 +1,5 @@
 """8-bit block-quantized optimizer state (a policy's ``optimizer_state_dtype="int8"``): the code
-maps and the kernels, written once over an array namespace (numpy, ``jax.numpy``).
+maps and the kernels, written once over an array namespace (numpy, ``jax.numpy``, ``keras.ops``).
 
 A moment is cut into blocks of `BLOCK` consecutive values; each block keeps its largest
 magnitude (float32) and one byte per value, the index of the nearest entry of a 256-entry map
@@ -87,7 +87,10 @@ def _nearest(xp: Any, m: Any, signed: bool) -> Any:
     """The index of the entry of ``_MAGNITUDES[signed]`` nearest to each ``m`` in [0, 1] (the
     lower on a tie)."""
     mags = xp.asarray(_MAGNITUDES[signed])
-    key = xp.astype(m.view(xp.uint32) >> _KEY_SHIFT, xp.int32)
+    if hasattr(xp, "top_bits"):  # a namespace without a bit view on its arrays (keras.ops)
+        key = xp.top_bits(m, _KEY_SHIFT)
+    else:
+        key = xp.astype(m.view(xp.uint32) >> _KEY_SHIFT, xp.int32)
     below = xp.take(xp.asarray(_BUCKETS[signed]), xp.clip(key, 0, _LAST_KEY))
     best, best_gap = below, xp.abs(xp.take(mags, below) - m)
     for step in (1, 2):

@@ -236,8 +236,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"Received --policies {args.policies!r} with --frameworks "
                              f"{','.join(frameworks)}: no framework there trains these fp8 recipes with "
                              f"its own tools (torch: tensorwise, rowwise, rowwise_with_gw_hp; Keras: "
-                             f"delayed) or these update recipes with the bench's SGD (torch and Keras: "
-                             f"stochastic rounding and Kahan; JAX: those and 8-bit state). Add such a "
+                             f"delayed) or these update recipes with the bench's SGD (torch: stochastic "
+                             f"rounding and Kahan; JAX and Keras: those and 8-bit state). Add such a "
                              f"framework or policy.")
         if args.replicas and any(mp_float8(p) or memory_policy(p) for p in policies):
             raise ValueError("Received fp8 policies or update recipes with --replicas; the replica "

@@ -9,12 +9,12 @@ from __future__ import annotations
 BASELINES = ("tf32",)
 
 #: update recipes (rounding, optimizer state dtype) ours trains the bench's SGD with, by framework:
-#: the rule around torch's optimizer, the optax rule on JAX (8-bit state too: any optax
-#: optimizer's moments), Keras's optimizer on Keras; TensorFlow has none, so its rows of such
-#: policies are left out
+#: the rule around torch's optimizer, the optax rule on JAX and the rule inside Keras's optimizer
+#: (8-bit state too: any optax or Keras optimizer's moments); TensorFlow has none, so its rows of
+#: such policies are left out
 MEMORY_RECIPES = {"torch": (("stochastic", "kahan"), ("float32", "bfloat16")),
-                  "jax": (("stochastic", "kahan"), ("float32", "bfloat16", "int8")),
-                  **{f"keras-{b}": (("stochastic", "kahan"), ()) for b in ("jax", "torch", "tensorflow")}}
+                  **{f: (("stochastic", "kahan"), ("float32", "bfloat16", "int8"))
+                     for f in ("jax", "keras-jax", "keras-torch", "keras-tensorflow")}}
 
 
 def memory_policy(policy: str) -> bool:

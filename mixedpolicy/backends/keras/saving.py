@@ -88,6 +88,11 @@ def constructor_arguments(config: dict, custom_objects: Any = None) -> tuple[Any
         from mixedpolicy.backends.keras.updates import install
 
         install(inner, rounding)
+    state_dtype = config.pop("optimizer_state_dtype", None)
+    if state_dtype is not None:  # ... or stored its state in another dtype
+        from mixedpolicy.backends.keras.state import install as install_state
+
+        install_state(inner, state_dtype)
     if config.pop("pass_through", False):
         for key in ("initial_scale", "dynamic_growth_steps"):
             config.pop(key, None)

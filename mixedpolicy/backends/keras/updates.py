@@ -24,6 +24,7 @@ from keras import ops
 from keras.backend import standardize_dtype
 
 from mixedpolicy._dtypes import HALF_DTYPES
+from mixedpolicy.backends.keras.state import install as install_state, per_variable_path
 
 _SEED = 0x5EED
 # murmur3's constants and the golden-ratio step, as signed 32-bit integers (the arithmetic wraps)
@@ -126,20 +127,9 @@ def install(optimizer: Any, rounding: str) -> Any:
         # for the bfloat16 variables, one hash for all); Kahan's sum takes Keras's per-variable
         # path (update_step), where its compensations are read and written
         optimizer._backend_update_step = (_parallel_rounded(optimizer) if rounding == "stochastic"
-                                          else _per_variable(optimizer))
+                                          else per_variable_path(optimizer))  # state.py: the per-variable path
     optimizer._mixedpolicy_update_rounding = rounding
     return optimizer
-
-
-def _per_variable(optimizer: Any) -> Any:
-    import torch
-    from keras.src.optimizers.base_optimizer import BaseOptimizer
-
-    def update_each(grads: Any, trainable_variables: Any, learning_rate: Any) -> None:
-        with torch.no_grad():
-            BaseOptimizer._backend_update_step(optimizer, grads, trainable_variables, learning_rate)
-
-    return update_each
 
 
 def _parallel_rounded(optimizer: Any) -> Any:
@@ -177,23 +167,31 @@ def _parallel_rounded(optimizer: Any) -> Any:
 
 
 def rounding_to_config(optimizer: Any) -> dict:
-    """The wrapper's config entry for the rounding `install` gave its inner optimizer (none if
-    none): a saved model's optimizer rounds alike once loaded, its Kahan variables loaded too."""
+    """The wrapper's config entries for the rounding `install` and the state dtype `state.install`
+    gave its inner optimizer (none if none): a saved model's optimizer rounds and stores alike once
+    loaded, its Kahan variables and its stored state loaded too."""
+    config = {}
     rounding = getattr(optimizer, "_mixedpolicy_update_rounding", None)
-    return {} if rounding is None else {"update_rounding": rounding}
+    if rounding is not None:
+        config["update_rounding"] = rounding
+    state_dtype = getattr(optimizer, "_mixedpolicy_state_dtype", None)
+    if state_dtype is not None:
+        config["optimizer_state_dtype"] = state_dtype
+    return config
 
 
 class KerasUpdates:
     """What the Keras optimizer adapter carries of a policy's update recipe (see above)."""
 
     def update_refusal(self, optimizer: Any, policy: Any) -> str | None:
-        if policy.optimizer_state_dtype != policy.variable_dtype:
-            return ("Keras's optimizers keep their state in each variable's dtype, and Keras has no "
-                    "8-bit state; train under a policy without state=")
-        return None
+        return None  # the rounding and the state's storage go inside Keras's optimizer (state.py)
 
     def with_updates(self, optimizer: Any, policy: Any) -> Any:
-        return install(optimizer, policy.update_rounding)
+        if policy.update_rounding != "nearest":
+            install(optimizer, policy.update_rounding)
+        if policy.optimizer_state_dtype != policy.variable_dtype:
+            install_state(optimizer, policy.optimizer_state_dtype)
+        return optimizer
 
     def warn_arithmetic(self, optimizer: Any, policies: tuple) -> None:
         """Keras computes an update in the variable's dtype (its torch optimizers in the first
@@ -202,7 +200,9 @@ class KerasUpdates:
         where the stochastic rounding on torch hands Keras float32 stand-ins."""
         stand_ins = keras.backend.backend() == "torch" and hasattr(optimizer, "_parallel_update_step")
         for policy in policies:
-            if policy.variable_dtype not in HALF_DTYPES or (stand_ins and policy.update_rounding == "stochastic"):
+            on_stand_ins = stand_ins and policy.update_rounding == "stochastic" \
+                and policy.optimizer_state_dtype == policy.variable_dtype  # else the per-variable path
+            if policy.variable_dtype not in HALF_DTYPES or on_stand_ins:
                 continue
             half = ml_dtypes.bfloat16 if policy.variable_dtype == "bfloat16" else np.float16
             below = 1 - float(ml_dtypes.finfo(half).epsneg)  # the largest value below 1

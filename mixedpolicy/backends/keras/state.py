@@ -1,0 +1,191 @@
+"""A policy's optimizer state dtype on Keras (jax, torch, tensorflow), inside the optimizer.
+
+Keras's optimizers keep each moment in its variable's dtype and compute with it as it is stored.
+`install` makes the inner optimizer of a `LossScaleOptimizer` keep its per-variable state
+(momentums, velocities...) in the policy's ``optimizer_state_dtype`` instead: ``"bfloat16"`` or
+``"float32"`` as variables of that dtype, ``"int8"`` 8-bit block-quantized
+(`mixedpolicy.quantized_state`, the same codes as the optax rule's: a moment of 4096 values or
+more, a multiple of 256, as uint8 codes and a float32 scale per block; smaller ones in float32).
+
+Keras's own ``update_step`` runs unchanged on stand-ins: each moment the optimizer reads is a
+variable of its model variable's dtype without storage of its own (a scalar placeholder, never
+saved, not among ``optimizer.variables``), given the stored state's value for one
+``update_step`` in a ``StatelessScope``; what the step assigns to it is stored back (rounded to
+the state dtype, or quantized), what it assigns to anything else is assigned there. So the
+state takes its dtype's bytes between steps, and a step computes in the variable's dtype, as
+Keras's optimizers do, one variable at a time (on Keras's torch backend the per-variable path,
+not its ``torch._foreach`` one).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import numpy as np
+from keras import ops
+from keras.src.backend.common.stateless_scope import StatelessScope
+from keras.src.backend.common.variables import Variable as KerasVariable
+
+from mixedpolicy import quantized_state
+
+_KAHAN = "kahan_compensation"  # the rounding rule's own per-variable state (updates.py): stored as it is
+
+
+class KerasArrays:
+    """`quantized_state`'s array namespace over ``keras.ops`` (any backend)."""
+
+    uint8, int32, float32 = "uint8", "int32", "float32"
+    reshape, abs, where, clip, take = ops.reshape, ops.abs, ops.where, ops.clip, ops.take
+    ones_like = ops.ones_like
+
+    @staticmethod
+    def max(x: Any, axis: Any = None) -> Any:
+        return ops.max(x, axis=axis)
+
+    @staticmethod
+    def astype(x: Any, dtype: str) -> Any:
+        return ops.cast(x, dtype)
+
+    @staticmethod
+    def asarray(x: Any) -> Any:
+        return ops.convert_to_tensor(np.asarray(x))
+
+    @staticmethod
+    def top_bits(m: Any, shift: int) -> Any:
+        """The float32 pattern of non-negative `m` shifted right by `shift`, as int32."""
+        return ops.right_shift(ops.view(ops.cast(m, "float32"), "int32"), shift)
+
+
+def _quantize(x: Any) -> tuple[Any, Any, Any]:
+    """(codes, block scales, 1 where the signed map was taken else 0) of float32 `x`."""
+    flat = ops.reshape(x, (-1,))
+    signed = ops.any(flat < 0)
+    codes, absmax = ops.cond(signed, lambda: quantized_state.quantize(KerasArrays, flat, True),
+                             lambda: quantized_state.quantize(KerasArrays, flat, False))
+    return ops.reshape(codes, x.shape), absmax, ops.cast(signed, "int32")
+
+
+def _dequantize(codes: Any, absmax: Any, signed: Any) -> Any:
+    values = quantized_state.dequantize(KerasArrays, ops.reshape(codes, (-1,)), absmax, ops.cast(signed, "bool"))
+    return ops.reshape(values, codes.shape)
+
+
+class _Slot:
+    """One moment of one variable: its float32 stand-in and the variables that store it."""
+
+    def __init__(self, stand_in: Any, storage: tuple):
+        self.stand_in, self.storage = stand_in, storage
+
+    def read(self) -> Any:
+        value = self.storage[0].value if len(self.storage) == 1 else _dequantize(*(v.value for v in self.storage))
+        return ops.cast(value, self.stand_in.dtype)
+
+    def write(self, assign: Any, value: Any) -> None:
+        if len(self.storage) == 1:
+            assign(self.storage[0], ops.cast(value, self.storage[0].dtype))
+            return
+        for variable, part in zip(self.storage, _quantize(ops.cast(value, "float32"))):
+            assign(variable, part)
+
+
+def _stand_in(reference: Any, name: str) -> Any:
+    """A variable of the reference's shape and dtype whose own value is a scalar placeholder."""
+    variable = keras.Variable(initializer="zeros", shape=reference.shape, dtype=reference.dtype, trainable=False,
+                              name=f"{name}_stand_in")
+    value = variable._value
+    variable._value = value.new_zeros(()) if hasattr(value, "new_zeros") else ops.zeros((), variable.dtype)
+    return variable
+
+
+def install(optimizer: Any, state_dtype: str) -> Any:
+    """Makes `optimizer` keep its per-variable state in `state_dtype` (see the module docstring);
+    returns it. Composes with `updates.install` (the rounding), installed before it."""
+    if state_dtype not in ("float32", "bfloat16", "float16", "int8"):
+        raise ValueError(f"Received optimizer_state_dtype={state_dtype!r} for a Keras optimizer; expected "
+                         f"'float32', 'bfloat16', 'float16' or 'int8'.")
+    cls = type(optimizer)
+    slots: dict = {}        # a model variable's key -> its _Slots
+    own: dict = {}          # a model variable's key -> its other per-variable state (Kahan's)
+    per_variable: set = set()  # ids of every per-variable optimizer variable (stand-ins, storage, own)
+    stand_ins: set = set()
+
+    def add_variable_from_reference(reference: Any, name: Any = None, initializer: Any = "zeros") -> Any:
+        key = optimizer._var_key(reference)
+        if name == _KAHAN:
+            variable = cls.add_variable_from_reference(optimizer, reference, name, initializer)
+            own.setdefault(key, []).append(variable)
+            per_variable.add(id(variable))
+            return variable
+        label = f"{reference.path.replace('/', '_')}_{name or 'var'}"
+        stand_in = _stand_in(reference, label)
+        if state_dtype == "int8" and quantized_state.quantizable(tuple(reference.shape)):
+            blocks = int(np.prod(reference.shape)) // quantized_state.BLOCK
+            storage = (cls.add_variable(optimizer, reference.shape, dtype="uint8", name=f"{label}_codes"),
+                       cls.add_variable(optimizer, (blocks,), dtype="float32", name=f"{label}_absmax"),
+                       cls.add_variable(optimizer, (), dtype="int32", name=f"{label}_signed"))
+        else:
+            dtype = "float32" if state_dtype == "int8" else state_dtype
+            storage = (cls.add_variable(optimizer, reference.shape, initializer=initializer, dtype=dtype, name=label),)
+        slots.setdefault(key, []).append(_Slot(stand_in, storage))
+        per_variable.update(map(id, (stand_in, *storage)))
+        stand_ins.add(id(stand_in))
+        return stand_in
+
+    built_before = optimizer.build
+
+    def build(variables: Any) -> None:
+        built_before(variables)
+        for key_slots in slots.values():
+            for slot in key_slots:  # tracked by Keras through its lists of moments: untracked again
+                optimizer._tracker.untrack(slot.stand_in)
+
+    def update_step(gradient: Any, variable: Any, learning_rate: Any) -> None:
+        key = optimizer._var_key(variable)
+        mine = slots.get(key, [])
+        others = [v for v in optimizer.variables if id(v) not in per_variable] + own.get(key, [])
+        if isinstance(variable, KerasVariable):  # TensorFlow hands the tf.Variable, assigned in place
+            others.append(variable)
+        mapping = [(slot.stand_in, slot.read()) for slot in mine] + [(v, v.value) for v in others]
+        before = {id(v): value for v, value in mapping}
+        with StatelessScope(state_mapping=mapping) as scope:
+            cls.update_step(optimizer, gradient, variable, learning_rate)
+        for slot in mine:
+            slot.write(lambda v, value: cls.assign(optimizer, v, value), scope.get_current_value(slot.stand_in))
+        for v in others:
+            new = scope.get_current_value(v)
+            if new is not None and new is not before[id(v)]:
+                cls.assign(optimizer, v, new)
+
+    assigns = {name: getattr(optimizer, name) for name in ("assign", "assign_add", "assign_sub")}
+
+    def assigner(name: str, combine: Any) -> Any:
+        def assign(variable: Any, value: Any) -> None:
+            if id(variable) in stand_ins:  # its value lives in update_step's scope
+                variable.assign(combine(variable.value, ops.cast(value, variable.dtype)))
+            else:
+                assigns[name](variable, value)
+        return assign
+
+    optimizer.add_variable_from_reference = add_variable_from_reference
+    optimizer.build = build
+    optimizer.update_step = update_step
+    optimizer.assign = assigner("assign", lambda old, value: value)
+    optimizer.assign_add = assigner("assign_add", ops.add)
+    optimizer.assign_sub = assigner("assign_sub", ops.subtract)
+    if hasattr(optimizer, "_parallel_update_step"):  # Keras's torch optimizers: the per-variable path
+        optimizer._backend_update_step = per_variable_path(optimizer)
+    optimizer._mixedpolicy_state_dtype = state_dtype
+    return optimizer
+
+
+def per_variable_path(optimizer: Any) -> Any:
+    """Keras's per-variable update (``update_step``), in place of its torch optimizers' foreach one."""
+    import torch
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+    def update_each(grads: Any, trainable_variables: Any, learning_rate: Any) -> None:
+        with torch.no_grad():
+            BaseOptimizer._backend_update_step(optimizer, grads, trainable_variables, learning_rate)
+
+    return update_each
