@@ -4,19 +4,16 @@ A subclass of ``keras.optimizers.LossScaleOptimizer`` that keeps its interface, 
 (``dynamic_scale``, ``step_counter``) and its behaviour in ``model.fit`` and custom loops on the
 jax, torch and tensorflow backends, and changes what made Keras's unsafe:
 
-- the scale moves by the shared `mixedpolicy.DynamicLossScale` algorithm, bounded
-  to ``[min_scale, max_scale]``: Keras's halves without a floor, reaches 0 after
-  about 150 overflows, and the next finite step turns the weights into -inf;
-- a skipped step is counted: ``last_step_skipped`` and ``num_skipped_steps`` are
-  optimizer variables (saved and restored with the model, like the scale);
-- ``apply`` in eager JAX code decides in Python instead of tracing a
-  ``jax.lax.cond`` over stateful updates (Keras's fails there with an
-  ``UnexpectedTracerError``);
-- under ``tf.distribute`` the finiteness flag is all-reduced over the replicas, so
-  one replica's overflow makes every replica skip;
+- the scale moves by the shared `mixedpolicy.DynamicLossScale` algorithm, bounded to
+  ``[min_scale, max_scale]`` (Keras's halves without a floor, reaches 0 after about 150
+  overflows, and the next finite step turns the weights into -inf);
+- a skipped step is counted: ``last_step_skipped`` and ``num_skipped_steps`` are optimizer
+  variables (saved and restored with the model, like the scale);
+- ``apply`` in eager JAX code decides in Python, not in a traced ``jax.lax.cond`` (Keras's fails);
+- under ``tf.distribute`` the finiteness flag is all-reduced over the replicas (one replica's
+  overflow makes every replica skip);
 - under ``tf.distribute`` gradients are summed over the replicas in the reduce dtype of
-  ``reduce_policy`` (each variable's, for a `PolicyMap`), before the finiteness check,
-  instead of Keras's float32 sum;
+  ``reduce_policy`` (each variable's for a `PolicyMap`) before the check, not in float32;
 - the scaled loss is computed in float32.
 """
 
@@ -30,12 +27,13 @@ from keras import ops
 from keras.src.saving import object_registration as _registry  # the name a class saves under
 
 from mixedpolicy._adapter import OptimizerAdapter
-from mixedpolicy.backends.keras.reduce import (already_summed, check_reduce_policy, reduce_from_config,
-                                               reduce_to_config, sum_across_replicas)
+from mixedpolicy.backends.keras.reduce import (already_summed, check_reduce_policy, finite_on_every_replica,
+                                               reduce_from_config, reduce_to_config, sum_across_replicas)
 from mixedpolicy.backends.keras.updates import KerasUpdates, rounding_to_config
 from mixedpolicy.backends.keras.saving import (SkipCounts, constructor_arguments, load_keras_layout,
                                                save_keras_layout)
 from mixedpolicy.policy import Policy
+from mixedpolicy.scope import global_policy
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale, is_pass_through, summary
 
 
@@ -125,11 +123,20 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             self.__class__ = _SavedAsKeras  # Keras's own can express it: saved under Keras's name
 
     def build(self, var_list: Any) -> None:
-        # [num_skipped_steps, last_step_skipped] in one variable: Keras's JAX trainer syncs
-        # every optimizer variable after each train_on_batch, so each one costs a little.
+        # [num_skipped_steps, last_step_skipped] in one variable: each costs in Keras's JAX trainer
         self._skips = self.add_variable(shape=(2,), dtype="int32", initializer="zeros",
                                         aggregation="none", name="skipped_steps")
-        super().build(var_list)
+        # the inner one first, tracked (Keras's own build runs untracked: Nadam's _u_product was
+        # left out of what JAX's stateless step updates), and once, whether it checks `built` or not
+        inner, own_build = self.inner_optimizer, vars(self.inner_optimizer).get("build")
+        inner.build(var_list)
+        inner.build = lambda _: None
+        try:
+            super().build(var_list)
+        finally:
+            del inner.build
+            if own_build is not None:
+                inner.build = own_build
 
     # -- what users read -----------------------------------------------------
     @property
@@ -162,15 +169,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     # -- the step ------------------------------------------------------------
     def check_finite(self, grads: Any) -> Any:
-        finite = super().check_finite(grads)
-        if keras.backend.backend() == "tensorflow":
-            import tensorflow as tf
-
-            context = tf.distribute.get_replica_context()
-            if context is not None and context.num_replicas_in_sync > 1:
-                bad = context.all_reduce("sum", tf.cast(tf.logical_not(finite), tf.float32))
-                finite = tf.equal(bad, 0.0)
-        return finite
+        return finite_on_every_replica(super().check_finite(grads))
 
     def _unscale(self, grads: Any, trainable_variables: Any) -> list:
         """Divides by the scale in float32 (float64 for float64 gradients); each keeps its dtype."""
@@ -335,13 +334,15 @@ class KerasOptimizers(KerasUpdates, OptimizerAdapter):
         return LossScaleOptimizer(optimizer, loss_scale=loss_scale, **options)
 
     def policies_of(self, optimizer: Any) -> tuple[Any, str] | None:
-        # Keras's global dtype policy, where it computes in float16 (set through Keras
-        # itself); else mixedpolicy's global policy decides
+        # Keras's global dtype policy, where it computes in float16 (set through Keras itself);
+        # else, or where mixedpolicy's says the same and more (state=int8...), mixedpolicy's decides
         try:
             policy = Policy.from_keras(keras.config.dtype_policy())
         except ValueError:  # a quantized Keras policy: its float source is not what runs
             return None
-        return ((policy,), "Keras's global dtype policy") if policy.needs_loss_scaling else None
+        ours = global_policy()
+        same = (ours.variable_dtype, ours.compute_dtype) == (policy.variable_dtype, policy.compute_dtype)
+        return ((policy,), "Keras's global dtype policy") if policy.needs_loss_scaling and not same else None
 
     def optimizer_from_config(self, config: dict, custom_objects: Any = None) -> Any:
         if "inner_optimizer" not in config:

@@ -103,6 +103,19 @@ def already_summed(optimizer: Any, summed: bool) -> Iterator[None]:
         optimizer.__dict__.pop("_all_reduce_sum_gradients", None)
 
 
+def finite_on_every_replica(finite: Any) -> Any:
+    """Under ``tf.distribute`` with several replicas, `finite` all-reduced: one replica's
+    overflow makes every replica skip. Elsewhere `finite` itself."""
+    if keras.backend.backend() != "tensorflow":
+        return finite
+    import tensorflow as tf
+
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync <= 1:
+        return finite
+    return tf.equal(context.all_reduce("sum", tf.cast(tf.logical_not(finite), tf.float32)), 0.0)
+
+
 def sum_across_replicas(grads: Any, variables: Any, reduce_policy: Any) -> tuple[Any, bool]:
     """(the gradients summed over the tf.distribute replicas in their reduce dtypes, True),
     or (the gradients, False) where Keras's own float32 sum stands (no reduce policy, another

@@ -29,7 +29,11 @@ from keras.src.backend.common.variables import Variable as KerasVariable
 
 from mixedpolicy import quantized_state
 
-_KAHAN = "kahan_compensation"  # the rounding rule's own per-variable state (updates.py): stored as it is
+# per-variable optimizer variables kept as Keras makes them: the rounding rule's Kahan
+# compensation (updates.py, read in update_step), and what Keras reads outside update_step
+# (the EMA of the weights, the gradient accumulators)
+_KAHAN = "kahan_compensation"
+_KEPT = (_KAHAN, "average", "gradient_accumulator")
 
 
 class KerasArrays:
@@ -110,12 +114,13 @@ def install(optimizer: Any, state_dtype: str) -> Any:
     per_variable: set = set()  # ids of every per-variable optimizer variable (stand-ins, storage, own)
     stand_ins: set = set()
 
-    def add_variable_from_reference(reference: Any, name: Any = None, initializer: Any = "zeros") -> Any:
-        key = optimizer._var_key(reference)
-        if name == _KAHAN:
+    def add_variable_from_reference(reference_variable: Any, name: Any = None, initializer: Any = "zeros") -> Any:
+        reference, key = reference_variable, optimizer._var_key(reference_variable)
+        if name in _KEPT:
             variable = cls.add_variable_from_reference(optimizer, reference, name, initializer)
-            own.setdefault(key, []).append(variable)
-            per_variable.add(id(variable))
+            if name == _KAHAN:
+                own.setdefault(key, []).append(variable)
+                per_variable.add(id(variable))
             return variable
         label = f"{reference.path.replace('/', '_')}_{name or 'var'}"
         stand_in = _stand_in(reference, label)
@@ -180,12 +185,16 @@ def install(optimizer: Any, state_dtype: str) -> Any:
 
 
 def per_variable_path(optimizer: Any) -> Any:
-    """Keras's per-variable update (``update_step``), in place of its torch optimizers' foreach one."""
+    """Keras's per-variable update (``update_step`` for each variable), in place of its torch
+    optimizers' ``torch._foreach_*`` one: the optimizer's own backend-neutral
+    ``_backend_update_step`` (Nadam's updates its ``_u_product`` there), else Keras's base one."""
     import torch
-    from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+    neutral = next(klass for klass in type(optimizer).__mro__ if "_backend_update_step" in vars(klass)
+                   and not klass.__module__.startswith("keras.src.backend.torch"))
 
     def update_each(grads: Any, trainable_variables: Any, learning_rate: Any) -> None:
         with torch.no_grad():
-            BaseOptimizer._backend_update_step(optimizer, grads, trainable_variables, learning_rate)
+            neutral._backend_update_step(optimizer, grads, trainable_variables, learning_rate)
 
     return update_each

@@ -216,3 +216,14 @@ def test_a_decay_rate_that_rounds_to_one_in_the_variables_dtype_is_named_with_th
         opt.apply([keras.ops.ones((8, 4), "bfloat16"), keras.ops.ones((4,), "bfloat16")], model.trainable_variables)
         after = keras.ops.convert_to_numpy(keras.ops.cast(model.layers[0].kernel, "float32"))
         assert np.all(after < before)
+
+
+def test_the_global_policys_state_dtype_reaches_an_optimizer_under_a_float16_keras_policy():
+    """mixedpolicy's global policy sets Keras's to mixed_float16; the optimizer follows
+    mixedpolicy's, which says the same and its state dtype too."""
+    mp.set_global_policy("p=f32,c=f16,state=int8")
+    try:
+        opt = mp.LossScaleOptimizer(keras.optimizers.Adam())
+    finally:
+        mp.set_global_policy("float32")
+    assert opt.inner_optimizer._mixedpolicy_state_dtype == "int8" and "dynamic" in opt.loss_scaling

@@ -272,3 +272,20 @@ def test_keras_own_compile_wrapping_is_ours_only_while_the_global_policy_compute
     assert type(theirs.optimizer) is keras.optimizers.LossScaleOptimizer
     ours.compile(keras.optimizers.SGD(0.1), "mse")
     assert isinstance(ours.optimizer, LossScaleOptimizer) and ours.optimizer.loss_scaling.startswith("dynamic")
+
+
+def test_a_pass_through_around_nadam_trains_as_nadam_alone():
+    """Nadam keeps a variable it makes by attribute (_u_product); built inside Keras's
+    LossScaleOptimizer it went untracked, and JAX's stateless step never updated it."""
+    x = np.random.default_rng(0).normal(size=(64, 8)).astype("float32")
+    y = np.arange(64) % 3
+    losses = []
+    for wrap in (False, True):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)])
+        opt = keras.optimizers.Nadam(1e-2)
+        model.compile(mp.LossScaleOptimizer(opt, policy="float32") if wrap else opt,
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        losses.append(model.fit(x, y, epochs=3, batch_size=16, verbose=0, shuffle=False).history["loss"])
+        assert len(opt.variables) == 2 + 2 * 4 + 1  # iterations, learning rate, 2 moments each, _u_product
+    assert losses[0] == losses[1]
