@@ -328,3 +328,28 @@ def test_replicas_keep_the_same_fp8_state_with_the_largest_amax():
     assert inputs[:, 0].tolist() == [3.0, 3.0] and float(grads[0, 0]) == float(grads[1, 0]) > 0
     alone, _ = jax.vmap(lambda x, s: replica(x, s, None), (0, None))(xs, state)
     assert alone[:, 0].tolist() == [1.0, 3.0]
+
+
+def test_an_orbax_checkpoint_mid_run_resumes_the_fp8_state_bit_for_bit(tmp_path):
+    ocp = require_module("orbax.checkpoint", "jax")
+    policy = mp.Policy("float8_from_mixed_bfloat16", amax_history_len=4)
+
+    def build():
+        net = Mlp(nnx.Rngs(0))
+        mp.apply_policy(net, mp.PolicyMap(policy, {"down": policy}))
+        return net, nnx.Optimizer(net, mp.LossScaleOptimizer(optax.sgd(0.01, momentum=0.9)), wrt=nnx.Param)
+
+    step = _delayed_step()
+    data = [(jnp.asarray(x), jnp.asarray(y)) for x, y in _inputs(6)]
+    net, optimizer = build()
+    for x, y in data[:3]:
+        step(net, optimizer, x, y)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "ckpt", nnx.state((net, optimizer)))
+    checkpointer.wait_until_finished()
+    expected = [float(step(net, optimizer, x, y)) for x, y in data[3:]]
+    fresh, fresh_optimizer = build()
+    abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, nnx.state((fresh, fresh_optimizer)))
+    nnx.update((fresh, fresh_optimizer), checkpointer.restore(tmp_path / "ckpt", abstract))
+    assert float(fresh.up.float8_inputs_amax_history[...][0]) > 0  # the histories came back
+    assert [float(step(fresh, fresh_optimizer, x, y)) for x, y in data[3:]] == expected
