@@ -169,9 +169,10 @@ def attach(module: Any, recipe: Float8Recipe) -> Any:
     """Gives an ``nnx.Linear`` its fp8 hook (and, delayed, its state); returns its own hook."""
     own = module.dot_general
     if recipe.recipe == "delayed":
+        lead = tuple(module.kernel[...].shape[:-2])  # layers stacked by nnx.vmap (for nnx.scan): one each
         for name in DELAYED_STATE:
-            value = jnp.ones((), jnp.float32) if name.endswith("scale") else jnp.zeros(recipe.amax_history_len, jnp.float32)
-            setattr(module, name, Float8Meta(value))
+            value = jnp.ones(lead) if name.endswith("scale") else jnp.zeros((*lead, recipe.amax_history_len))
+            setattr(module, name, Float8Meta(value.astype(jnp.float32)))
         module.__class__ = policy_subclass("jax-fp8-delayed", type(module), _named_call)
         module.dot_general = DelayedDotGeneral(recipe)
     else:

@@ -353,3 +353,35 @@ def test_an_orbax_checkpoint_mid_run_resumes_the_fp8_state_bit_for_bit(tmp_path)
     nnx.update((fresh, fresh_optimizer), checkpointer.restore(tmp_path / "ckpt", abstract))
     assert float(fresh.up.float8_inputs_amax_history[...][0]) > 0  # the histories came back
     assert [float(step(fresh, fresh_optimizer, x, y)) for x, y in data[3:]] == expected
+
+
+class Scanned(nnx.Module):
+    """Three blocks made by nnx.vmap and run by nnx.scan (how NNX stacks transformer layers)."""
+
+    def __init__(self, rngs):
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return nnx.Linear(32, 32, rngs=rngs)
+
+        self.blocks = make(rngs)
+        self.head = nnx.Linear(32, 16, rngs=rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def body(x, block):
+            return jax.nn.relu(block(x))
+
+        return self.head(body(x.astype(jnp.bfloat16), self.blocks))
+
+
+def test_delayed_layers_stacked_for_nnx_scan_keep_a_state_each():
+    net = Scanned(nnx.Rngs(0))
+    mp.apply_policy(net, mp.Policy("float8_from_mixed_bfloat16", amax_history_len=4))
+    assert net.blocks.float8_inputs_amax_history[...].shape == (3, 4)
+    optimizer = nnx.Optimizer(net, optax.sgd(0.01), wrt=nnx.Param)
+    x, y = _inputs(1)[0]
+    _delayed_step()(net, optimizer, jnp.asarray(x), jnp.asarray(y))
+    first = np.asarray(net.blocks.float8_inputs_amax_history[...])[:, 0]
+    grads = np.asarray(net.blocks.float8_outputs_grad_amax_history[...])[:, 0]
+    assert np.all(first > 0) and len(set(first.tolist())) == 3 and np.all(grads > 0)  # one per layer
