@@ -86,3 +86,11 @@ def _doctest_namespace(doctest_namespace):
 
     doctest_namespace["np"] = np
     doctest_namespace["mp"] = mixedpolicy
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests that start processes of their own (marked slow: a Keras backend's suite, the
+    bench, DDP ranks) first, in their order: xdist's work stealing hands a worker that runs out
+    the queued tests from the end of another's queue, so the long ones are shared out early and
+    neither worker is left finishing a minute-long test alone at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
