@@ -92,13 +92,14 @@ def is_dtype_object(value: object) -> bool:
     """True for a dtype object of numpy, ml_dtypes, JAX, PyTorch or TensorFlow (not a name)."""
     if value is None or isinstance(value, (str, bytes, bool, int, float, list, tuple, dict)):
         return False
-    if str(value).startswith("torch.") or hasattr(value, "as_numpy_dtype"):
-        return True
+    kind = type(value)
+    if (kind.__name__ == "dtype" and kind.__module__.startswith("torch")) or hasattr(value, "as_numpy_dtype"):
+        return True  # torch.dtype, tf.DType
     try:
         import numpy as np
 
         np.dtype(value)  # type: ignore[call-overload]  # any object numpy reads as a dtype
-    except TypeError:
+    except (TypeError, ValueError):
         return False
     return True
 

@@ -216,3 +216,12 @@ def test_a_dtype_object_names_the_policy_of_that_dtype_and_jmp_spellings_work():
     assert q == Policy("p=f32,c=bf16,o=f32") and p.output_dtype == "bfloat16"
     with pytest.raises(ValueError, match="output_dtype='int32'"):
         p.with_output_dtype("int32")
+
+
+def test_a_framework_dtype_names_the_policy_and_a_tensor_does_not():
+    from conftest import require_module
+
+    torch = require_module("torch")
+    assert Policy(torch.bfloat16) == Policy("bfloat16") and as_policy(torch.float16) == Policy("float16")
+    with pytest.raises(TypeError, match="of type Tensor; expected a string such as 'mixed_float16', a floating dtype"):
+        Policy(torch.ones(2))

@@ -17,7 +17,8 @@ quantizes with the current scale, and the next scale comes from the history befo
 step's amax, which then enters the history. The new values leave the step as the variables'
 "gradients" (the output gradient's amax exists only in the backward): a training step
 overwrites the variables with them (`update_float8`), as Keras's optimizers and Flax's
-``_overwrite_with_gradient`` collection do. A forward without gradients (evaluation) uses the scales and changes nothing.
+``_overwrite_with_gradient`` collection do. A forward without gradients (evaluation) uses the
+scales and changes nothing.
 """
 
 from __future__ import annotations
@@ -270,7 +271,7 @@ class DelayedDotGeneral(TensorwiseDotGeneral):
         if _differentiated(w) and not _differentiated(meta[0]):
             raise ValueError(
                 "Received a gradient of a delayed-scaling fp8 layer's kernel without one of its fp8 "
-                "state (Float8Meta): its scales and amax histories move only through their "
+                "state variables (Float8Meta): its scales and amax histories move only through their "
                 "\"gradients\", so differentiate them too and write them back after the update: "
                 "grads = nnx.grad(loss_fn, argnums=nnx.DiffState(0, mp.jax.with_float8()))(model, ...); "
                 "optimizer.update(model, grads); mp.jax.update_float8(model, grads, optimizer).")

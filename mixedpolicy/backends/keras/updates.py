@@ -184,7 +184,12 @@ class KerasUpdates:
     """What the Keras optimizer adapter carries of a policy's update recipe (see above)."""
 
     def update_refusal(self, optimizer: Any, policy: Any) -> str | None:
-        return None  # the rounding and the state's storage go inside Keras's optimizer (state.py)
+        # the rounding and the state's storage go inside Keras's optimizer (state.py); the state's
+        # storage is made with the optimizer's variables, so before they are
+        if policy.optimizer_state_dtype != policy.variable_dtype and getattr(optimizer, "built", False):
+            return ("it is already built, its state made in its variables' dtype; wrap a fresh "
+                    "optimizer, before its first step")
+        return None
 
     def with_updates(self, optimizer: Any, policy: Any) -> Any:
         if policy.update_rounding != "nearest":

@@ -260,7 +260,7 @@ def test_delayed_refuses_a_step_that_drops_its_state_and_evaluation_changes_noth
         grads = nnx.grad(lambda m: jnp.mean(jnp.square(m(x).astype(jnp.float32) - y)))(model)
         optimizer.update(model, grads)
 
-    with pytest.raises(ValueError, match=r"without one of its fp8 state.*mp\.jax\.with_float8\(\)"):
+    with pytest.raises(ValueError, match=r"without one of its fp8 state variables.*mp\.jax\.with_float8\(\)"):
         forgetful(net, optimizer, x, y)
     with pytest.raises(ValueError, match="without the fp8 state"):
         mp.jax.update_float8(net, nnx.state(net, nnx.Param))

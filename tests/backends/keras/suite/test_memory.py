@@ -227,3 +227,12 @@ def test_the_global_policys_state_dtype_reaches_an_optimizer_under_a_float16_ker
     finally:
         mp.set_global_policy("float32")
     assert opt.inner_optimizer._mixedpolicy_state_dtype == "int8" and "dynamic" in opt.loss_scaling
+
+
+def test_a_built_optimizer_is_refused_a_state_dtype_before_anything_changes():
+    model, _ = _model_and_grads("mixed_bfloat16")
+    opt = keras.optimizers.Adam()
+    opt.build(model.trainable_variables)
+    with pytest.raises(ValueError, match=r"state_dtype='int8': it is already built.*wrap a fresh optimizer"):
+        mp.LossScaleOptimizer(opt, policy="p=f32,c=bf16,state=int8")
+    assert "update_step" not in vars(opt)
