@@ -59,14 +59,6 @@ def update_float8(model: Any, grads: Any, optimizer: Any = None, axis_name: Any 
     Raises:
       ValueError: the model has delayed fp8 layers and `grads` holds none of their state.
     """
-    from flax import nnx
-
     from mixedpolicy.backends.jax.float8 import update_float8 as overwrite
 
-    if not isinstance(model, nnx.Module):
-        raise TypeError(f"Received model={model!r:.80} of type {type(model).__name__}; expected the Flax "
-                        f"NNX model whose delayed fp8 layers the step trained.")
-    if not isinstance(grads, (nnx.State, nnx.Module)):
-        raise TypeError(f"Received grads of type {type(grads).__name__}; expected what nnx.grad(loss_fn, "
-                        f"argnums=nnx.DiffState(0, mp.jax.with_float8())) returned (an nnx.State).")
     overwrite(model, grads, optimizer, axis_name)

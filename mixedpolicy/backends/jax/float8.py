@@ -48,25 +48,18 @@ def head(model: Any) -> Any:
     """The output head: the last ``nnx.Linear`` in the order the model's attributes were set
     (``nnx.iter_modules`` sorts them by name, which would make ``up`` come after ``head``)."""
     found: list = []
+    seen: set = set()
 
-    def walk(value: Any, seen: set) -> None:
-        if id(value) in seen:
-            return
-        if isinstance(value, nnx.Module):
+    def walk(value: Any) -> None:
+        if isinstance(value, nnx.Module) and id(value) not in seen:
             seen.add(id(value))
-            if eligible(value):
-                found.append(value)
-            children = [v for k, v in vars(value).items() if not k.startswith("_pytree__")]
-        elif isinstance(value, (list, tuple)):
-            children = list(value)
-        elif isinstance(value, dict):
-            children = list(value.values())
-        else:
-            return
-        for child in children:
-            walk(child, seen)
+            found.extend([value] if eligible(value) else [])
+            value = [v for k, v in vars(value).items() if not k.startswith("_pytree__")]
+        if isinstance(value, (list, tuple, dict)):
+            for child in (value.values() if isinstance(value, dict) else value):
+                walk(child)
 
-    walk(model, set())
+    walk(model)
     return found[-1] if found else None
 
 
@@ -287,6 +280,12 @@ def with_float8(params: Any = None) -> Any:
 
 def update_float8(model: Any, grads: Any, optimizer: Any = None, axis_name: Any = None) -> None:
     """`mp.jax.update_float8` (mixedpolicy/jax.py): the values in `grads` into `model`'s fp8 state."""
+    for name, value, kinds, expected in (
+            ("model", model, nnx.Module, "the Flax NNX model whose delayed fp8 layers the step trained"),
+            ("grads", grads, (nnx.State, nnx.Module), "what nnx.grad(loss_fn, argnums=nnx.DiffState(0, "
+                                                      "mp.jax.with_float8())) returned (an nnx.State)")):
+        if not isinstance(value, kinds):
+            raise TypeError(f"Received {name} of type {type(value).__name__}; expected {expected}.")
     new = nnx.state(grads, Float8Meta)
     if not jax.tree_util.tree_leaves(new):
         if not jax.tree_util.tree_leaves(nnx.state(model, Float8Meta)):

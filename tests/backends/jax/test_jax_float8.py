@@ -266,7 +266,7 @@ def test_delayed_refuses_a_step_that_drops_its_state_and_evaluation_changes_noth
         mp.jax.update_float8(net, nnx.state(net, nnx.Param))
     with pytest.raises(TypeError, match="Received grads of type dict; expected what nnx.grad"):
         mp.jax.update_float8(net, {"up": {}})
-    with pytest.raises(TypeError, match="Received model='net' of type str"):
+    with pytest.raises(TypeError, match="Received model of type str; expected the Flax NNX model"):
         mp.jax.update_float8("net", nnx.state(net))
     with pytest.raises(TypeError, match="Received params=42 of type int; expected an nnx filter"):
         mp.jax.with_float8(42)
