@@ -107,8 +107,13 @@ def install(optimizer: Any, rounding: str) -> Any:
             cls.assign(optimizer, compensation, ops.subtract(update, ops.subtract(ops.cast(new, "float32"), old)))
             cls.assign(optimizer, variable, new)
             return True
-        step = optimizer.iterations
-        bits = random_bits16(tuple(variable.shape), getattr(step, "value", step), index)  # the backend's tensor
+        step = getattr(optimizer.iterations, "value", optimizer.iterations)  # the backend's tensor
+        if keras.backend.backend() == "torch":  # the same bits from the torch rule's hash: far fewer calls
+            from mixedpolicy.backends.torch.updates import random_bits16 as torch_bits
+
+            bits = torch_bits(tuple(variable.shape), step, index, device=step.device)
+        else:
+            bits = random_bits16(tuple(variable.shape), step, index)
         cls.assign(optimizer, variable, stochastic_round_bfloat16(ops.add(old, update), bits))
         return True
 

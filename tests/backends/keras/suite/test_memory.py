@@ -16,6 +16,11 @@ def test_the_rounding_is_unbiased_and_its_bits_the_same_on_every_backend():
     bits = keras.ops.convert_to_numpy(random_bits16((8,), 3, 2))
     # the counter-based hash in keras.ops integer arithmetic: these values on jax, torch and tensorflow
     assert bits.tolist() == [30602, 37930, 56895, 27383, 42306, 40381, 57622, 52687]
+    if keras.backend.backend() == "torch":  # the per-variable rule draws them with the torch rule's hash
+        from mixedpolicy.backends.torch.updates import random_bits16 as torch_bits
+
+        step = keras.ops.convert_to_tensor(3, "int32")
+        assert torch_bits((8,), step, 2, device=step.device).tolist() == bits.tolist()
     x = keras.ops.full((100_000,), 1.0 + 2.0**-10, "float32")
     r = keras.ops.convert_to_numpy(keras.ops.cast(
         stochastic_round_bfloat16(x, random_bits16((100_000,), 0, 0)), "float32"))
