@@ -45,6 +45,7 @@ from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, is_
 # wrapper in the same optax.chain receives exactly these and would unscale them again.
 _handed_on: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 _log = logging.getLogger("mixedpolicy")
+_STRUCTURES_CHECKED: set = set()  # gradient tree structures holding no fp8 state (_refuse_float8_state)
 
 
 def _first_leaf(tree: Any) -> Any:
@@ -224,7 +225,11 @@ class LossScaleTransformation(optax.GradientTransformationExtraArgs):
 
 
 def _refuse_float8_state(grads: Any) -> None:
-    """An optimizer must not train a delayed fp8 layer's scales: their "gradients" are values."""
+    """An optimizer must not train a delayed fp8 layer's scales: their "gradients" are values.
+    Each structure of gradients is looked at once (eager steps too, at the cost of a lookup)."""
+    structure = jax.tree_util.tree_structure(grads)
+    if structure in _STRUCTURES_CHECKED:
+        return
     for path, _ in jax.tree_util.tree_flatten_with_path(grads)[0]:
         key = path[-1] if path else None
         name = getattr(key, "key", getattr(key, "name", None))
@@ -235,6 +240,7 @@ def _refuse_float8_state(grads: Any) -> None:
                 f"its \"gradient\" (its next value). Give the optimizer the parameters alone "
                 f"(nnx.Optimizer(model, tx, wrt=nnx.Param)) and write the fp8 state back with "
                 f"mp.jax.update_float8(model, grads, optimizer).")
+    _STRUCTURES_CHECKED.add(structure)
 
 
 def _scale_state(config: LossScale, state: LossScaleState) -> LossScale:
@@ -284,8 +290,7 @@ def loss_scale_transformation(inner: Any, config: LossScale, axis_name: Any = No
                 "(two in one optax.chain?): they are already unscaled, and dividing them by a "
                 "second scale would make them 32768x too small. Use one LossScaleOptimizer around "
                 "the whole chain: mp.LossScaleOptimizer(optax.chain(...)).")
-        if isinstance(first, jax.core.Tracer):  # looked at once, when the step is traced
-            _refuse_float8_state(grads)
+        _refuse_float8_state(grads)
         if is_pass_through(config):  # the inner update, nothing added
             updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
             return updates, PassThroughState(inner_state)

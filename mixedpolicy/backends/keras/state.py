@@ -150,6 +150,7 @@ def install(optimizer: Any, state_dtype: str) -> Any:
     own: dict = {}          # a model variable's key -> its other per-variable state (Kahan's)
     per_variable: set = set()  # ids of every per-variable optimizer variable (stand-ins, storage, own)
     stand_ins: set = set()
+    shared: list = []
 
     def add_variable_from_reference(reference_variable: Any, name: Any = None, initializer: Any = "zeros") -> Any:
         reference, key = reference_variable, optimizer._var_key(reference_variable)
@@ -185,18 +186,20 @@ def install(optimizer: Any, state_dtype: str) -> Any:
     def update_step(gradient: Any, variable: Any, learning_rate: Any) -> None:
         key = optimizer._var_key(variable)
         mine = slots.get(key, [])
-        others = [v for v in optimizer.variables if id(v) not in per_variable] + own.get(key, [])
+        if not shared:  # the optimizer's own variables that are no variable's (iterations...), once
+            shared.extend(v for v in optimizer.variables if id(v) not in per_variable)
+        others = shared + own.get(key, [])
         if isinstance(variable, KerasVariable):  # TensorFlow hands the tf.Variable, assigned in place
             others.append(variable)
         mapping = [(slot.stand_in, slot.read()) for slot in mine] + [(v, v.value) for v in others]
-        before = {id(v): value for v, value in mapping}
         with StatelessScope(state_mapping=mapping) as scope:
+            given = dict(scope.state_mapping)  # the values as the scope holds them, to tell what changed
             cls.update_step(optimizer, gradient, variable, learning_rate)
         for slot in mine:
             slot.write(lambda v, value: cls.assign(optimizer, v, value), scope.get_current_value(slot.stand_in))
-        for v in others:
+        for v in others:  # only what the step assigned
             new = scope.get_current_value(v)
-            if new is not None and new is not before[id(v)]:
+            if new is not None and new is not given[id(v)]:
                 cls.assign(optimizer, v, new)
 
     assigns = {name: getattr(optimizer, name) for name in ("assign", "assign_add", "assign_sub")}

@@ -307,6 +307,9 @@ def test_an_optimizer_given_the_fp8_state_to_train_is_refused_with_the_fix():
     x, y = (jnp.asarray(a) for a in _inputs(1)[0])
     with pytest.raises(TypeError, match=r"float8_inputs_amax_history.*wrt=nnx\.Param.*update_float8"):
         _delayed_step()(net, optimizer, x, y)
+    tx, tree = mp.LossScaleOptimizer(optax.sgd(0.01)), {"up": {"float8_kernel_scale": jnp.ones(())}}
+    with pytest.raises(TypeError, match=r"\['up'\]\['float8_kernel_scale'\]"):  # an eager step alike
+        tx.update(tree, tx.init(tree), tree)
 
 
 def test_replicas_keep_the_same_fp8_state_with_the_largest_amax():

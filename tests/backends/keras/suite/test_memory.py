@@ -133,6 +133,10 @@ def test_the_state_is_stored_as_the_policy_says_from_kerass_own_moments(state):
 
     plain_model, grads = _model_and_grads("mixed_bfloat16")
     plain = keras.optimizers.Adam(1e-2)
+    if hasattr(plain, "_parallel_update_step"):  # Keras on torch: the per-variable path ours takes
+        from mixedpolicy.backends.keras.state import per_variable_path  # (the same operations, any CPU)
+
+        plain._backend_update_step = per_variable_path(plain)
     plain.apply(grads, plain_model.trainable_variables)
     model, grads = _model_and_grads("mixed_bfloat16")
     opt = mp.LossScaleOptimizer(keras.optimizers.Adam(1e-2), policy=f"p=f32,c=bf16,state={state}")

@@ -288,4 +288,4 @@ def test_a_pass_through_around_nadam_trains_as_nadam_alone():
                       keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         losses.append(model.fit(x, y, epochs=3, batch_size=16, verbose=0, shuffle=False).history["loss"])
         assert len(opt.variables) == 2 + 2 * 4 + 1  # iterations, learning rate, 2 moments each, _u_product
-    assert losses[0] == losses[1]
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)  # two compiled programs; the bug: 4%
