@@ -33,6 +33,7 @@ class Entry(NamedTuple):
     on_import: tuple = ()     # modules to load right after the gate is imported
     pytree_ranges: str = ""   # "module:function": gradient ranges of a pytree of parameters
     conversions: str = ""     # the module with its policy conversions (to_keras, to_jmp, to_fsdp)
+    float8_function: str = ""  # "module:function" calling a plain function with fp8 matmuls
 
 _B = "mixedpolicy.backends"
 
@@ -64,7 +65,7 @@ ENTRIES: list[Entry] = [
     Entry("jax", "jax", arrays=f"{_B}.jax.arrays:JaxArrays",
           # the loss scales become JAX pytrees (as jmp's are) as soon as JAX is imported
           on_import=(f"{_B}.jax.pytrees",), pytree_ranges=f"{_B}.jax.ranges:pytree_stats",
-          conversions=f"{_B}.jax.arrays"),
+          conversions=f"{_B}.jax.arrays", float8_function=f"{_B}.jax.float8_function:call"),
     Entry("numpy", "numpy", arrays=f"{_B}.numpy.arrays:NumpyArrays"),
 ]
 
@@ -158,14 +159,19 @@ def array_ops_for(x: Any) -> ArrayOps:
     return ops if role == "array" else array_ops("numpy")
 
 
-def array_ops_for_tree(tree: Any) -> ArrayOps:
-    """The first framework's (in priority order) with an array among the leaves of `tree`."""
+def _tree_entry(tree: Any) -> Entry:
+    """The first framework's row (in priority order) with an array among the leaves of `tree`."""
     for e in _live():
         if e.arrays:
             ops = _load(e.arrays)
             if any(ops.is_array(leaf) for leaf in ops.leaves(tree)):
-                return ops
-    return array_ops("numpy")
+                return e
+    return entry("numpy")
+
+
+def array_ops_for_tree(tree: Any) -> ArrayOps:
+    """The first framework's (in priority order) with an array among the leaves of `tree`."""
+    return _load(_tree_entry(tree).arrays)
 
 
 def model_adapter(obj: Any) -> ModelAdapter | None:
@@ -238,6 +244,18 @@ def optimizer_from_config(config: dict, custom_objects: Any = None) -> Any:
         f"LossScaleOptimizer config. Expected the get_config() of a Keras LossScaleOptimizer "
         f"(keys name, inner_optimizer, initial_scale, dynamic_growth_steps); import keras "
         f"first. torch wrappers restore with load_state_dict, optax ones from their state.")
+
+
+def float8_function(tree: Any) -> tuple[str, Any]:
+    """(framework name, its function calling a plain function with fp8 matmuls, or None) of
+    the first framework (in priority order) with an array among the leaves of `tree`."""
+    e = _tree_entry(tree)
+    return e.name, (_function(e.float8_function) if e.float8_function else None)
+
+
+def float8_function_frameworks() -> list[str]:
+    """The frameworks that run a plain function's matmuls in fp8, installed or not."""
+    return [e.name for e in ENTRIES if e.float8_function]
 
 
 def cast_tree(tree: Any, dtype: str) -> Any:

@@ -75,8 +75,7 @@ def apply_policy(model: Any, policy: Any = None, overrides: Mapping[Any, Any] | 
     adapter = _registry.model_adapter(model)
     fp8 = sorted({p.name for p in _policies_in(policy_map) if p.float8_recipe is not None})
     if adapter is None and callable(model) and not isinstance(model, type):
-        _check_float8(fp8, None, "a plain function")
-        result = PolicyFunction(model, policy_map)
+        result = PolicyFunction(model, policy_map)  # checks its fp8 recipe itself
     else:
         adapter = adapter or _model_adapter(model, "a plain function of arrays, or ")
         _check_float8(fp8, adapter, type(model).__name__)
@@ -90,11 +89,11 @@ def _check_float8(names: list, adapter: Any, what: str) -> None:
     if names and not getattr(adapter, "runs_float8", False):
         raise ValueError(
             f"Received the fp8 polic{'ies' if len(names) > 1 else 'y'} {', '.join(names)} for {what}: "
-            f"mixedpolicy runs fp8 matmuls on torch (torchao), Keras (Dense, EinsumDense) and "
-            f"Flax (nnx.Linear, linen's nn.Dense) only so far (an Equinox layer or a plain "
-            f"function sees what jax.vmap hands it, one example at a time, where a per-tensor "
-            f"scale would be per example). Use the source policy here (policy.source, e.g. "
-            f"'mixed_bfloat16'); nothing was applied.")
+            f"mixedpolicy runs fp8 matmuls on torch (torchao), Keras (Dense, EinsumDense), "
+            f"Flax (nnx.Linear, linen's nn.Dense) and plain JAX functions only so far (an "
+            f"Equinox layer sees what jax.vmap hands it, one example at a time, where a "
+            f"per-tensor scale would be per example). Use the source policy here "
+            f"(policy.source, e.g. 'mixed_bfloat16'); nothing was applied.")
 
 
 def _policies_in(policy_map: PolicyMap) -> tuple:

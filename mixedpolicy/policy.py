@@ -218,8 +218,11 @@ class Policy:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(config) - known)
         if unknown:
+            hint = "" if set(config) & known else (" If they are layer paths, globs or classes, "
+                    "give them as overrides: PolicyMap(default, overrides={...}) or "
+                    "apply_policy(model, policy, overrides={...}).")
             raise ValueError(f"Received a policy config with unknown keys {unknown}; "
-                             f"expected only {sorted(known)}.")
+                             f"expected only {sorted(known)}.{hint}")
         dtypes = {k: config[k] for k in sorted(known - {"name"}) if k in config}
         if "name" not in config and not {"compute_dtype", "variable_dtype"} & set(dtypes):
             raise ValueError(f"Received the policy config {show(dict(config))}, which names no "

@@ -6,6 +6,7 @@ tests/backends/keras/suite/test_float8.py (Keras's float8 layers, every backend)
 
 import json
 
+import numpy as np
 import pytest
 
 from conftest import require_module
@@ -83,8 +84,11 @@ def test_keras_round_trip_of_its_fp8_policies():
 
 
 def test_a_framework_without_an_fp8_path_refuses_fp8_before_anything_changes():
-    with pytest.raises(ValueError, match="for a plain function: mixedpolicy runs fp8 matmuls on torch"):
-        mp.apply_policy(lambda w, x: w @ x, "float8_from_mixed_bfloat16")
+    with pytest.raises(ValueError, match="plain function .* runs the 'tensorwise' recipe"):
+        mp.apply_policy(lambda w, x: w @ x, "float8_from_mixed_bfloat16")  # delayed: no state
+    f = mp.apply_policy(lambda w, x: w @ x, mp.Policy("float32", float8_recipe="tensorwise"))
+    with pytest.raises(TypeError, match="Received numpy arrays .* plain function's matmuls run in fp8"):
+        f(np.ones((16, 16), np.float32), np.ones((16, 16), np.float32))
     tf = require_module("tensorflow")
     module = tf.Module()
     with pytest.raises(ValueError, match="fp8 policy float8_from_float32 for Module.*nothing was applied"):

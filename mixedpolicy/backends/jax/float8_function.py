@@ -1,0 +1,227 @@
+"""fp8 matmuls in a plain JAX function ``f(params, *inputs)``: its jaxpr, with each weight matmul in fp8.
+
+A plain function has no ``nnx.Linear`` to hook, so the function is traced to its jaxpr
+(``jax.make_jaxpr``, under whatever transformation calls it) and the jaxpr is evaluated again
+equation by equation, each ``dot_general`` that multiplies a weight by an activation going
+through the same fp8 matmul as the NNX hook (float8.py: torchao's ``tensorwise`` recipe,
+e4m3 operands and e5m2 output gradients by default). A weight is a leaf of ``params`` (the
+first positional argument), or one cast, transposed or reshaped from it, or one sliced from a
+stack of them by ``jax.lax.scan`` or by indexing (not gathered rows of it: an embedding
+lookup is an activation). The built-in rules of the layer adapters hold per matmul:
+the last weight matmul of the function (the output head), and those whose weight is not a
+multiple of 16 in both its contracted and its kept size, stay in the compute dtype, as do
+products of two activations (attention's scores and mixing) and of two weights.
+
+Nested programs are followed: ``jax.jit`` and ``closed_call`` inline, ``jax.lax.scan``,
+``jax.lax.cond``/``switch`` and ``jax.checkpoint`` rebuilt through their public functions with
+rewritten bodies. What other primitives hold (``custom_jvp``/``custom_vjp`` rules, ``while``
+loops) runs as it was. The scale is per tensor of what the function sees, so the function must
+see the whole batch: called under ``jax.vmap`` it is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jcore
+
+from mixedpolicy.backends.jax.float8 import _matmul
+from mixedpolicy.float8 import Float8Recipe
+
+_P = jcore.primitives
+_DOT = _P.dot_general_p
+_INLINE = {p for p in (getattr(_P, "jit_p", None), getattr(_P, "pjit_p", None), _P.closed_call_p,
+                       getattr(_P, "call_p", None)) if p is not None}
+# ops after which a weight is still a weight: its dtype, layout or shape changed, or a part of
+# it taken (one layer of a stack, q of a fused qkv); a gather of its rows (an embedding lookup)
+# is an activation
+_KEEPS_WEIGHT = {"convert_element_type", "transpose", "reshape", "squeeze", "expand_dims", "copy",
+                 "copy_p", "reduce_precision", "slice", "dynamic_slice"}
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def call(fn: Any, recipe: Float8Recipe, args: tuple, kwargs: dict) -> Any:
+    """``fn(*args, **kwargs)`` with its weight matmuls in fp8 (see the module docstring).
+
+    Raises:
+      ValueError: called under ``jax.vmap`` (a per-tensor scale would be per example).
+    """
+    under_vmap = getattr(jcore, "unsafe_am_i_under_a_vmap_DO_NOT_USE", None)
+    if under_vmap is not None and under_vmap():
+        raise ValueError(
+            f"Received a call under jax.vmap of the fp8 function {getattr(fn, '__name__', fn)!r}: "
+            f"its matmuls scale each tensor by its largest magnitude, and under vmap each tensor "
+            f"is one example, so every example would get a scale of its own. Call the function "
+            f"on the whole batch (vmap inside it, around what is per example), or use the "
+            f"source policy (policy.source) under vmap.")
+    leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+    dynamic = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+    n_params = len(jax.tree_util.tree_leaves(args[0])) if args else 0
+
+    def flat(*values: Any) -> Any:
+        full = list(leaves)
+        for i, value in zip(dynamic, values):
+            full[i] = value
+        a, k = jax.tree_util.tree_unflatten(tree, full)
+        return fn(*a, **k)
+
+    values = [leaves[i] for i in dynamic]
+    closed, shape = jax.make_jaxpr(flat, return_shape=True)(*values)
+    weights = [i < n_params for i in dynamic]
+    plan = _Plan(recipe)
+    plan.walk(closed.jaxpr, weights)
+    outs, _ = _Evaluator(plan).run(closed.jaxpr, closed.consts, values, weights)
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shape), outs)
+
+
+def _weight_operand(eqn: Any, marks: list) -> int | None:
+    """0 or 1: the operand of a ``dot_general`` that is the weight, where exactly one is and the
+    product has no batch dimensions; else None."""
+    (_, _), (batch_l, batch_r) = eqn.params["dimension_numbers"]
+    if batch_l or batch_r or marks[0] == marks[1]:
+        return None
+    return 0 if marks[0] else 1
+
+
+def _sizes(eqn: Any, side: int) -> tuple[int, int]:
+    """(contracted, kept) size of operand `side` of a ``dot_general``."""
+    shape = eqn.invars[side].aval.shape
+    contract = eqn.params["dimension_numbers"][0][side]
+    k = int(np.prod([shape[d] for d in contract]))
+    return k, int(np.prod(shape)) // max(k, 1)
+
+
+class _Plan:
+    """Which weight matmuls run in fp8: every eligible one but the last (the head)."""
+
+    def __init__(self, recipe: Float8Recipe):
+        self.recipe, self.order, self.chosen = recipe, [], None
+
+    def walk(self, jaxpr: Any, marks: list) -> list:
+        env = dict(zip(jaxpr.invars, marks))
+        for eqn in jaxpr.eqns:
+            ins = [env.get(v, False) if isinstance(v, jcore.Var) else False for v in eqn.invars]
+            outs = self._eqn(eqn, ins)
+            env.update(zip(eqn.outvars, outs))
+        return [env.get(v, False) if isinstance(v, jcore.Var) else False for v in jaxpr.outvars]
+
+    def _eqn(self, eqn: Any, ins: list) -> list:
+        name, params = eqn.primitive.name, eqn.params
+        if eqn.primitive is _DOT:
+            side = _weight_operand(eqn, ins)
+            if side is not None:  # a weight matmul: the last one is the head, whatever its size
+                self.order.append((eqn, all(n % 16 == 0 for n in _sizes(eqn, side))))
+            return [False]
+        if eqn.primitive in _INLINE:
+            return self.walk(_open(_called(params)), ins)
+        if name == "scan":
+            self.walk(params["jaxpr"].jaxpr, ins)
+            return [False] * len(eqn.outvars)
+        if name == "cond":
+            for branch in params["branches"]:
+                self.walk(branch.jaxpr, ins[1:])
+            return [False] * len(eqn.outvars)
+        if name.startswith("remat"):
+            return self.walk(params["jaxpr"], ins)
+        keeps = name in _KEEPS_WEIGHT and ins and ins[0]
+        return [bool(keeps)] * len(eqn.outvars)
+
+    def fp8(self, eqn: Any) -> bool:
+        if self.chosen is None:
+            self.chosen = {id(e) for e, sized in self.order[:-1] if sized}
+        return id(eqn) in self.chosen
+
+
+def _called(params: dict) -> Any:
+    return params["jaxpr"] if "jaxpr" in params else params["call_jaxpr"]
+
+
+def _open(jaxpr: Any) -> Any:
+    return getattr(jaxpr, "jaxpr", jaxpr)
+
+
+class _Evaluator:
+    """Evaluates a jaxpr with the plan's matmuls in fp8, nested programs rebuilt."""
+
+    def __init__(self, plan: _Plan):
+        self.plan = plan
+
+    def run(self, jaxpr: Any, consts: Any, args: list, marks: list) -> tuple[list, list]:
+        env: dict = {}
+        weight: dict = {}
+
+        def read(v: Any) -> Any:
+            return v.val if isinstance(v, jcore.Literal) else env[v]
+
+        env.update(zip(jaxpr.constvars, consts))
+        env.update(zip(jaxpr.invars, args))
+        weight.update(zip(jaxpr.invars, marks))
+        for eqn in jaxpr.eqns:
+            ins = [read(v) for v in eqn.invars]
+            in_marks = [weight.get(v, False) if isinstance(v, jcore.Var) else False for v in eqn.invars]
+            outs, out_marks = self._eqn(eqn, ins, in_marks)
+            env.update(zip(eqn.outvars, outs))
+            weight.update(zip(eqn.outvars, out_marks))
+        return [read(v) for v in jaxpr.outvars], [weight.get(v, False) if isinstance(v, jcore.Var) else False
+                                                  for v in jaxpr.outvars]
+
+    def _eqn(self, eqn: Any, ins: list, marks: list) -> tuple[list, list]:
+        name, params = eqn.primitive.name, eqn.params
+        n_out = len(eqn.outvars)
+        if eqn.primitive is _DOT and self.plan.fp8(eqn):
+            return [self._dot(eqn, *ins)], [False]
+        if eqn.primitive in _INLINE:
+            closed = _called(params)
+            return self.run(_open(closed), getattr(closed, "consts", ()), ins, marks)
+        if name == "scan":
+            return self._scan(params, ins, marks), [False] * n_out
+        if name == "cond":
+            branches = [self._body(b.jaxpr, b.consts, marks[1:]) for b in params["branches"]]
+            return list(jax.lax.switch(ins[0], branches, *ins[1:])), [False] * n_out
+        if name.startswith("remat"):
+            body = self._body(params["jaxpr"], (), marks)
+            outs = jax.checkpoint(body, prevent_cse=params["prevent_cse"], policy=params["policy"])(*ins)
+            return list(outs), [False] * n_out
+        bound = eqn.primitive.get_bind_params(params)  # JAX < 0.10: (subfunctions, params)
+        subfuns, bound = bound if isinstance(bound, tuple) else ((), bound)
+        with getattr(getattr(eqn, "ctx", None), "manager", contextlib.nullcontext()):
+            outs = eqn.primitive.bind(*subfuns, *ins, **bound)
+        outs = list(outs) if eqn.primitive.multiple_results else [outs]
+        keeps = name in _KEEPS_WEIGHT and marks and marks[0]
+        return outs, [bool(keeps)] * n_out
+
+    def _body(self, jaxpr: Any, consts: Any, marks: list) -> Any:
+        return lambda *args: tuple(self.run(jaxpr, consts, list(args), marks)[0])
+
+    def _scan(self, params: dict, ins: list, marks: list) -> list:
+        n_consts, n_carry = params["num_consts"], params["num_carry"]
+        consts, carry, xs = ins[:n_consts], ins[n_consts:n_consts + n_carry], ins[n_consts + n_carry:]
+        body = self._body(params["jaxpr"].jaxpr, params["jaxpr"].consts, marks)
+
+        def step(c: tuple, x: tuple) -> tuple:
+            outs = body(*consts, *c, *x)
+            return tuple(outs[:n_carry]), tuple(outs[n_carry:])
+
+        carry_out, ys = jax.lax.scan(step, tuple(carry), tuple(xs), length=params["length"],
+                                     reverse=params["reverse"], unroll=params["unroll"])
+        return [*carry_out, *ys]
+
+    def _dot(self, eqn: Any, lhs: Any, rhs: Any) -> Any:
+        """The ``dot_general`` as ``(M, K) @ (K, N)`` through the fp8 matmul, in its own layout."""
+        (contract_l, contract_r), _ = eqn.params["dimension_numbers"]
+        free_l = [d for d in range(lhs.ndim) if d not in contract_l]
+        free_r = [d for d in range(rhs.ndim) if d not in contract_r]
+        k = int(np.prod([lhs.shape[d] for d in contract_l]))
+        a = jnp.transpose(lhs, (*free_l, *contract_l)).reshape(-1, k)
+        b = jnp.transpose(rhs, (*contract_r, *free_r)).reshape(k, -1)
+        out = _matmul(a, b, self.plan.recipe.forward_dtype, self.plan.recipe.backward_dtype,
+                      str(a.dtype), str(b.dtype))
+        shape = (*(lhs.shape[d] for d in free_l), *(rhs.shape[d] for d in free_r))
+        return out.reshape(shape).astype(eqn.outvars[0].aval.dtype)
