@@ -7,7 +7,7 @@ import re
 import numpy as np
 import pytest
 
-from mixedpolicy import Policy
+from mixedpolicy import Policy, PolicyMap
 from mixedpolicy.policy import as_policy
 
 # name -> (variable, compute, output)
@@ -108,6 +108,9 @@ def test_config_and_json_round_trip(name):
 def test_from_config_rejects_unknown_keys():
     with pytest.raises(ValueError, match=r"unknown keys \['dtype'\].*expected only"):
         Policy.from_config({"name": "float32", "dtype": "float16"})
+    # layer keys where a policy goes: the message says where they go
+    with pytest.raises(ValueError, match=r"unknown keys \['encoder.\*'\].*give them as overrides"):
+        PolicyMap({"encoder.*": "float32"})
     with pytest.raises(TypeError, match="expected the dict returned by Policy.get_config"):
         Policy.from_config("float32")
 
