@@ -26,9 +26,11 @@ from mixedpolicy.policy_map import PolicyMap, as_policy_map
 from mixedpolicy.scope import global_policy
 from mixedpolicy.telemetry import LightningLossScaleCallback, metrics
 
-#: a policy's name -> the precision string Lightning reports for it (``trainer.precision``)
-_LIGHTNING_NAMES = {"mixed_float16": "16-mixed", "mixed_bfloat16": "bf16-mixed", "float32": "32-true",
-                    "float16": "16-true", "bfloat16": "bf16-true", "float64": "64-true"}
+#: a policy's (variable, compute) dtypes -> the precision string Lightning reports for it
+#: (``trainer.precision``, which its model summary reads), whatever else the policy says
+_LIGHTNING_NAMES = {("float32", "float16"): "16-mixed", ("float32", "bfloat16"): "bf16-mixed",
+                    ("float32", "float32"): "32-true", ("float16", "float16"): "16-true",
+                    ("bfloat16", "bfloat16"): "bf16-true", ("float64", "float64"): "64-true"}
 _built: dict = {}
 
 
@@ -91,7 +93,7 @@ class PolicyPrecision:
                             f"DynamicLossScale, StaticLossScale or NoLossScale.")
         self._loss_scale = _loss_scale_for(self.policy_map, settings, loss_scale)
         default = self.policy_map.default
-        self.precision = _LIGHTNING_NAMES.get(default.name, default.name)  # what trainer.precision shows
+        self.precision = _LIGHTNING_NAMES.get((default.variable_dtype, default.compute_dtype), default.name)
         self.optimizer: TorchLossScaleOptimizer | None = None  # the Trainer's optimizers, once connected
         self._pending_state: dict | None = None
         self._module: torch.nn.Module | None = None  # the LightningModule, once converted

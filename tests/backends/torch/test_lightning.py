@@ -194,6 +194,8 @@ def test_bad_input_to_the_plugin_is_refused_with_the_fix():
     with pytest.raises(ValueError, match="every_n_steps=0"):
         mpl.LossScaleCallback(every_n_steps=0)
     assert mpl.Precision(32).precision == "32-true" and mpl.Precision("bf16-true").precision == "bf16-true"
+    # what else a policy says (a reduce dtype, a recipe) leaves Lightning's name, which its summary reads
+    assert mpl.Precision(mp.Policy("mixed_float16", reduce_dtype="bfloat16")).precision == "16-mixed"
 
 
 def test_the_core_callback_is_lightnings_own_where_lightning_runs():
