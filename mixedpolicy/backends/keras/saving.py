@@ -7,11 +7,16 @@ mixedpolicy's wrapper loads in plain Keras.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Any
 
 from keras import ops
 from keras.src.saving.keras_saveable import KerasSaveable
+
+from mixedpolicy.backends.keras import state
+
+_log = logging.getLogger("mixedpolicy")
 
 
 class SkipCounts(KerasSaveable):
@@ -49,21 +54,38 @@ def save_keras_layout(optimizer: Any, store: Any) -> None:
 def load_keras_layout(optimizer: Any, store: Any) -> bool:
     """Reads Keras's layout, or the one mixedpolicy wrote before (the counters at index 2).
 
+    A checkpoint whose optimizer kept its moments in another dtype, or 8-bit, or with(out) a
+    Kahan compensation (`Policy.optimizer_state_dtype`, ``update_rounding="kahan"``), is
+    converted to this optimizer's recipe: moments rounded to nearest or block-quantized, a
+    compensation this optimizer keeps starts at zero, one it does not keep is dropped; one
+    warning names both recipes.
+
     Returns False, reading nothing, where the optimizer is not built or the store holds
-    another number of variables (Keras's own warning then says so).
+    another layout (Keras's own warning then says so).
 
     Raises:
       ValueError: the scale read is not a finite number > 0.
     """
     if not optimizer.built:
         return False
-    ours = keras_variables(optimizer)
-    if len(store.keys()) == len(optimizer.variables):
-        ours = optimizer.variables
-    elif len(store.keys()) != len(ours):
+    entries = [store[str(i)] for i in range(len(store.keys()))]
+    plan = _read_across_recipes(optimizer, entries)
+    if plan is None and len(entries) == len(optimizer.variables):
+        plan = [(variable, entry) for variable, entry in zip(optimizer.variables, entries)], None
+    if plan is None:
         return False
-    for i, variable in enumerate(ours):
-        variable.assign(store[str(i)])
+    assignments, changed = plan
+    _skip_next_load(optimizer.inner_optimizer)
+    for target, value in assignments:
+        if isinstance(target, tuple):
+            state.convert_moment(target, state.read_moment(value))
+        else:
+            target.assign(value)
+    if changed:
+        _log.warning("LossScaleOptimizer.load_own_variables: the optimizer state was saved as %s; %s keeps "
+                     "it as %s, so it was converted (moments rounded to nearest into a float dtype, "
+                     "block-quantized into int8; a Kahan compensation the checkpoint lacks starts at "
+                     "zero, one this optimizer does not keep is dropped).", *changed)
     scale = float(ops.convert_to_numpy(optimizer.dynamic_scale))
     if not (scale > 0 and scale < float("inf")):
         raise ValueError(
@@ -72,6 +94,68 @@ def load_keras_layout(optimizer: Any, store: Any) -> bool:
             f"file was written by an optimizer whose scale had collapsed; load the model with "
             f"compile=False and compile it with a fresh LossScaleOptimizer.")
     return True
+
+
+def _skip_next_load(inner: Any) -> None:
+    """Keras loads the inner optimizer's group next (a child is loaded after its parent): what
+    the wrapper read holds it already, converted where the recipes differ, so that load, which
+    would warn of a mismatch there, is skipped once."""
+    def skip(store: Any) -> None:
+        del inner.load_own_variables
+
+    inner.load_own_variables = skip
+
+
+def _read_across_recipes(optimizer: Any, entries: list) -> tuple | None:
+    """([(variable or a moment's storage, what to store)], None or (saved recipe, the inner
+    optimizer's class, its recipe)) for the wrapper's variables from a checkpoint's arrays in
+    Keras's order, or None where they do not fit."""
+    inner = optimizer.inner_optimizer
+    slots = {id(storage[0]): storage for storage in state.moments(inner)}
+    kahan = {id(v) for v in getattr(inner, "_mixedpolicy_kahan", {}).values()}
+    assignments: list = []
+    saved: set = set()
+    ours: set = set()
+    i, variables = 0, keras_variables(optimizer)
+    parts = {id(v) for storage in slots.values() for v in storage[1:]}
+    for variable in variables:
+        if id(variable) in parts:
+            continue  # an 8-bit moment's scales and flag: read with its codes
+        entry = entries[i] if i < len(entries) else None
+        if id(variable) in kahan:
+            if entry is None:  # a compensation the checkpoint did not keep: zeros, as built
+                ours.add("a Kahan compensation")
+                assignments.append((variable, ops.zeros(variable.shape, variable.dtype)))
+                continue
+            saved.add("a Kahan compensation")
+            ours.add("a Kahan compensation")
+        if entry is None or tuple(entry.shape) != tuple(variable.shape):
+            return None
+        storage = slots.get(id(variable))
+        if storage is None:
+            assignments.append((variable, entry))
+            i += 1
+            continue
+        width = 3 if str(entry.dtype) == "uint8" else 1
+        kind, mine = "int8" if width == 3 else str(entry.dtype), state.stored_kind(storage)
+        saved.add(kind)
+        ours.add(mine)
+        if kind == mine:
+            assignments.extend(zip(storage, entries[i:i + width]))
+        else:
+            assignments.append((storage, entries[i:i + width]))
+        i += width
+    rest = entries[i:]
+    if rest and not all(str(e.dtype) == "bfloat16" for e in rest):
+        return None  # more than a compensation this optimizer does not keep
+    saved.update(["a Kahan compensation"] if rest else [])
+    changed = (_recipe(saved), type(inner).__name__, _recipe(ours)) if saved != ours else None
+    return assignments, changed
+
+
+def _recipe(kinds: set) -> str:
+    return "+".join(sorted(kinds - {"a Kahan compensation"})) + (
+        ", with a Kahan compensation" if "a Kahan compensation" in kinds else "")
 
 
 def constructor_arguments(config: dict, custom_objects: Any = None) -> tuple[Any, dict, Any]:

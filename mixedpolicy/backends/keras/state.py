@@ -123,11 +123,7 @@ class _Slot:
         return ops.cast(value, self.stand_in.dtype)
 
     def write(self, assign: Any, value: Any) -> None:
-        if len(self.storage) == 1:
-            assign(self.storage[0], ops.cast(value, self.storage[0].dtype))
-            return
-        for variable, part in zip(self.storage, _quantize(ops.cast(value, "float32"))):
-            assign(variable, part)
+        convert_moment(self.storage, value, assign)
 
 
 def _stand_in(reference: Any, name: str) -> Any:
@@ -221,7 +217,69 @@ def install(optimizer: Any, state_dtype: str) -> Any:
     if hasattr(optimizer, "_parallel_update_step"):  # Keras's torch optimizers: the per-variable path
         optimizer._backend_update_step = per_variable_path(optimizer)
     optimizer._mixedpolicy_state_dtype = state_dtype
+    optimizer._mixedpolicy_moments = lambda: [slot.storage for key_slots in slots.values() for slot in key_slots]
     return optimizer
+
+
+def recording_moments(optimizer: Any) -> Any:
+    """A context in which building `optimizer` records the moments it makes (each a variable
+    of its own) for `moments`, where `install` did not take over making them."""
+    import contextlib
+
+    if hasattr(optimizer, "_mixedpolicy_moments"):
+        return contextlib.nullcontext()
+    made: list = []
+    own = vars(optimizer).get("add_variable_from_reference")
+    make = optimizer.add_variable_from_reference
+
+    def add_variable_from_reference(reference_variable: Any, name: Any = None, initializer: Any = "zeros") -> Any:
+        variable = make(reference_variable, name, initializer)
+        made.extend([] if name in _KEPT else [(variable,)])
+        return variable
+
+    @contextlib.contextmanager
+    def recording() -> Any:
+        optimizer.add_variable_from_reference = add_variable_from_reference
+        try:
+            yield
+        finally:
+            del optimizer.add_variable_from_reference
+            if own is not None:
+                optimizer.add_variable_from_reference = own
+        optimizer._mixedpolicy_moments = lambda: list(made)
+
+    return recording()
+
+
+def moments(optimizer: Any) -> list:
+    """The storage of each per-variable moment of `optimizer` (a tuple of one variable, or of an
+    8-bit moment's codes, block scales and sign flag), in the order Keras saves them; empty where
+    the optimizer was built before mixedpolicy saw it."""
+    found = getattr(optimizer, "_mixedpolicy_moments", None)
+    return found() if found is not None else []
+
+
+def stored_kind(storage: tuple) -> str:
+    """What a moment is stored as: ``"int8"`` or its float dtype."""
+    return "int8" if len(storage) == 3 else keras.backend.standardize_dtype(storage[0].dtype)
+
+
+def convert_moment(storage: tuple, value: Any, assign: Any = None) -> None:
+    """Stores a moment's float value in `storage` (rounded to nearest, or block-quantized),
+    through `assign(variable, part)` (default: the variable's own)."""
+    assign = assign or (lambda variable, part: variable.assign(part))
+    if len(storage) == 1:
+        assign(storage[0], ops.cast(value, storage[0].dtype))
+        return
+    for variable, part in zip(storage, _quantize(ops.cast(value, "float32"))):
+        assign(variable, part)
+
+
+def read_moment(parts: list) -> Any:
+    """A moment's float32 value from what a checkpoint holds for it (one array, or three)."""
+    if len(parts) == 1:
+        return ops.cast(ops.convert_to_tensor(parts[0]), "float32")
+    return _dequantize(*(ops.convert_to_tensor(np.asarray(p)) for p in parts))
 
 
 def per_variable_path(optimizer: Any) -> Any:

@@ -4,6 +4,8 @@ bfloat16 variables stochastically; on the digits MLP it trains like the float32 
 nearest rounding loses its small updates. Run once per Keras backend by test_keras.py.
 """
 
+import warnings
+
 import numpy as np
 import keras
 import pytest
@@ -194,6 +196,60 @@ def test_bfloat16_weights_with_int8_state_train_like_the_float32_master_and_save
         m.fit(x[:128], y[:128], batch_size=64, verbose=0, shuffle=False)
     for a, b in zip(model.trainable_variables, loaded.trainable_variables):
         np.testing.assert_array_equal(keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b))
+
+
+def _trained(policy, steps=2):
+    """The net under `policy`, compiled with a wrapped Adam and trained `steps` steps."""
+    model, _ = _model_and_grads(policy)
+    mp.set_global_policy(policy)
+    try:
+        model.compile(mp.LossScaleOptimizer(keras.optimizers.Adam(1e-2, beta_2=0.99)), "mse")
+    finally:
+        mp.set_global_policy("float32")
+    rng = np.random.default_rng(1)
+    model.fit(rng.normal(size=(32, 16)), rng.normal(size=(32, 4)), batch_size=16, epochs=steps // 2, verbose=0)
+    return model
+
+
+def _moments(model):
+    from mixedpolicy.backends.keras.state import moments, read_moment
+
+    return [keras.ops.convert_to_numpy(read_moment([keras.ops.convert_to_numpy(v) for v in storage]))
+            for storage in moments(model.optimizer.inner_optimizer)]
+
+
+def test_weights_saved_under_one_state_recipe_load_under_another_converted_and_said_once(tmp_path, caplog):
+    """load_weights across recipes: each moment converted (rounded, quantized or dequantized),
+    a Kahan compensation the file lacks at zero and one the optimizer does not keep dropped, one
+    warning naming both recipes; within a recipe the file loads exactly and says nothing."""
+    path = str(tmp_path / "w.weights.h5")
+    recipes = ["mixed_bfloat16", "p=f32,c=bf16,state=int8", "p=bf16,rounding=kahan,state=float32",
+               "p=bf16,rounding=stochastic,state=bfloat16"]
+    messages = {}
+    for i, j in ((0, 1), (1, 2), (2, 3), (3, 0), (1, 1)):  # each move once, and one to itself
+        saved, target = recipes[i], recipes[j]
+        source = _trained(saved)
+        source.save_weights(path)
+        model = _trained(target)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="mixedpolicy"), warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # Keras's "Skipping variable loading" would fail here
+            model.load_weights(path)
+        said = [r.getMessage() for r in caplog.records if "load_own_variables" in r.getMessage()]
+        assert len(said) == (saved != target), (saved, target, said)
+        messages[saved, target] = said
+        for want, got in zip(_moments(source), _moments(model)):
+            if saved == target:
+                np.testing.assert_array_equal(got, want)
+            else:  # an 8-bit block keeps about two decimal digits of its largest value
+                np.testing.assert_allclose(got, want, rtol=0, atol=0.02 * np.abs(want).max() + 1e-30)
+        if "kahan" in target and "kahan" not in saved:  # the model's own compensation was nonzero
+            for compensation in model.optimizer.inner_optimizer._mixedpolicy_kahan.values():
+                assert not keras.ops.convert_to_numpy(keras.ops.cast(compensation, "float32")).any()
+    (said,) = messages[recipes[2], recipes[3]]
+    assert "saved as float32, with a Kahan compensation; Adam keeps it as bfloat16" in said
+    (said,) = messages[recipes[0], recipes[1]]
+    assert "saved as float32; Adam keeps it as float32+int8" in said
 
 
 def test_a_decay_rate_that_rounds_to_one_in_the_variables_dtype_is_named_with_the_fix():
