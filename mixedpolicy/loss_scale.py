@@ -179,6 +179,9 @@ class StaticLossScale(LossScale):
         return hash(StaticLossScale)
 
 
+_TOP = float(np.finfo(np.float32).max)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class DynamicLossScale(LossScale):
     """A loss scale that finds the largest scale that keeps gradients finite.
@@ -207,6 +210,8 @@ class DynamicLossScale(LossScale):
       backoff_factor: factor applied on overflow, in (0, 1).
       min_scale: the floor, > 0 (may be below 1).
       max_scale: the ceiling, at least the initial scale.
+      period, factor, min_loss_scale: jmp's spellings (``dynamic_growth_steps``, ``growth_factor =
+        1 / backoff_factor``, ``min_scale``); with any of them, as jmp, no ceiling but float32's.
 
     Raises:
       ValueError, TypeError: a setting is out of range or of the wrong type.
@@ -226,6 +231,26 @@ class DynamicLossScale(LossScale):
     backoff_factor: float = 0.5
     min_scale: float = 1.0
     max_scale: float = 2.0**24
+
+    def __init__(self, loss_scale: Any = 2.0**15, counter: Any = 0, dynamic_growth_steps: Any = None,
+                 growth_factor: Any = None, backoff_factor: Any = None, min_scale: Any = None,
+                 max_scale: Any = None, *, period: Any = None, factor: Any = None, min_loss_scale: Any = None):
+        for jmp_name, jmp_value, name, value in (
+                ("period", period, "dynamic_growth_steps", dynamic_growth_steps), ("factor", factor, "growth_factor",
+                growth_factor), ("factor", factor, "backoff_factor", backoff_factor),
+                ("min_loss_scale", min_loss_scale, "min_scale", min_scale)):
+            if jmp_value is not None and value is not None:
+                raise TypeError(f"Received {jmp_name}={jmp_value!r} (jmp's spelling) and {name}={value!r}; give it once.")
+        if factor is not None:
+            growth_factor, backoff_factor = factor, 1.0 / float(check_scale(factor, "factor"))
+        top = _TOP if any(v is not None for v in (period, factor, min_loss_scale)) else 2.0**24
+        for name, value, default in (
+                ("loss_scale", loss_scale, None), ("counter", counter, None), ("growth_factor", growth_factor, 2.0),
+                ("dynamic_growth_steps", dynamic_growth_steps if period is None else period, 2000),
+                ("backoff_factor", backoff_factor, 0.5), ("max_scale", max_scale, top),
+                ("min_scale", min_scale if min_loss_scale is None else min_loss_scale, 1.0)):
+            object.__setattr__(self, name, default if value is None else value)
+        self.__post_init__()
 
     def __post_init__(self):
         steps = self.dynamic_growth_steps
@@ -282,8 +307,9 @@ class DynamicLossScale(LossScale):
         scale = self.loss_scale
         counter = ops.where(finite, self.counter + 1, ops.zeros_like(self.counter))
         grow = finite & (counter >= self.dynamic_growth_steps)
-        grown = scale * self.growth_factor
-        grown = ops.where(grown > self.max_scale, ops.full_like(scale, self.max_scale), grown)
+        grown = scale * self.growth_factor  # past float32 (inf): kept where it was, as jmp keeps it
+        grown = ops.where(grown > self.max_scale, ops.full_like(scale, self.max_scale) if self.max_scale < _TOP
+                          else scale, grown)
         shrunk = scale * self.backoff_factor
         shrunk = ops.where(shrunk < self.min_scale, ops.full_like(scale, self.min_scale), shrunk)
         new_scale = ops.where(grow, grown, ops.where(finite, scale, shrunk))

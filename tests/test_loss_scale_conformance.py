@@ -107,6 +107,35 @@ def test_jmp_policy_conversion_prints():
     assert jmp.get_policy(text) == mp.Policy("mixed_bfloat16").to_jmp()
 
 
+def test_jmps_spelling_of_a_dynamic_scale_steps_as_jmps_own():
+    """jmp's period, factor and min_loss_scale: jmp code moves over by its import, and the scale
+    goes as jmp's does (no ceiling but float32's), step for step under jit."""
+    jax = require_module("jax")
+    jmp = require_module("jmp", "jax")
+    jnp = jax.numpy
+    # (jmp's pytree drops min_loss_scale, so under jit its floor is always 1: checked eagerly below)
+    settings = dict(period=3, factor=4)
+    theirs = jmp.DynamicLossScale(jnp.float32(2.0**120), **settings)
+    ours = mp.DynamicLossScale(jnp.float32(2.0**120), **settings)
+    flags = [True] * 14 + [False] * 70 + [True, True, True, False]
+    for finite in flags:
+        with jax.numpy_dtype_promotion("standard"):  # jmp multiplies its int32 counter by the flag
+            theirs = jax.jit(type(theirs).adjust)(theirs, jnp.bool_(finite))
+        ours = jax.jit(type(ours).adjust)(ours, jnp.bool_(finite))
+        assert float(ours.loss_scale) == float(theirs.loss_scale) and int(ours.counter) == int(theirs.counter)
+    assert float(ours.max_scale) == float(np.finfo(np.float32).max)
+    theirs = jmp.DynamicLossScale(jnp.float32(8.0), min_loss_scale=jnp.float32(2.0))
+    ours = mp.DynamicLossScale(jnp.float32(8.0), min_loss_scale=jnp.float32(2.0))
+    for _ in range(3):
+        with jax.numpy_dtype_promotion("standard"):
+            theirs = theirs.adjust(jnp.bool_(False))
+        ours = ours.adjust(jnp.bool_(False))
+        assert float(ours.loss_scale) == float(theirs.loss_scale)
+    assert float(ours.loss_scale) == 2.0
+    with pytest.raises(TypeError, match=r"period=3 \(jmp's spelling\) and dynamic_growth_steps=2; give it once"):
+        mp.DynamicLossScale(period=3, dynamic_growth_steps=2)
+
+
 # -- optax -------------------------------------------------------------------------
 def _optax_step(opt, w, grads=None):
     jax = require_module("jax")

@@ -17,10 +17,11 @@ POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
 #: ``param_dtype``, Keras's "bfloat16"/"float16" dtype policy, variables made in the dtype).
 PURE = ("bfloat16", "float16")
 #: fp8 recipes each framework's own tools train with, which the bench compares against:
-#: torchao's Float8Linear on torch, Keras's float8 quantization on Keras; Flax NNX and
-#: TensorFlow have no fp8 set-up of their own to compare with (their fp8 rows are skipped)
+#: torchao's Float8Linear on torch, Keras's float8 quantization on Keras, on Flax NNX (which has
+#: no fp8 layer) the tensorwise dot_general its users write by hand; TensorFlow has no fp8
+#: set-up to compare with (its fp8 rows are skipped)
 FLOAT8_RECIPES = {"torch": ("tensorwise", "rowwise", "rowwise_with_gw_hp"), "keras-jax": ("delayed",),
-                  "keras-torch": ("delayed",), "keras-tensorflow": ("delayed",)}
+                  "keras-torch": ("delayed",), "keras-tensorflow": ("delayed",), "jax": ("tensorwise",)}
 
 
 def mp_float8(policy: str) -> bool:

@@ -262,8 +262,10 @@ def test_a_small_run_writes_every_output_with_every_field(tmp_path):
 @pytest.mark.slow
 def test_fp8_policies_run_against_each_frameworks_own_fp8_set_up(tmp_path):
     """torch's tensorwise row against torchao's own conversion, Keras's delayed row against
-    model.quantize("float8"): the same weights and batches give the same losses (gap 0); a
-    framework without an fp8 set-up of its own is left out, and says so."""
+    model.quantize("float8"): the same weights and batches give the same losses (gap 0); Flax
+    NNX's tensorwise row against the dot_general its users write by hand (the same layers, the
+    same arithmetic: a gap within what bfloat16 rounding grows to); a recipe a framework has no
+    set-up of its own for is left out there, and says so."""
     from conftest import require_module
 
     require_module("torchao")
@@ -280,10 +282,13 @@ def test_fp8_policies_run_against_each_frameworks_own_fp8_set_up(tmp_path):
     assert "float8_from_mixed_bfloat16 is not run on torch, jax: no fp8 set-up" in proc.stderr
     runs = json.loads((out / "results.json").read_text())["runs"]
     tensorwise = "params=float32,compute=bfloat16,output=bfloat16,float8=tensorwise"
-    assert [(r["framework"], r["policy"]) for r in runs] == [("torch", tensorwise),
-                                                             ("keras-jax", "float8_from_mixed_bfloat16")]
+    assert [(r["framework"], r["policy"]) for r in runs] == [("torch", tensorwise), ("keras-jax", "float8_from_mixed_bfloat16"),
+                                                             ("jax", tensorwise)]
     for run in runs:
-        assert run["max_loss_gap_vs_native"] == 0.0, run  # bit for bit with the framework's own fp8
+        if run["framework"] == "jax":  # two programs: bfloat16's one-ulp differences, grown by fp8
+            assert run["max_loss_gap_vs_native"] < 0.05, run
+        else:
+            assert run["max_loss_gap_vs_native"] == 0.0, run  # bit for bit with the framework's own fp8
         assert "float8" in run["native_recipe"], run["native_recipe"]
         # fp8 over its source policy, timed in the same interleaved blocks
         assert run["source_policy"] == "mixed_bfloat16" and run["speedup_vs_source"] > 0

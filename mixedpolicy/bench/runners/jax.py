@@ -14,6 +14,7 @@ from mixedpolicy.bench.models import (BN_EPSILON, BN_MOMENTUM, LN_EPSILON, MOMEN
 from mixedpolicy.bench import user_model
 from mixedpolicy.bench.recipes import model_part
 from mixedpolicy.bench.runners import nnx_steps, nnx_user
+from mixedpolicy.bench.runners.float8 import nnx_tensorwise
 from mixedpolicy.bench.trainer import Trainer, memory, pin_tf32
 from mixedpolicy.bench.user_model import UserSetup
 
@@ -252,7 +253,8 @@ class Native(_Nnx):
     computes."""
 
     def __init__(self, net: nnx.Module, policy: str, lr: float, setup: UserSetup | None = None):
-        super().__init__(net, setup)
+        fp8, policy = mp.Policy(policy).float8_recipe, mp.Policy(policy).source.name
+        super().__init__(net if fp8 is None else nnx_tensorwise(net), setup)
         self.optimizer = nnx.Optimizer(self.model, optax.sgd(lr, momentum=MOMENTUM), wrt=nnx.Param)
         self.scaled = mp.Policy(policy).needs_loss_scaling
         self.scale, self.counter = jnp.asarray(2.0**15, jnp.float32), jnp.zeros((), jnp.int32)
@@ -261,7 +263,8 @@ class Native(_Nnx):
         dtype = jnp.dtype(_COMPUTE[policy]).name
         self.recipe = ("float32" if policy == "float32" else
                        f"Flax dtype={dtype}" + (f", param_dtype={dtype}" if policy in _PURE else "")
-                       + (", jmp-style dynamic loss scale" if self.scaled else ""))
+                       + (", jmp-style dynamic loss scale" if self.scaled else "")
+                       + (", a hand-written float8 tensorwise dot_general but the head" if fp8 else ""))
 
     def step(self, x, y) -> None:
         if self.scaled:
@@ -292,11 +295,12 @@ def trainers(model: str, cfg: dict, policy: str, weights: dict, device: str, com
     """(ours, native); both steps are always compiled (nnx.jit), whatever `compile` says."""
     pin_tf32("jax", device, tf32)
     base = model_part(policy)  # an update recipe is ours alone: the models and Flax's side run its base
+    source = mp.Policy(base).source.name  # fp8: the models are built in its source precision
     if ":" in model:
-        setup, native = nnx_user.build(model, base)
+        setup, native = nnx_user.build(model, source)
         return (Ours(setup.model, policy, learning_rate(model), setup),
                 Native(native, base, learning_rate(model), setup))
-    ours, native = _built_in(model, cfg, weights, base)
+    ours, native = _built_in(model, cfg, weights, source)
     return Ours(ours, policy, learning_rate(model)), Native(native, base, learning_rate(model))
 
 
