@@ -47,14 +47,13 @@ def closure_step(wrapper: Any, optimizer: torch.optim.Optimizer, closure: Any) -
         wrapper._after_step()
         return result
     scale = wrapper._ensure_scale(wrapper._first_device())
-    first = [True]
+    found: list = []  # the first evaluation's flag (the closure's zero_grad() clears the wrapper's)
 
     def checked() -> Any:
         loss = closure()
-        if first[0]:
-            first[0] = False
-            wrapper._found_inf = wrapper._unscale_and_check(None, scale)  # (it scales nothing: checks only)
-            if wrapper._found_inf.item():
+        if not found:
+            found.append(wrapper._unscale_and_check(None, scale))  # (it scales nothing: checks only)
+            if found[0].item():
                 raise SkipStep
         return loss
 
@@ -63,6 +62,6 @@ def closure_step(wrapper: Any, optimizer: torch.optim.Optimizer, closure: Any) -
         result = optimizer.step(checked)
     except SkipStep:
         pass
-    wrapper._update_scale(wrapper._found_inf)
+    wrapper._update_scale(found[0])
     wrapper._after_step()
     return result

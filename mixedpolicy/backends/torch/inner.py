@@ -70,6 +70,9 @@ class InnerView:
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self._inners:
             opt.zero_grad(set_to_none=set_to_none)
+        # what an unscale_() since the last step found was about the gradients just cleared: the
+        # next step checks the ones a new backward makes (it stepped on inf ones before)
+        self._unscaled, self._found_inf = False, None
 
     def _stepped(self) -> list:
         """The optimizers the current step acts on: all, or the one `acting_on` names."""

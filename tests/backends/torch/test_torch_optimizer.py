@@ -149,6 +149,10 @@ def same_weights(a, b):
     return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
 
 
+def same_weights_as(model, values):
+    return all(torch.equal(p, q) for p, q in zip(model.parameters(), values))
+
+
 def test_unscale_before_clipping_matches_gradscaler():
     assert same_weights(train_with(True, 0.5, 5, clip=0.1), train_with(False, 0.5, 5, clip=0.1))
 
@@ -160,6 +164,13 @@ def test_unscale_twice_is_an_error():
     opt.unscale_()
     with pytest.raises(RuntimeError, match="already called since the last step"):
         opt.unscale_()
+    # the gradients it unscaled are cleared: the next step checks what a new backward makes (it
+    # took the first unscale_'s "finite" and stepped on infinite gradients before)
+    opt.zero_grad()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.scale_loss(loss_of(model, *batches(1)[0]) * INF).backward()
+    opt.step()
+    assert opt.last_step_skipped and same_weights_as(model, before)
 
 
 def test_gradient_accumulation_matches_gradscaler():
