@@ -31,6 +31,8 @@ def _no_adapter(obj: Any, role: str, expected: str = "") -> TypeError:
     if role == "optimizer" and callable(obj) and hasattr(obj, "__qualname__"):
         hint = (f" {obj.__module__}.{obj.__qualname__} builds an optimizer: call it first, for "
                 f"example LossScaleOptimizer({obj.__qualname__}(1e-3)).")
+    elif role == "model" and isinstance(obj, type):
+        hint = f" {obj.__module__}.{obj.__qualname__} is a class: build the model first, {obj.__qualname__}(...)."
     elif role == "model":
         hint = " If the model's framework is installed but not imported yet, import it first."
     return TypeError(f"Received {'a model' if role == 'model' else 'an optimizer'} of type {where}, "

@@ -55,6 +55,9 @@ def test_unsupported_models_name_the_type(model):
         mp.apply_policy(model, "float32")
     with pytest.raises(TypeError, match="no installed mixedpolicy adapter"):
         mp.describe(model)
+    if isinstance(model, type):  # a class where its instance was meant: the fix names it
+        with pytest.raises(TypeError, match=r"builtins.int is a class: build the model first, int\(...\)"):
+            mp.apply_policy(model, "float32")
 
 
 def test_unsupported_optimizer_names_the_type():
