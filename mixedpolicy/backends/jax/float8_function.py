@@ -16,7 +16,8 @@ Nested programs are followed: ``jax.jit`` and ``closed_call`` inline, ``jax.lax.
 ``jax.lax.cond``/``switch`` and ``jax.checkpoint`` rebuilt through their public functions with
 rewritten bodies. What other primitives hold (``custom_jvp``/``custom_vjp`` rules, ``while``
 loops) runs as it was. The scale is per tensor of what the function sees, so the function must
-see the whole batch: called under ``jax.vmap`` it is refused.
+see the whole batch: called under ``jax.vmap`` it is refused. Traced at every call, eager ones
+too, it must be traceable as ``jax.jit`` needs it.
 """
 
 from __future__ import annotations
