@@ -23,6 +23,7 @@ too, it must be traceable as ``jax.jit`` needs it.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any
 
 import jax
@@ -78,6 +79,11 @@ def call(fn: Any, recipe: Float8Recipe, args: tuple, kwargs: dict) -> Any:
     weights = [i < n_params for i in dynamic]
     plan = _Plan(recipe)
     plan.walk(closed.jaxpr, weights)
+    if not plan.order:
+        warnings.warn(f"Received the fp8 function {getattr(fn, '__name__', fn)!r}, in which no matmul "
+                      f"multiplies a leaf of params (its first positional argument) by an activation, so "
+                      f"nothing runs in fp8. Pass the parameters first, by position: f(params, *inputs).",
+                      stacklevel=3)
     outs, _ = _Evaluator(plan).run(closed.jaxpr, closed.consts, values, weights)
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shape), outs)
 

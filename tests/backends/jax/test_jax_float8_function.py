@@ -165,3 +165,5 @@ def test_refusals_say_what_was_received_and_the_fix():
         jax.vmap(fn, in_axes=(None, 0))(params, jnp.ones((4, 64)))
     with pytest.raises(TypeError, match="Received numpy arrays .*jnp.asarray"):
         fn(jax.tree_util.tree_map(np.asarray, params), np.ones((4, 64), np.float32))
+    with pytest.warns(UserWarning, match="no matmul multiplies a leaf of params.*by position"):
+        fn(p=params, x=jnp.ones((4, 64)))  # by keyword: no parameters to find
