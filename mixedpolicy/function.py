@@ -24,7 +24,8 @@ class PolicyFunction:
     has no variables to keep delayed scaling's amax histories in), a JAX function's weight
     matmuls run in fp8: those of a leaf of ``params`` by an activation, but for the last one
     (the output head) and those whose weight is not a multiple of 16 in both sizes, as the
-    layer adapters' rules say (docs/float8.md).
+    layer adapters' rules say (docs/float8.md); ``PolicyMap(builtin_rules=False)`` puts them
+    in fp8 too, ``float8_auto_filter=True`` keeps out those too small to gain.
 
     >>> import numpy as np
     >>> f = PolicyFunction(lambda w, x: w * x, PolicyMap("p=f32,c=f16,o=f32"))
@@ -65,7 +66,9 @@ class PolicyFunction:
                 f"a plain function's matmuls run in fp8 on {_registry.float8_function_frameworks()} "
                 f"arrays only (jnp.asarray the arguments; on torch, put the policy on a "
                 f"torch.nn.Module, which runs torchao's fp8 layers).")
-        return cast_tree(call(self.fn, recipe, args, kwargs), self.policy.output_dtype)
+        out = call(self.fn, recipe, args, kwargs, builtin_rules=self.policy_map.builtin_rules,
+                   auto_filter=self.policy_map.float8_auto_filter)
+        return cast_tree(out, self.policy.output_dtype)
 
     def __repr__(self) -> str:
         return f"PolicyFunction({getattr(self.fn, '__name__', self.fn)!r}, {self.policy!r})"

@@ -32,7 +32,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from mixedpolicy.backends.jax.float8 import _matmul
-from mixedpolicy.float8 import Float8Recipe
+from mixedpolicy.float8 import Float8Recipe, too_small_to_gain
 
 _P = jcore.primitives
 _DOT = _P.dot_general_p
@@ -49,8 +49,11 @@ def _is_array(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
-def call(fn: Any, recipe: Float8Recipe, args: tuple, kwargs: dict) -> Any:
-    """``fn(*args, **kwargs)`` with its weight matmuls in fp8 (see the module docstring).
+def call(fn: Any, recipe: Float8Recipe, args: tuple, kwargs: dict, *, builtin_rules: bool = True,
+         auto_filter: bool = False) -> Any:
+    """``fn(*args, **kwargs)`` with its weight matmuls in fp8 (see the module docstring);
+    without `builtin_rules` every one (the head and any size too), with `auto_filter` none that
+    `mixedpolicy.float8.too_small_to_gain` calls too small (the `PolicyMap` settings).
 
     Raises:
       ValueError: called under ``jax.vmap`` (a per-tensor scale would be per example).
@@ -77,7 +80,7 @@ def call(fn: Any, recipe: Float8Recipe, args: tuple, kwargs: dict) -> Any:
     values = [leaves[i] for i in dynamic]
     closed, shape = jax.make_jaxpr(flat, return_shape=True)(*values)
     weights = [i < n_params for i in dynamic]
-    plan = _Plan(recipe)
+    plan = _Plan(recipe, builtin_rules, auto_filter)
     plan.walk(closed.jaxpr, weights)
     if not plan.order:
         warnings.warn(f"Received the fp8 function {getattr(fn, '__name__', fn)!r}, in which no matmul "
@@ -108,8 +111,9 @@ def _sizes(eqn: Any, side: int) -> tuple[int, int]:
 class _Plan:
     """Which weight matmuls run in fp8: every eligible one but the last (the head)."""
 
-    def __init__(self, recipe: Float8Recipe):
+    def __init__(self, recipe: Float8Recipe, rules: bool = True, auto_filter: bool = False):
         self.recipe, self.order, self.chosen = recipe, [], None
+        self.rules, self.auto_filter = rules, auto_filter
 
     def walk(self, jaxpr: Any, marks: list) -> list:
         env = dict(zip(jaxpr.invars, marks))
@@ -124,7 +128,10 @@ class _Plan:
         if eqn.primitive is _DOT:
             side = _weight_operand(eqn, ins)
             if side is not None:  # a weight matmul: the last one is the head, whatever its size
-                self.order.append((eqn, all(n % 16 == 0 for n in _sizes(eqn, side))))
+                k, n = _sizes(eqn, side)
+                takes = not self.rules or (k % 16 == 0 and n % 16 == 0)
+                takes = takes and not (self.auto_filter and too_small_to_gain(self.recipe.recipe, k, n))
+                self.order.append((eqn, takes))
             return [False]
         if eqn.primitive in _INLINE:
             return self.walk(_open(_called(params)), ins)
@@ -142,7 +149,7 @@ class _Plan:
 
     def fp8(self, eqn: Any) -> bool:
         if self.chosen is None:
-            self.chosen = {id(e) for e, sized in self.order[:-1] if sized}
+            self.chosen = {id(e) for e, takes in (self.order[:-1] if self.rules else self.order) if takes}
         return id(eqn) in self.chosen
 
 

@@ -72,6 +72,10 @@ def test_a_plain_function_computes_as_the_same_nnx_model_does_forward_and_backwa
     assert _fp8_matmuls(fn, params, x) == 2
     assert _fp8_matmuls(jax.grad(lambda p: jnp.sum(fn(p, x).astype(jnp.float32))), params) == 6
     assert mp.describe(fn)[0].float8 == "tensorwise"
+    # the map's settings: without the built-in rules the 24-wide layer and the head too; the
+    # auto filter keeps out all four (each far below the sizes where fp8 outran bf16)
+    assert _fp8_matmuls(mp.apply_policy(mlp, mp.PolicyMap(FP8, builtin_rules=False)), params, x) == 4
+    assert _fp8_matmuls(mp.apply_policy(mlp, mp.PolicyMap(FP8, float8_auto_filter=True)), params, x) == 0
 
 
 def test_only_weight_matmuls_run_in_fp8_not_products_of_activations():
