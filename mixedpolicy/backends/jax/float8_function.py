@@ -130,7 +130,8 @@ class _Plan:
             if side is not None:  # a weight matmul: the last one is the head, whatever its size
                 k, n = _sizes(eqn, side)
                 takes = not self.rules or (k % 16 == 0 and n % 16 == 0)
-                takes = takes and not (self.auto_filter and too_small_to_gain(self.recipe.recipe, k, n))
+                takes = takes and k > 0 and n > 0 and not (
+                    self.auto_filter and too_small_to_gain(self.recipe.recipe, k, n))
                 self.order.append((eqn, takes))
             return [False]
         if eqn.primitive in _INLINE:

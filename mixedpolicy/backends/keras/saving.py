@@ -137,6 +137,8 @@ def _read_across_recipes(optimizer: Any, entries: list) -> tuple | None:
             i += 1
             continue
         width = 3 if str(entry.dtype) == "uint8" else 1
+        if i + width > len(entries):
+            return None
         kind, mine = "int8" if width == 3 else str(entry.dtype), state.stored_kind(storage)
         saved.add(kind)
         ours.add(mine)
