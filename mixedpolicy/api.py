@@ -94,8 +94,9 @@ def _check_float8(names: list, adapter: Any, what: str) -> None:
             f"mixedpolicy runs fp8 matmuls on torch (torchao), Keras (Dense, EinsumDense), "
             f"Flax (nnx.Linear, linen's nn.Dense) and plain JAX functions only so far (an "
             f"Equinox layer sees what jax.vmap hands it, one example at a time, where a "
-            f"per-tensor scale would be per example). Use the source policy here "
-            f"(policy.source, e.g. 'mixed_bfloat16'); nothing was applied.")
+            f"per-tensor scale would be per example: put an fp8 policy on the loss function "
+            f"loss(model, x, y) that vmaps the model over the batch instead). Use the source "
+            f"policy here (policy.source, e.g. 'mixed_bfloat16'); nothing was applied.")
 
 
 def _policies_in(policy_map: PolicyMap) -> tuple:

@@ -114,17 +114,21 @@ class JaxArrays(ArrayOps):
         return cast_leaf(x, dtype)
 
     def cast_tree(self, tree: Any, dtype: str) -> Any:
-        """Casts floating leaves; a leaf that is neither an array nor a number is an error.
+        """Casts floating leaves; functions and strings pass (jmp passes them, and an Equinox
+        module holds its activations as leaves); any other object is an error.
 
-        A policy that silently skipped a leaf it cannot cast (a string, an object)
-        would leave part of a computation in the wrong precision.
+        A policy that silently skipped a leaf it cannot cast (an object that may hold arrays
+        of its own) would leave part of a computation in the wrong precision.
         """
         def leaf(path, x):
             if isinstance(x, jax.Array) or isinstance(x, _SCALARS):
                 return cast_leaf(x, dtype)
+            if callable(x) or isinstance(x, (str, bytes)):  # no precision of their own
+                return x
             raise TypeError(
                 f"Received a pytree whose leaf at {_path_text(path)} is a {type(x).__name__} "
-                f"({x!r:.60}); a policy casts arrays, so every leaf must be an array or a number. "
+                f"({x!r:.60}); a policy casts arrays, so every leaf must be an array, a number, a "
+                f"function or a string. "
                 f"Bind non-array arguments before applying the policy (functools.partial), "
                 f"or keep them out of the pytree (mark them static under jax.jit).")
         return jax.tree_util.tree_map_with_path(leaf, tree)

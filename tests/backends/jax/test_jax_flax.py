@@ -73,11 +73,19 @@ def test_integer_and_boolean_inputs_are_never_cast():
     assert seen == {"ids": jnp.int32, "mask": jnp.bool_, "w": jnp.bfloat16}
 
 
-def test_a_pytree_with_a_non_array_leaf_is_an_error_naming_it():
+def test_a_pytree_with_an_object_leaf_is_an_error_naming_it():
     f = mp.apply_policy(mlp, "mixed_bfloat16")
-    params = dict(params_tree(), note="first run")
-    with pytest.raises(TypeError, match=r"\['note'\] is a str .*functools.partial"):
+
+    class Note:  # an object that could hold arrays of its own
+        pass
+
+    params = dict(params_tree(), note=Note())
+    with pytest.raises(TypeError, match=r"\['note'\] is a Note .*functools.partial"):
         f(params, X)
+    # functions and strings have no precision: they pass, as jmp passes them (an Equinox module
+    # holds its activation functions as leaves)
+    out = f(dict(params_tree(), note="first run", act=jax.nn.relu), X)
+    assert out.dtype == jnp.bfloat16
     with pytest.raises(TypeError, match=r"leaf at \[1\] is a object"):
         mp.Policy("mixed_bfloat16").cast_to_compute([jnp.ones(2), object()])
     # Python numbers are fine: they take the dtype of the arrays they meet.

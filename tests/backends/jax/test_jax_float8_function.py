@@ -133,6 +133,28 @@ def test_nested_programs_scan_jit_cond_and_checkpoint_run_their_matmuls_in_fp8()
         assert np.linalg.norm(ours[key] - theirs[key]) < 0.3 * np.linalg.norm(theirs[key])
 
 
+def test_an_equinox_models_loss_function_runs_its_matmuls_over_the_batch_in_fp8():
+    """The way to fp8 for Equinox, whose layers compute one example at a time under vmap: the
+    policy on the loss that vmaps the model; its activation leaves pass through the casts."""
+    eqx = require_module("equinox", "jax")
+    model = eqx.nn.MLP(64, 10, 64, depth=3, key=jax.random.key(0))  # 4 matmuls; the last the head
+    x, y = jax.random.normal(jax.random.key(1), (32, 64)), jnp.arange(32) % 10
+
+    def loss(model, x, y):
+        logits = jax.vmap(model)(x).astype(jnp.float32)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1))
+
+    fn = mp.apply_policy(loss, FP8)
+    weights, static = eqx.partition(model, eqx.is_array)
+    assert _fp8_matmuls(lambda w: fn(eqx.combine(w, static), x, y), weights) == 3
+    value, grads = eqx.filter_jit(eqx.filter_value_and_grad(fn))(model, x, y)
+    ref = eqx.filter_value_and_grad(mp.apply_policy(loss, "mixed_bfloat16"))(model, x, y)[0]
+    assert np.isfinite(float(value)) and abs(float(value) - float(ref)) < 0.05 * abs(float(ref))
+    assert all(g.dtype == jnp.float32 and bool(jnp.any(g != 0)) for g in jax.tree_util.tree_leaves(grads))
+    with pytest.raises(ValueError, match="loss function loss\\(model, x, y\\) that vmaps the model"):
+        mp.apply_policy(model, FP8)
+
+
 def test_a_plain_function_trains_under_jit_in_fp8():
     from sklearn.datasets import load_digits
 
