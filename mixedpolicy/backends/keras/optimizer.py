@@ -30,8 +30,8 @@ from mixedpolicy._adapter import OptimizerAdapter
 from mixedpolicy.backends.keras.reduce import (already_summed, check_reduce_policy, finite_on_every_replica,
                                                reduce_from_config, reduce_to_config, sum_across_replicas)
 from mixedpolicy.backends.keras.updates import KerasUpdates, rounding_to_config
-from mixedpolicy.backends.keras.saving import SkipCounts, constructor_arguments, load_keras_layout, save_keras_layout
-from mixedpolicy.backends.keras.state import recording_moments
+from mixedpolicy.backends.keras.saving import (SkipCounts, constructor_arguments, load_keras_layout,
+                                               prepared_for_checkpoints, save_keras_layout)
 from mixedpolicy.policy import Policy
 from mixedpolicy.scope import global_policy
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale, is_pass_through, summary
@@ -129,7 +129,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         # the inner one first, tracked (Keras's own build runs untracked: Nadam's _u_product was
         # left out of what JAX's stateless step updates), and once, whether it checks `built` or not
         inner, own_build = self.inner_optimizer, vars(self.inner_optimizer).get("build")
-        with recording_moments(inner):  # which of its variables are moments: a checkpoint's recipe
+        with prepared_for_checkpoints(inner):  # its moments known: checkpoints of another recipe
             inner.build(var_list)
         inner.build = lambda _: None
         try:

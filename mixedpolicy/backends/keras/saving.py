@@ -7,10 +7,13 @@ mixedpolicy's wrapper loads in plain Keras.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import weakref
 from typing import Any
 
+import numpy as np
 from keras import ops
 from keras.src.saving.keras_saveable import KerasSaveable
 
@@ -33,11 +36,31 @@ class SkipCounts(KerasSaveable):
         owner = self._owner()
         if owner is not None and owner.built:
             store["0"] = ops.convert_to_numpy(owner._skips)
+            store["1"] = np.asarray(_scales(owner), np.int32)  # whether the scale in the file was used
 
     def load_own_variables(self, store: Any) -> None:
+        """The counters; and, after the optimizer's own group was read (a child is loaded after
+        its parent), a scale that a wrapper scaling nothing saved leaves a scaling one its own
+        initial scale, and a scale loaded into a wrapper that scales nothing is dropped, said
+        once (as the torch wrapper does)."""
         owner = self._owner()
-        if owner is not None and owner.built and "0" in store.keys():
-            owner._skips.assign(store["0"])
+        if owner is None or not owner.built or "0" not in store.keys():
+            return
+        owner._skips.assign(store["0"])
+        if "1" not in store.keys() or bool(store["1"]) == _scales(owner):
+            return
+        loaded = float(ops.convert_to_numpy(owner.dynamic_scale))
+        if not _scales(owner) and loaded != float(owner.initial_scale):
+            _log.warning("Loaded a checkpoint whose loss scale is %g into a LossScaleOptimizer that scales "
+                         "nothing (%s): the scale is dropped; the inner optimizer's state and the skip "
+                         "counts are kept. Compile under a float16 policy (or pass initial_scale=...) to go "
+                         "on scaling.", loaded, owner.loss_scaling)
+        owner.dynamic_scale.assign(float(owner.initial_scale))
+        owner.step_counter.assign(ops.zeros((), owner.step_counter.dtype))
+
+
+def _scales(optimizer: Any) -> bool:
+    return not optimizer.loss_scaling.startswith("no scaling")
 
 
 def keras_variables(optimizer: Any) -> list:
@@ -69,18 +92,13 @@ def load_keras_layout(optimizer: Any, store: Any) -> bool:
     if not optimizer.built:
         return False
     entries = [store[str(i)] for i in range(len(store.keys()))]
-    plan = _read_across_recipes(optimizer, entries)
+    plan = _read_across_recipes(optimizer.inner_optimizer, keras_variables(optimizer), entries)
     if plan is None and len(entries) == len(optimizer.variables):
         plan = [(variable, entry) for variable, entry in zip(optimizer.variables, entries)], None
     if plan is None:
         return False
     assignments, changed = plan
-    _skip_next_load(optimizer.inner_optimizer)
-    for target, value in assignments:
-        if isinstance(target, tuple):
-            state.convert_moment(target, state.read_moment(value))
-        else:
-            target.assign(value)
+    _assign(assignments)
     if changed:
         _log.warning("LossScaleOptimizer.load_own_variables: the optimizer state was saved as %s; %s keeps "
                      "it as %s, so it was converted (moments rounded to nearest into a float dtype, "
@@ -96,27 +114,64 @@ def load_keras_layout(optimizer: Any, store: Any) -> bool:
     return True
 
 
-def _skip_next_load(inner: Any) -> None:
-    """Keras loads the inner optimizer's group next (a child is loaded after its parent): what
-    the wrapper read holds it already, converted where the recipes differ, so that load, which
-    would warn of a mismatch there, is skipped once."""
-    def skip(store: Any) -> None:
-        del inner.load_own_variables
+def prepared_for_checkpoints(inner: Any) -> Any:
+    """A context in which a wrapper builds its inner optimizer: the moments it makes are
+    recorded (for `state.moments`, where `state.install` did not take over making them), and
+    the inner optimizer then reads its own group of a checkpoint across recipes too (Keras
+    loads it after the wrapper's, which holds the same variables and said what it converted)."""
+    made: list = []
+    recording = not hasattr(inner, "_mixedpolicy_moments")
+    own = vars(inner).get("add_variable_from_reference")
+    make = inner.add_variable_from_reference
 
-    inner.load_own_variables = skip
+    def add_variable_from_reference(reference_variable: Any, name: Any = None, initializer: Any = "zeros") -> Any:
+        variable = make(reference_variable, name, initializer)
+        made.extend([] if name in state.KEPT else [(variable,)])
+        return variable
+
+    @contextlib.contextmanager
+    def building() -> Any:
+        if recording:
+            inner.add_variable_from_reference = add_variable_from_reference
+        try:
+            yield
+        finally:
+            if recording:
+                del inner.add_variable_from_reference
+                if own is not None:
+                    inner.add_variable_from_reference = own
+                inner._mixedpolicy_moments = lambda: list(made)
+        inner.load_own_variables = functools.partial(_load_inner, inner)
+
+    return building()
 
 
-def _read_across_recipes(optimizer: Any, entries: list) -> tuple | None:
+def _load_inner(inner: Any, store: Any) -> None:
+    plan = _read_across_recipes(inner, inner.variables, [store[str(i)] for i in range(len(store.keys()))])
+    if plan is None:
+        type(inner).load_own_variables(inner, store)  # Keras's own, and its warning on a mismatch
+        return
+    _assign(plan[0])
+
+
+def _assign(assignments: list) -> None:
+    for target, value in assignments:
+        if isinstance(target, tuple):
+            state.convert_moment(target, state.read_moment(value))
+        else:
+            target.assign(value)
+
+
+def _read_across_recipes(inner: Any, variables: list, entries: list) -> tuple | None:
     """([(variable or a moment's storage, what to store)], None or (saved recipe, the inner
-    optimizer's class, its recipe)) for the wrapper's variables from a checkpoint's arrays in
-    Keras's order, or None where they do not fit."""
-    inner = optimizer.inner_optimizer
+    optimizer's class, its recipe)) for `variables` (the wrapper's, in Keras's order, or its
+    inner optimizer's) from a checkpoint's arrays, or None where they do not fit."""
     slots = {id(storage[0]): storage for storage in state.moments(inner)}
     kahan = {id(v) for v in getattr(inner, "_mixedpolicy_kahan", {}).values()}
     assignments: list = []
     saved: set = set()
     ours: set = set()
-    i, variables = 0, keras_variables(optimizer)
+    i = 0
     parts = {id(v) for storage in slots.values() for v in storage[1:]}
     for variable in variables:
         if id(variable) in parts:

@@ -33,7 +33,7 @@ from mixedpolicy import quantized_state
 # compensation (updates.py, read in update_step), and what Keras reads outside update_step
 # (the EMA of the weights, the gradient accumulators)
 _KAHAN = "kahan_compensation"
-_KEPT = (_KAHAN, "average", "gradient_accumulator")
+KEPT = (_KAHAN, "average", "gradient_accumulator")
 
 
 class KerasArrays:
@@ -150,7 +150,7 @@ def install(optimizer: Any, state_dtype: str) -> Any:
 
     def add_variable_from_reference(reference_variable: Any, name: Any = None, initializer: Any = "zeros") -> Any:
         reference, key = reference_variable, optimizer._var_key(reference_variable)
-        if name in _KEPT:
+        if name in KEPT:
             variable = cls.add_variable_from_reference(optimizer, reference, name, initializer)
             if name == _KAHAN:
                 own.setdefault(key, []).append(variable)
@@ -219,36 +219,6 @@ def install(optimizer: Any, state_dtype: str) -> Any:
     optimizer._mixedpolicy_state_dtype = state_dtype
     optimizer._mixedpolicy_moments = lambda: [slot.storage for key_slots in slots.values() for slot in key_slots]
     return optimizer
-
-
-def recording_moments(optimizer: Any) -> Any:
-    """A context in which building `optimizer` records the moments it makes (each a variable
-    of its own) for `moments`, where `install` did not take over making them."""
-    import contextlib
-
-    if hasattr(optimizer, "_mixedpolicy_moments"):
-        return contextlib.nullcontext()
-    made: list = []
-    own = vars(optimizer).get("add_variable_from_reference")
-    make = optimizer.add_variable_from_reference
-
-    def add_variable_from_reference(reference_variable: Any, name: Any = None, initializer: Any = "zeros") -> Any:
-        variable = make(reference_variable, name, initializer)
-        made.extend([] if name in _KEPT else [(variable,)])
-        return variable
-
-    @contextlib.contextmanager
-    def recording() -> Any:
-        optimizer.add_variable_from_reference = add_variable_from_reference
-        try:
-            yield
-        finally:
-            del optimizer.add_variable_from_reference
-            if own is not None:
-                optimizer.add_variable_from_reference = own
-        optimizer._mixedpolicy_moments = lambda: list(made)
-
-    return recording()
 
 
 def moments(optimizer: Any) -> list:

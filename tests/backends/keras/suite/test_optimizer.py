@@ -153,6 +153,43 @@ def test_a_checkpoint_with_a_collapsed_scale_is_refused_on_load():
     assert fresh.loss_scale == 2.0**15
 
 
+def test_a_scale_moves_between_scaling_and_pass_through_wrappers_as_on_torch(tmp_path, caplog):
+    """load_weights of a float16 run's file into a model under bf16 (a wrapper that scales
+    nothing): the scale is dropped, said once, the skip count kept; of a bf16 run's file into a
+    float16 one: the scaling wrapper keeps its own initial scale, not the 1.0 the other stored."""
+    path = str(tmp_path / "w.weights.h5")
+    x, y = np.ones((8, 8), "float32"), np.full((8, 2), 1e6, "float32")  # large: a skipped step or two
+
+    def trained(policy):
+        mp.set_global_policy(policy)
+        try:
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.Dense(2)])
+            model.compile(mp.LossScaleOptimizer(keras.optimizers.SGD(1e-3)), "mse")
+        finally:
+            mp.set_global_policy("float32")
+        model.fit(x, y, batch_size=8, epochs=3, verbose=0)
+        return model
+
+    scaled = trained("mixed_float16")
+    skipped = scaled.optimizer.num_skipped_steps
+    assert scaled.optimizer.loss_scale < 2.0**15 and skipped > 0
+    scaled.save_weights(path)
+    plain = trained("mixed_bfloat16")
+    with caplog.at_level("WARNING", logger="mixedpolicy"):
+        plain.load_weights(path)
+    said = [r.getMessage() for r in caplog.records if "scales nothing" in r.getMessage()]
+    assert len(said) == 1 and f"loss scale is {scaled.optimizer.loss_scale:g}" in said[0]
+    assert plain.optimizer.loss_scale == 1.0 and plain.optimizer.num_skipped_steps == skipped
+    plain.save_weights(path)
+    again = trained("mixed_float16")
+    again.load_weights(path)
+    assert again.optimizer.loss_scale == 2.0**15 and again.optimizer.num_skipped_steps == skipped
+    scaled.save_weights(path)  # the same kind of wrapper: the scale and counters as saved
+    again.load_weights(path)
+    assert again.optimizer.loss_scale == scaled.optimizer.loss_scale
+
+
 def test_reads_keras_layout_and_its_own_earlier_layout():
     """Saved variables: Keras's own order (no counters) now; the earlier files (counters
     at index 2) still load; any other count is Keras's warning, not a wrong assignment."""
