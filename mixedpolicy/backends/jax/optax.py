@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +38,8 @@ import optax
 
 from mixedpolicy._adapter import OptimizerAdapter
 from mixedpolicy.backends.jax.arrays import all_finite
+from mixedpolicy.backends.jax.optax_state import (_STATES, LossScaleState, PassThroughState, adopted_scale,
+                                                  pack_counts)
 from mixedpolicy.float8 import DELAYED_STATE
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, is_pass_through, summary
 
@@ -51,99 +53,6 @@ _STRUCTURES_CHECKED: set = set()  # gradient tree structures holding no fp8 stat
 def _first_leaf(tree: Any) -> Any:
     leaves = jax.tree_util.tree_leaves(tree)
     return leaves[0] if leaves else None
-
-
-def _value(x: Any) -> Any:
-    """The array inside an ``nnx.Variable`` (nnx.Optimizer wraps state leaves), or `x`."""
-    if isinstance(x, jax.Array) or not hasattr(x, "get_value"):
-        return x
-    return x.get_value()
-
-
-class LossScaleState(NamedTuple):
-    """The state of an optax `LossScaleOptimizer`.
-
-    The scale and the three counters travel in one int32 array, ``counts``: every array of
-    an optimizer state costs on each call of a jitted step (about 9 us under ``nnx.jit`` on
-    a CPU, 5% of a 0.2 ms MLP step), and these are read rarely. The scale is kept there as
-    its float32 bit pattern, exactly. All of them are read as fields.
-
-    Attributes:
-      inner_state: the wrapped transformation's state.
-      counts: ``[counter, last_step_skipped, num_skipped_steps, the scale's float32 bits]``,
-        int32.
-      loss_scale: the current scale, a float32 scalar.
-      counter: finite steps since the scale last changed, an int32 scalar.
-      last_step_skipped: whether the last update was skipped, a bool scalar.
-      num_skipped_steps: how many updates were skipped so far, an int32 scalar.
-    """
-
-    inner_state: Any
-    counts: Any
-
-    @property
-    def loss_scale(self) -> Any:
-        return jax.lax.bitcast_convert_type(_value(self.counts)[..., 3], jnp.float32)
-
-    @property
-    def counter(self) -> Any:
-        return _value(self.counts)[..., 0]
-
-    @property
-    def last_step_skipped(self) -> Any:
-        return _value(self.counts)[..., 1] == 1
-
-    @property
-    def num_skipped_steps(self) -> Any:
-        return _value(self.counts)[..., 2]
-
-    def with_loss_scale(self, loss_scale: Any) -> "LossScaleState":
-        """This state with another scale (the counters kept), e.g. to resume from a scale
-        recorded elsewhere."""
-        return self._replace(counts=pack_counts(loss_scale, self.counter, self.last_step_skipped,
-                                                self.num_skipped_steps))
-
-
-def pack_counts(loss_scale: Any, counter: Any, skipped: Any, num_skipped: Any) -> Any:
-    """The ``counts`` array of a `LossScaleState`: the three counters and the scale's bits."""
-    bits = jax.lax.bitcast_convert_type(jnp.asarray(loss_scale, jnp.float32), jnp.int32)
-    return jnp.stack([jnp.asarray(counter, jnp.int32), jnp.asarray(skipped, jnp.int32),
-                      jnp.asarray(num_skipped, jnp.int32), bits])
-
-
-class PassThroughState(NamedTuple):
-    """The state of a pass-through `LossScaleOptimizer` (a policy that needs no scaling):
-    the inner state alone, read like a `LossScaleState` (scale 1, nothing skipped).
-
-    It carries no array of its own: each array of an optimizer state costs on every call of
-    a jitted step (about 10 us under ``nnx.jit`` on a CPU, 5% of a small MLP's step), and a
-    pass-through adds nothing to the step. A state saved under one policy moves to a wrapper
-    of another with `LossScaleTransformation.adopt_state`.
-
-    Attributes:
-      inner_state: the wrapped transformation's state.
-    """
-
-    inner_state: Any
-
-    @property
-    def loss_scale(self) -> Any:
-        return jnp.float32(1.0)
-
-    @property
-    def counter(self) -> Any:
-        return jnp.int32(0)
-
-    @property
-    def last_step_skipped(self) -> Any:
-        return jnp.bool_(False)
-
-    @property
-    def num_skipped_steps(self) -> Any:
-        return jnp.int32(0)
-
-
-_STATES = (LossScaleState, PassThroughState)
 
 
 def _check_state(state: Any, config: LossScale) -> None:
@@ -217,11 +126,7 @@ class LossScaleTransformation(optax.GradientTransformationExtraArgs):
         inner_state, changed = adopt_recipe(state.inner_state, self.update.recipe, fresh_inner)
         if changed is not None:
             _log.warning("Adopted an optimizer state saved under another update recipe: %s.", changed)
-        fresh = self.update.make_state(inner_state)
-        if isinstance(state, LossScaleState) and isinstance(self.update.loss_scale, DynamicLossScale):
-            # the dynamic scale goes on from the saved one (a static scale keeps its own)
-            return LossScaleState(inner_state, state.counts)
-        return fresh
+        return adopted_scale(state, self.update.make_state(inner_state), self.update.loss_scale)
 
 
 def _refuse_float8_state(grads: Any) -> None:

@@ -186,6 +186,27 @@ def test_works_with_nnx_optimizer():
     assert model.kernel.get_value().dtype == jnp.float32
 
 
+def test_a_state_moves_between_scaling_and_non_scaling_wrappers_as_on_torch(caplog):
+    """adopt_state across policies: a float16 run's scale is dropped by a wrapper that scales
+    nothing (said once, the skip count kept); a state from such a wrapper (scale 1, no growth
+    count) leaves a scaling wrapper its own initial scale; between scaling wrappers it goes on."""
+    jnp = jax.numpy
+    params = {"w": jnp.ones(3)}
+    f16 = mp.LossScaleOptimizer(optax.sgd(0.1), policy="mixed_float16")
+    state = f16.init(params)
+    for _ in range(3):
+        _, state = f16.update({"w": jnp.full(3, jnp.inf)}, state, params)
+    bf16 = mp.LossScaleOptimizer(optax.sgd(0.1), policy="mixed_bfloat16")
+    with caplog.at_level("WARNING", logger="mixedpolicy"):
+        moved = bf16.adopt_state(state)
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert "loss scale is 4096" in said and "no scaling" in said
+    assert float(moved.loss_scale) == 1.0 and int(moved.num_skipped_steps) == 3
+    back = f16.adopt_state(moved)
+    assert float(back.loss_scale) == 2.0**15 and int(back.num_skipped_steps) == 3
+    assert float(f16.adopt_state(state).loss_scale) == 4096.0  # the same kind: as saved
+
+
 def test_static_and_no_loss_scale():
     static = mp.LossScaleOptimizer(optax.sgd(0.1), loss_scale=mp.StaticLossScale(64.0))
     step = make_step(static)
