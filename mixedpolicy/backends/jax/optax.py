@@ -99,9 +99,10 @@ class LossScaleTransformation(optax.GradientTransformationExtraArgs):
 
     def adopt_state(self, state: Any, params: Any = None) -> Any:
         """`state`, saved by a mixedpolicy optax wrapper under any policy or scale setting,
-        as this wrapper's state: the inner state kept; a dynamic scale goes on from the saved
-        scale and counters where there are some (else from its initial scale, as if no step
-        had been taken); a static scale or none keeps its own.
+        as this wrapper's state: the inner state and the skip counts kept; a dynamic scale goes
+        on from the saved scale and counters where the saved wrapper scaled (else from its
+        initial scale, as if no step had been taken); a static scale or none keeps its own,
+        with a warning where the saved scale differed (it is dropped).
 
         A state saved under another update recipe (`Policy.update_rounding`,
         `Policy.optimizer_state_dtype`) is converted, given `params`: the moments are cast to
