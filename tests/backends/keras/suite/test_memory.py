@@ -222,23 +222,24 @@ def test_weights_saved_under_one_state_recipe_load_under_another_converted_and_s
     """load_weights across recipes: each moment converted (rounded, quantized or dequantized),
     a Kahan compensation the file lacks at zero and one the optimizer does not keep dropped, one
     warning naming both recipes; within a recipe the file loads exactly and says nothing."""
-    path = str(tmp_path / "w.weights.h5")
     recipes = ["mixed_bfloat16", "p=f32,c=bf16,state=int8", "p=bf16,rounding=kahan,state=float32",
                "p=bf16,rounding=stochastic,state=bfloat16"]
+    models = [_trained(recipe) for recipe in recipes]
+    saved_moments = [_moments(model) for model in models]
+    paths = [str(tmp_path / f"{i}.weights.h5") for i in range(len(recipes))]
+    for model, path in zip(models, paths):
+        model.save_weights(path)
     messages = {}
-    for i, j in ((0, 1), (1, 2), (2, 3), (3, 0), (1, 1)):  # each move once, and one to itself
-        saved, target = recipes[i], recipes[j]
-        source = _trained(saved)
-        source.save_weights(path)
-        model = _trained(target)
+    for i, j in ((1, 1), (0, 1), (1, 2), (2, 3), (3, 0)):  # one to itself, then each move once
+        saved, target, model = recipes[i], recipes[j], models[j]
         caplog.clear()
         with caplog.at_level("WARNING", logger="mixedpolicy"), warnings.catch_warnings():
             warnings.simplefilter("error", UserWarning)  # Keras's "Skipping variable loading" would fail here
-            model.load_weights(path)
+            model.load_weights(paths[i])
         said = [r.getMessage() for r in caplog.records if "load_own_variables" in r.getMessage()]
         assert len(said) == (saved != target), (saved, target, said)
         messages[saved, target] = said
-        for want, got in zip(_moments(source), _moments(model)):
+        for want, got in zip(saved_moments[i], _moments(model)):
             if saved == target:
                 np.testing.assert_array_equal(got, want)
             else:  # an 8-bit block keeps about two decimal digits of its largest value
