@@ -256,9 +256,9 @@ class DynamicLossScale(LossScale):
         steps = self.dynamic_growth_steps
         if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
             raise ValueError(f"Received dynamic_growth_steps={steps!r}; expected a whole "
-                             f"number >= 1 (Keras and torch use 2000).")
+                             f"number >= 1 (Keras and torch use 2000; jmp calls it period).")
         for name, low, high, hint in (
-            ("growth_factor", 1.0, math.inf, "a number > 1, such as 2.0"),
+            ("growth_factor", 1.0, math.inf, "a number > 1, such as 2.0 (jmp's factor: growth_factor)"),
             ("backoff_factor", 0.0, 1.0, "a number in (0, 1), such as 0.5"),
         ):
             value = getattr(self, name)
