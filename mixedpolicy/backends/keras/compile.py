@@ -3,6 +3,7 @@ and through Keras's own wrapping while the global policy computes in float16."""
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any, Callable
 
@@ -56,6 +57,39 @@ def use_bounded_loss_scale_in_compile(on: bool = True) -> None:
 
     with _patch_lock:
         trainer.LossScaleOptimizer = _WrapInCompile if on else keras.optimizers.LossScaleOptimizer
+
+
+_keras_compile: list = []  # Keras's own Trainer.compile while the update patch is on
+
+
+def carry_updates_in_compile(on: bool = True) -> None:
+    """While mixedpolicy's global policy asks the optimizer for an update recipe (stochastic
+    rounding, Kahan summation, a state dtype), ``model.compile`` wraps a plain optimizer in
+    mixedpolicy's ``LossScaleOptimizer``, which carries it out (following the global policy); a
+    model given a policy by `apply_policy` wraps in its own ``compile`` first. Keras's own
+    ``compile`` would keep a plain optimizer, rounding every update to nearest and keeping its
+    moments in the variables' dtype, whatever the policy said. `on=False` gives Keras its own back."""
+    from keras.src.trainers.trainer import Trainer
+
+    with _patch_lock:
+        if on and not _keras_compile:
+            _keras_compile.append(Trainer.compile)
+            own = Trainer.compile
+
+            def compile(self: Any, optimizer: Any = "rmsprop", *args: Any, **kwargs: Any) -> Any:
+                import mixedpolicy as mp
+                from mixedpolicy.scope import global_policy
+
+                if optimizer is not None and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and (
+                        not global_policy().updates_as_the_optimizer_does):
+                    optimizer = mp.LossScaleOptimizer(keras.optimizers.get(optimizer))
+                return own(self, optimizer, *args, **kwargs)
+
+            functools.update_wrapper(compile, own)
+            compile.mixedpolicy_patch = True  # type: ignore[attr-defined]
+            Trainer.compile = compile
+        elif not on and _keras_compile:
+            Trainer.compile = _keras_compile.pop()
 
 
 class _WrapInCompileMeta(type):

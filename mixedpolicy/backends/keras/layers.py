@@ -38,7 +38,8 @@ from mixedpolicy.table import LayerPolicy
 from mixedpolicy.policy import Policy
 from mixedpolicy.backends.keras import float8, patches
 from mixedpolicy.backends.keras.policy_maps import keep_through_save, own_policy, set_policy
-from mixedpolicy.backends.keras.compile import compile_with_loss_scale, use_bounded_loss_scale_in_compile
+from mixedpolicy.backends.keras.compile import (carry_updates_in_compile, compile_with_loss_scale,
+                                                use_bounded_loss_scale_in_compile)
 from mixedpolicy.backends.keras.reduce import reduce_engine
 from mixedpolicy.layer_plan import plan
 from mixedpolicy.policy_map import NORMALIZATION, LayerInfo
@@ -246,6 +247,7 @@ def sync_global_policy(policy: Policy) -> None:
     # Keras keeps the policy per thread: a thread that set none sees this one.
     patches.process_policy[0] = global_state.get_global_attribute("dtype_policy")
     use_bounded_loss_scale_in_compile(name in ("float16", "mixed_float16"))
+    carry_updates_in_compile(not policy.updates_as_the_optimizer_does)
 
 
 def to_keras(name: str, amax_history_len: int | None = None) -> Any:

@@ -1,6 +1,6 @@
 """Every change mixedpolicy makes to Keras's own modules, in one place, and how to undo it.
 
-Two, each because Keras offers no hook for it:
+Three, each because Keras offers no hook for it:
 
 - Keras's ``dtype_policy()`` (what a layer built with ``dtype=None`` takes) is wrapped so
   that mixedpolicy knows every global policy object a layer was built with (a policy not
@@ -9,7 +9,10 @@ Two, each because Keras offers no hook for it:
   its global policy per thread; mixedpolicy's is process-wide);
 - while mixedpolicy's global policy computes in float16, the name ``compile`` wraps a plain
   optimizer with points at mixedpolicy's ``LossScaleOptimizer``
-  (`mixedpolicy.backends.keras.compile.use_bounded_loss_scale_in_compile`).
+  (`mixedpolicy.backends.keras.compile.use_bounded_loss_scale_in_compile`);
+- while it asks the optimizer for an update recipe (rounding, state dtype), Keras's
+  ``Trainer.compile`` wraps a plain optimizer in that ``LossScaleOptimizer``, which carries
+  the recipe out (`mixedpolicy.backends.keras.compile.carry_updates_in_compile`).
 
 `install` puts the first in place when Keras is imported with mixedpolicy loaded (and again
 whenever mixedpolicy sets a Keras global policy); `uninstall` gives Keras both back
@@ -73,9 +76,10 @@ def uninstall() -> None:
     thread. Policies already on layers, and models given `apply_policy`, are unchanged.
     `mp.set_global_policy` installs the wrapper again.
     """
-    from mixedpolicy.backends.keras.compile import use_bounded_loss_scale_in_compile
+    from mixedpolicy.backends.keras.compile import carry_updates_in_compile, use_bounded_loss_scale_in_compile
 
     with _lock:
         _keras_dtype_policy.dtype_policy = _keras_own
         process_policy[0] = None
     use_bounded_loss_scale_in_compile(False)
+    carry_updates_in_compile(False)

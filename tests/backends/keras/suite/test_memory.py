@@ -295,6 +295,32 @@ def test_the_global_policys_state_dtype_reaches_an_optimizer_under_a_float16_ker
     assert opt.inner_optimizer._mixedpolicy_state_dtype == "int8" and "dynamic" in opt.loss_scaling
 
 
+def test_compile_carries_the_global_policys_update_recipe_out():
+    """Under a global policy with an update recipe, model.compile(plain optimizer) wraps it in
+    the LossScaleOptimizer that carries the recipe out (Keras's own compile kept it plain:
+    nearest rounding, moments in bfloat16); without one, compile keeps Keras's optimizer."""
+    from keras.src.trainers.trainer import Trainer
+
+    def compiled():
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(128), keras.layers.Dense(10)])
+        model.compile(keras.optimizers.SGD(0.01, momentum=0.5), "mse")
+        model.fit(np.ones((8, 64), "float32"), np.ones((8, 10), "float32"), verbose=0)
+        return model.optimizer
+
+    own = Trainer.compile
+    mp.set_global_policy("bfloat16_stochastic_int8")
+    try:
+        opt = compiled()
+        assert isinstance(opt, mp.LossScaleOptimizer) and opt.loss_scaling.startswith("no scaling")
+        assert opt.inner_optimizer._mixedpolicy_state_dtype == "int8"
+        assert opt.inner_optimizer._mixedpolicy_update_rounding == "stochastic"
+        assert "uint8" in {keras.backend.standardize_dtype(v.dtype) for v in opt.inner_optimizer.variables}
+    finally:
+        mp.set_global_policy("float32")
+    assert Trainer.compile is own  # the patch is off again
+    assert not isinstance(compiled(), keras.optimizers.LossScaleOptimizer)
+
+
 def test_a_built_optimizer_is_refused_a_state_dtype_before_anything_changes():
     model, _ = _model_and_grads("mixed_bfloat16")
     opt = keras.optimizers.Adam()

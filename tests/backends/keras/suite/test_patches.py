@@ -22,6 +22,7 @@ def test_uninstall_gives_keras_its_own_functions_back_and_a_global_policy_reinst
         assert not mp.keras.installed()
         assert keras_dtype_policy.dtype_policy is patches._keras_own
         assert trainer.LossScaleOptimizer is keras.optimizers.LossScaleOptimizer
+        assert not hasattr(trainer.Trainer.compile, "mixedpolicy_patch")  # Keras's own compile
         # plain Keras again: a thread that set no policy builds with Keras's default
         seen = []
         worker = threading.Thread(target=lambda: seen.append(keras.layers.Dense(2).dtype_policy.name))
