@@ -38,6 +38,36 @@ _FLOAT8_ALIASES = {
 _FLOAT8_BY_ALIAS = {alias: name for name, aliases in _FLOAT8_ALIASES.items() for alias in aliases}
 
 
+class DType(str):
+    """A floating dtype's plain name (a ``str``) that also equals that dtype as a numpy, JAX,
+    PyTorch or TensorFlow object: jmp users write ``policy.compute_dtype == jnp.float16``,
+    PyTorch users ``== torch.bfloat16``, and a plain string would answer False silently.
+    Against a string it compares as the string does, and hashes as it.
+
+    >>> import numpy as np
+    >>> DType("float16") == np.float16, DType("float16") == "float16", DType("float16") == "f16"
+    (True, True, False)
+    """
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, str):
+            return str.__eq__(self, other)
+        if is_dtype_object(other):
+            try:
+                return canonical_dtype(other) == str.__str__(self)
+            except (TypeError, ValueError):  # a dtype, not a floating one
+                return False
+        return NotImplemented
+
+    def __ne__(self, other: object) -> bool:
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+    __hash__ = str.__hash__
+
+
 def show(value: object, limit: int = 80) -> str:
     """``repr(value)``, cut short for an error message (a 1 MB string is not echoed whole)."""
     text = repr(value)

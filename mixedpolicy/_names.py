@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mixedpolicy._dtypes import FLOATING_DTYPES, HALF_DTYPES, canonical_dtype, canonical_reduce_dtype, show
+from mixedpolicy._dtypes import FLOATING_DTYPES, HALF_DTYPES, canonical_dtype, canonical_reduce_dtype, is_dtype_object, show
 from mixedpolicy.float8 import KERAS_SOURCES, Float8Recipe
 from mixedpolicy.memory import PRESETS, is_default, preset_for
 
@@ -174,3 +174,28 @@ def canonical_name(variable: str, compute: str, output: str, reduce: str,
     if variable == "float32" and compute in HALF_DTYPES and output == compute:
         return f"mixed_{compute}"
     return f"params={variable},compute={compute},output={output}"
+
+
+
+def read_name(name: object) -> Parsed:
+    """What the first argument of `Policy` says when it is not a Policy: a name of any family,
+    Lightning's numbers 32 and 64, a dtype object (that dtype everywhere), or None."""
+    if name is None:
+        return "float32", None, None, None, None, {}  # type: ignore[return-value]
+    if isinstance(name, str):
+        return parse_name(name)
+    if isinstance(name, int) and not isinstance(name, bool) and str(name) in ("32", "64"):
+        return parse_name(str(name))  # Lightning's 32 and 64
+    if is_dtype_object(name):
+        # a dtype object (np.float16, jnp.bfloat16, torch.bfloat16...): that dtype everywhere,
+        # as jmp's Policy(dtype, dtype, dtype) and Keras's DTypePolicy("bfloat16") read it
+        return parse_name(canonical_dtype(name, what="name"))
+    hint = ""
+    if isinstance(name, int) and not isinstance(name, bool):
+        hint = (" Of Lightning's numbers, 32 and 64 are accepted; 16 is ambiguous: "
+                "write '16-mixed' or 'mixed_float16' for float16 compute with float32 "
+                "variables, or 'float16' for float16 everywhere.")
+    raise TypeError(
+        f"Received policy name {show(name)} of type {type(name).__name__}; expected "
+        f"a string such as 'mixed_float16', a floating dtype or a Policy.{hint} To convert a "
+        f"Keras DTypePolicy or a jmp Policy use Policy.from_keras / Policy.from_jmp.")

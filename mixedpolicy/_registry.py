@@ -160,13 +160,20 @@ def array_ops_for(x: Any) -> ArrayOps:
 
 
 def _tree_entry(tree: Any) -> Entry:
-    """The first framework's row (in priority order) with an array among the leaves of `tree`."""
-    for e in _live():
-        if e.arrays:
-            ops = _load(e.arrays)
-            if any(ops.is_array(leaf) for leaf in ops.leaves(tree)):
-                return e
-    return entry("numpy")
+    """The framework's row with arrays among the leaves of `tree` (numpy's when none has).
+
+    Raises:
+      TypeError: arrays of two frameworks (a torch tensor among JAX arrays): one framework's
+        casts would pass the other's arrays in their own precision without a word.
+    """
+    found = [e for e in _live() if e.arrays and e.name != "numpy"
+             and any(map(_load(e.arrays).is_array, _load(e.arrays).leaves(tree)))]
+    if len(found) > 1:
+        raise TypeError(
+            f"Received arrays of {' and '.join(e.name for e in found)} in one call; a policy casts "
+            f"one framework's arrays, and would pass the others in their own precision. Convert them "
+            f"to one framework first (jnp.asarray(t.numpy()), torch.from_numpy(np.asarray(a))...).")
+    return found[0] if found else entry("numpy")
 
 
 def array_ops_for_tree(tree: Any) -> ArrayOps:

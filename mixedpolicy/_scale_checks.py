@@ -78,3 +78,31 @@ def check_finite_flag(grads_finite: Any) -> Any:
         f"Received grads_finite={grads_finite!r:.80} of type {type(grads_finite).__name__}; "
         f"expected a boolean scalar: True, False, or a bool array of shape () such as the "
         f"result of all_finite(grads).")
+
+
+def dynamic_settings(jmp: dict, ours: dict) -> dict:
+    """A dynamic scale's five settings, from its keywords and jmp's spellings (``period``,
+    ``factor``: growth by it and backoff by its inverse, ``min_loss_scale``), each given once.
+
+    With a jmp spelling, as in jmp, the scale has no ceiling but float32's, and a floor of 0
+    (jmp's "no floor") becomes float32's smallest normal number: the scale never reaches 0.
+    """
+    for jmp_name, name in (("period", "dynamic_growth_steps"), ("factor", "growth_factor"),
+                           ("factor", "backoff_factor"), ("min_loss_scale", "min_scale")):
+        if jmp[jmp_name] is not None and ours[name] is not None:
+            raise TypeError(f"Received {jmp_name}={jmp[jmp_name]!r} (jmp's spelling) and "
+                            f"{name}={ours[name]!r}; give it once.")
+    settings = dict(ours)
+    if jmp["period"] is not None:
+        settings["dynamic_growth_steps"] = jmp["period"]
+    if jmp["factor"] is not None:
+        factor = jmp["factor"]
+        settings["growth_factor"], settings["backoff_factor"] = factor, 1.0 / float(check_scale(factor, "factor"))
+    floor = jmp["min_loss_scale"]
+    if floor is not None:
+        zero = is_number(floor) or hasattr(floor, "dtype") and getattr(floor, "shape", None) == ()
+        settings["min_scale"] = float(np.finfo(np.float32).tiny) if zero and float(floor) == 0 else floor
+    with_jmp = any(v is not None for v in jmp.values())
+    defaults = dict(dynamic_growth_steps=2000, growth_factor=2.0, backoff_factor=0.5, min_scale=1.0,
+                    max_scale=_F32_MAX if with_jmp else 2.0**24)
+    return {k: default if settings[k] is None else settings[k] for k, default in defaults.items()}

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from mixedpolicy._registry import array_ops_for as _ops, array_ops_for_tree as _tree_ops
-from mixedpolicy._scale_checks import check_finite_flag, check_scale, array_dtype_name
+from mixedpolicy._scale_checks import array_dtype_name, check_finite_flag, check_scale, dynamic_settings
 
 
 def all_finite(tree: Any) -> Any:
@@ -210,8 +210,10 @@ class DynamicLossScale(LossScale):
       backoff_factor: factor applied on overflow, in (0, 1).
       min_scale: the floor, > 0 (may be below 1).
       max_scale: the ceiling, at least the initial scale.
-      period, factor, min_loss_scale: jmp's spellings (``dynamic_growth_steps``, ``growth_factor =
-        1 / backoff_factor``, ``min_scale``); with any of them, as jmp, no ceiling but float32's.
+      period, factor, min_loss_scale: jmp's spellings, in jmp's order (``dynamic_growth_steps``,
+        ``growth_factor = 1 / backoff_factor``, ``min_scale``; ``min_loss_scale=0``, jmp's "no
+        floor", keeps the scale above float32's smallest normal number); with any of them, as
+        jmp, no ceiling but float32's. The other settings are keywords.
 
     Raises:
       ValueError, TypeError: a setting is out of range or of the wrong type.
@@ -232,25 +234,19 @@ class DynamicLossScale(LossScale):
     min_scale: float = 1.0
     max_scale: float = 2.0**24
 
-    def __init__(self, loss_scale: Any = 2.0**15, counter: Any = 0, dynamic_growth_steps: Any = None,
-                 growth_factor: Any = None, backoff_factor: Any = None, min_scale: Any = None,
-                 max_scale: Any = None, *, period: Any = None, factor: Any = None, min_loss_scale: Any = None):
-        for jmp_name, jmp_value, name, value in (
-                ("period", period, "dynamic_growth_steps", dynamic_growth_steps), ("factor", factor, "growth_factor",
-                growth_factor), ("factor", factor, "backoff_factor", backoff_factor),
-                ("min_loss_scale", min_loss_scale, "min_scale", min_scale)):
-            if jmp_value is not None and value is not None:
-                raise TypeError(f"Received {jmp_name}={jmp_value!r} (jmp's spelling) and {name}={value!r}; give it once.")
-        if factor is not None:
-            growth_factor, backoff_factor = factor, 1.0 / float(check_scale(factor, "factor"))
-        top = _TOP if any(v is not None for v in (period, factor, min_loss_scale)) else 2.0**24
-        for name, value, default in (
-                ("loss_scale", loss_scale, None), ("counter", counter, None), ("growth_factor", growth_factor, 2.0),
-                ("dynamic_growth_steps", dynamic_growth_steps if period is None else period, 2000),
-                ("backoff_factor", backoff_factor, 0.5), ("max_scale", max_scale, top),
-                ("min_scale", min_scale if min_loss_scale is None else min_loss_scale, 1.0)):
-            object.__setattr__(self, name, default if value is None else value)
+    def __init__(self, loss_scale: Any = 2.0**15, counter: Any = 0, period: Any = None, factor: Any = None,
+                 min_loss_scale: Any = None, *, dynamic_growth_steps: Any = None, growth_factor: Any = None,
+                 backoff_factor: Any = None, min_scale: Any = None, max_scale: Any = None):
+        settings = dynamic_settings(dict(period=period, factor=factor, min_loss_scale=min_loss_scale),
+                                    dict(dynamic_growth_steps=dynamic_growth_steps, growth_factor=growth_factor,
+                                         backoff_factor=backoff_factor, min_scale=min_scale, max_scale=max_scale))
+        for name, value in dict(settings, loss_scale=loss_scale, counter=counter).items():
+            object.__setattr__(self, name, value)
         self.__post_init__()
+
+    period = property(lambda self: self.dynamic_growth_steps, doc="jmp's name of `dynamic_growth_steps`.")
+    factor = property(lambda self: self.growth_factor, doc="jmp's name of `growth_factor`.")
+    min_loss_scale = property(lambda self: self.min_scale, doc="jmp's name of `min_scale`.")
 
     def __post_init__(self):
         steps = self.dynamic_growth_steps

@@ -6,8 +6,8 @@ import dataclasses
 from typing import Any, Mapping
 
 from mixedpolicy import _conversions
-from mixedpolicy._dtypes import canonical_dtype, canonical_reduce_dtype, is_dtype_object, show
-from mixedpolicy._names import canonical_name, parse_name
+from mixedpolicy._dtypes import DType, canonical_dtype, canonical_reduce_dtype, is_dtype_object, show
+from mixedpolicy._names import canonical_name, read_name
 from mixedpolicy._registry import cast_tree
 from mixedpolicy.float8 import Float8Recipe, as_float8_recipe, check_source
 from mixedpolicy import memory
@@ -34,8 +34,9 @@ class Policy:
         ``jnp.bfloat16``, ``torch.bfloat16``: that dtype everywhere), or ``None`` to build
         the policy from the keywords alone.
       compute_dtype: dtype the math runs in.
+      output_dtype: dtype layer outputs are cast to. With these two, ``Policy(param, compute,
+        output)`` reads as jmp's ``Policy(param_dtype, compute_dtype, output_dtype)``.
       variable_dtype: dtype variables (weights) are stored in.
-      output_dtype: dtype layer outputs are cast to.
       reduce_dtype: dtype gradients are reduced in across replicas: a floating dtype
         or ``"float8_e5m2"`` / ``"float8_e4m3fn"`` (sent with a per-tensor scale,
         summed in float32); in jmp's grammar ``reduce=`` / ``r=``.
@@ -86,11 +87,13 @@ class Policy:
     update_rounding: str
     optimizer_state_dtype: str
 
-    def __init__(self, name: Any = "float32", *, compute_dtype: Any = None,
-                 variable_dtype: Any = None, output_dtype: Any = None, reduce_dtype: Any = None,
+    def __init__(self, name: Any = "float32", compute_dtype: Any = None, output_dtype: Any = None, *,
+                 variable_dtype: Any = None, reduce_dtype: Any = None,
                  float8_recipe: Any = None, amax_history_len: int | None = None, margin: int | None = None,
                  update_rounding: Any = None, optimizer_state_dtype: Any = None):
-        reduce = None
+        reduce: str | None = None
+        compute: str | None
+        output: str | None
         float8: Float8Recipe | None = None
         named: dict = {}  # the optimizer settings the name gives
         if isinstance(name, Policy):
@@ -101,27 +104,8 @@ class Policy:
             named = {"update_rounding": name.update_rounding}
             if name.optimizer_state_dtype != name.variable_dtype:
                 named["optimizer_state_dtype"] = name.optimizer_state_dtype
-        elif name is None:
-            variable, compute, output = "float32", None, None
-        elif isinstance(name, str):
-            variable, compute, output, reduce, float8, named = parse_name(name)
-        elif isinstance(name, int) and not isinstance(name, bool) and str(name) in ("32", "64"):
-            variable, compute, output, reduce, float8, named = parse_name(str(name))  # Lightning's 32 and 64
-        elif is_dtype_object(name):
-            # a dtype object (np.float16, jnp.bfloat16, torch.bfloat16...): that dtype everywhere,
-            # as jmp's Policy(dtype, dtype, dtype) and Keras's DTypePolicy("bfloat16") read it
-            variable, compute, output, reduce, float8, named = parse_name(canonical_dtype(name, what="name"))
         else:
-            hint = ""
-            if isinstance(name, int) and not isinstance(name, bool):
-                hint = (" Of Lightning's numbers, 32 and 64 are accepted; 16 is ambiguous: "
-                        "write '16-mixed' or 'mixed_float16' for float16 compute with float32 "
-                        "variables, or 'float16' for float16 everywhere.")
-            raise TypeError(
-                f"Received policy name {show(name)} of type {type(name).__name__}; expected "
-                f"a string such as 'mixed_float16', a floating dtype or a Policy.{hint} To convert a "
-                f"Keras DTypePolicy or a jmp Policy use Policy.from_keras / Policy.from_jmp."
-            )
+            variable, compute, output, reduce, float8, named = read_name(name)
         if variable_dtype is not None:
             variable = canonical_dtype(variable_dtype, what="variable_dtype")
         if compute_dtype is not None:
@@ -147,11 +131,9 @@ class Policy:
         state = variable if state is None else memory.canonical_state_dtype(state, variable)
         memory.check(variable, rounding, state)
         object.__setattr__(self, "update_rounding", rounding)
-        object.__setattr__(self, "optimizer_state_dtype", state)
-        object.__setattr__(self, "variable_dtype", variable)
-        object.__setattr__(self, "compute_dtype", compute)
-        object.__setattr__(self, "output_dtype", output)
-        object.__setattr__(self, "reduce_dtype", reduce)
+        for field, value in (("optimizer_state_dtype", state), ("variable_dtype", variable),
+                             ("compute_dtype", compute), ("output_dtype", output), ("reduce_dtype", reduce)):
+            object.__setattr__(self, field, DType(value))  # equal to np.float16, torch.float16 too
         object.__setattr__(self, "float8_recipe", float8)
         object.__setattr__(self, "name", canonical_name(variable, compute, output, reduce, float8, rounding, state))
 

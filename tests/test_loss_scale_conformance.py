@@ -136,6 +136,31 @@ def test_jmps_spelling_of_a_dynamic_scale_steps_as_jmps_own():
         mp.DynamicLossScale(period=3, dynamic_growth_steps=2)
 
 
+def test_jmps_positional_order_and_attribute_names():
+    """jmp's DynamicLossScale(loss_scale, counter, period, factor, min_loss_scale), positionally,
+    with its attributes: a loss scale divided by `factor` on overflow, a floor of 0 that is jmp's
+    "no floor" (the scale still never reaches 0)."""
+    s = mp.DynamicLossScale(np.float32(10), 0, 30, 3)
+    assert (s.period, s.factor, s.min_loss_scale) == (30, 3.0, 1.0)
+    np.testing.assert_allclose(float(s.adjust(False).loss_scale), 10 / 3, rtol=1e-6)
+    for _ in range(29):
+        s = s.adjust(True)
+    assert (float(s.loss_scale), int(s.counter)) == (10.0, 29)
+    assert (float(s.adjust(True).loss_scale), int(s.adjust(True).counter)) == (30.0, 0)
+    s = mp.DynamicLossScale(np.float32(10), 0, 5, 2, 0.3125)
+    for i in range(8):
+        s = s.adjust(False)
+    assert float(s.loss_scale) == 0.3125
+    s = mp.DynamicLossScale(np.float32(10), 0, 5, 2, 0)
+    for i in range(300):
+        s = s.adjust(False)
+        if i == 99:
+            np.testing.assert_allclose(float(s.loss_scale), 10 / 2.0**100, rtol=1e-5)
+    assert float(s.loss_scale) == float(np.finfo(np.float32).tiny) > 0
+    with pytest.raises(TypeError, match=r"min_loss_scale=2.0 \(jmp's spelling\) and min_scale=1.0"):
+        mp.DynamicLossScale(8.0, 0, 10, 2, 2.0, min_scale=1.0)
+
+
 # -- optax -------------------------------------------------------------------------
 def _optax_step(opt, w, grads=None):
     jax = require_module("jax")
@@ -196,6 +221,27 @@ def test_torch_double_wrapping_is_refused():
     torch, model, opt = _torch_setup()
     with pytest.raises(TypeError, match="already scales"):
         mp.LossScaleOptimizer(opt)
+
+
+def test_torch_reads_as_a_grad_scaler_and_a_gradient_penalty_works_as_in_torchs_recipe():
+    """GradScaler's getters (loggers and recipes read them), and torch's gradient-penalty recipe:
+    grads of the scaled loss by autograd.grad, unscaled by 1 / get_scale()."""
+    torch, model, opt = _torch_setup(mp.DynamicLossScale(8.0, dynamic_growth_steps=3))
+    assert (opt.is_enabled(), opt.get_scale(), opt.get_growth_factor(), opt.get_backoff_factor(),
+            opt.get_growth_interval()) == (True, 8.0, 2.0, 0.5, 3)
+    x = torch.randn(5, 4)
+    loss = model(x).pow(2).mean()
+    scaled = torch.autograd.grad(opt.scale_loss(loss), list(model.parameters()), create_graph=True)
+    penalty = sum((g / opt.get_scale()).pow(2).sum() for g in scaled)
+    expected = torch.autograd.grad(loss + penalty, list(model.parameters()), retain_graph=True)
+    opt.scale_loss(loss + penalty).backward()
+    opt.unscale_()
+    for p, g in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.grad, g)
+    opt.step()
+    assert opt.num_skipped_steps == 0
+    _, _, plain = _torch_setup(mp.NoLossScale())
+    assert (plain.is_enabled(), plain.get_scale()) == (False, 1.0)
 
 
 def test_torch_no_loss_scale_skips_and_survives_its_state_dict():

@@ -221,10 +221,30 @@ def test_a_dtype_object_names_the_policy_of_that_dtype_and_jmp_spellings_work():
         p.with_output_dtype("int32")
 
 
+def test_jmps_three_positional_dtypes_and_dtypes_that_equal_dtype_objects():
+    """jmp's Policy(param, compute, output), and its habit of comparing a policy's dtypes with
+    dtype objects (`policy.compute_dtype == jnp.float16`), which plain strings answer False."""
+    import json
+    import pickle
+
+    import ml_dtypes
+
+    p = Policy(np.float32, ml_dtypes.bfloat16, np.float32)
+    assert p == Policy("p=f32,c=bf16,o=f32") == Policy("float32", "bfloat16", "float32")
+    assert p.param_dtype == np.float32 and p.compute_dtype == ml_dtypes.bfloat16 == np.dtype(ml_dtypes.bfloat16)
+    assert p.compute_dtype == "bfloat16" and p.compute_dtype != "bf16" and p.compute_dtype != np.float16
+    assert p.output_dtype != np.int32 and p.output_dtype != 32 and p.compute_dtype != None  # noqa: E711
+    assert {"bfloat16": 1}[p.compute_dtype] == 1 and type(str(p.compute_dtype)) is str
+    assert pickle.loads(pickle.dumps(p)) == p and json.loads(json.dumps(p.get_config()))["compute_dtype"] == "bfloat16"
+    assert Policy(np.float16, np.float16, np.float16) == Policy("float16")
+
+
 def test_a_framework_dtype_names_the_policy_and_a_tensor_does_not():
     from conftest import require_module
 
     torch = require_module("torch")
     assert Policy(torch.bfloat16) == Policy("bfloat16") and as_policy(torch.float16) == Policy("float16")
+    assert Policy("mixed_float16").compute_dtype == torch.float16 and torch.float32 == Policy("mixed_float16").variable_dtype
+    assert Policy("mixed_float16").compute_dtype != torch.bfloat16
     with pytest.raises(TypeError, match="of type Tensor; expected a string such as 'mixed_float16', a floating dtype"):
         Policy(torch.ones(2))

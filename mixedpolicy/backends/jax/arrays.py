@@ -19,7 +19,6 @@ from mixedpolicy._dtypes import FLOATING_DTYPES, host_leaves_finite
 _JNP_DTYPES = {name: jnp.dtype(name) for name in FLOATING_DTYPES}
 _JNP_DTYPES.update(bool=jnp.dtype("bool"), int32=jnp.dtype("int32"), int64=jnp.dtype("int64"))
 _NAMES = {v: k for k, v in _JNP_DTYPES.items() if k in FLOATING_DTYPES}
-_SCALARS = (bool, int, float, complex, np.ndarray, np.generic)
 
 
 def dtype_name(dtype: Any) -> str | None:
@@ -88,10 +87,6 @@ def all_finite(tree: Any) -> Any:
     return jnp.stack(flags).all() if flags else jnp.asarray(True)
 
 
-def _path_text(path: tuple) -> str:
-    return jax.tree_util.keystr(path) or "(the root)"
-
-
 class JaxArrays(ArrayOps):
     name = "jax"
 
@@ -112,26 +107,6 @@ class JaxArrays(ArrayOps):
 
     def cast(self, x: Any, dtype: str) -> Any:
         return cast_leaf(x, dtype)
-
-    def cast_tree(self, tree: Any, dtype: str) -> Any:
-        """Casts floating leaves; functions and strings pass (jmp passes them, and an Equinox
-        module holds its activations as leaves); any other object is an error.
-
-        A policy that silently skipped a leaf it cannot cast (an object that may hold arrays
-        of its own) would leave part of a computation in the wrong precision.
-        """
-        def leaf(path, x):
-            if isinstance(x, jax.Array) or isinstance(x, _SCALARS):
-                return cast_leaf(x, dtype)
-            if callable(x) or isinstance(x, (str, bytes)):  # no precision of their own
-                return x
-            raise TypeError(
-                f"Received a pytree whose leaf at {_path_text(path)} is a {type(x).__name__} "
-                f"({x!r:.60}); a policy casts arrays, so every leaf must be an array, a number, a "
-                f"function or a string. "
-                f"Bind non-array arguments before applying the policy (functools.partial), "
-                f"or keep them out of the pytree (mark them static under jax.jit).")
-        return jax.tree_util.tree_map_with_path(leaf, tree)
 
     def all_finite(self, tree: Any) -> Any:
         return all_finite(tree)

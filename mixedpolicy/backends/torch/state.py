@@ -11,7 +11,7 @@ from typing import Any
 
 from mixedpolicy.backends.torch.checks import config_from_scaler_state
 from mixedpolicy.backends.torch.updates import reconcile, state_kinds
-from mixedpolicy.loss_scale import DynamicLossScale, LossScale
+from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale
 
 _log = logging.getLogger("mixedpolicy")
 
@@ -31,6 +31,27 @@ class Checkpoints:
             "growth_interval": cfg.dynamic_growth_steps if dynamic else 2**31 - 1,
             "_growth_tracker": int(self._growth_tracker),
         }
+
+    # GradScaler's reading API, for code and loggers written against it (Lightning's, Accelerate's)
+    def get_scale(self) -> float:
+        """The current scale as a Python float (syncs with the device), 1.0 where this wrapper
+        scales nothing, as a disabled ``GradScaler`` answers."""
+        return float(self.loss_scale) if self.is_enabled() else 1.0
+
+    def is_enabled(self) -> bool:
+        """Whether this wrapper scales the loss (``GradScaler.is_enabled``); a pass-through
+        still skips a non-finite step."""
+        self._ensure_scale(self._first_device())
+        return not isinstance(self._scale_settings, NoLossScale)
+
+    def get_growth_factor(self) -> float:
+        return self.scaler_state_dict()["growth_factor"]
+
+    def get_backoff_factor(self) -> float:
+        return self.scaler_state_dict()["backoff_factor"]
+
+    def get_growth_interval(self) -> int:
+        return self.scaler_state_dict()["growth_interval"]
 
     def load_scaler_state_dict(self, state: dict) -> None:
         """Loads a ``torch.amp.GradScaler.state_dict()`` (or `scaler_state_dict`) into the scale.

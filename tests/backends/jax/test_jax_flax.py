@@ -73,21 +73,20 @@ def test_integer_and_boolean_inputs_are_never_cast():
     assert seen == {"ids": jnp.int32, "mask": jnp.bool_, "w": jnp.bfloat16}
 
 
-def test_a_pytree_with_an_object_leaf_is_an_error_naming_it():
+def test_opaque_leaves_pass_as_jmp_passes_them_and_another_frameworks_tensor_is_an_error():
+    torch = pytest.importorskip("torch")
     f = mp.apply_policy(mlp, "mixed_bfloat16")
-
-    class Note:  # an object that could hold arrays of its own
-        pass
-
-    params = dict(params_tree(), note=Note())
-    with pytest.raises(TypeError, match=r"\['note'\] is a Note .*functools.partial"):
-        f(params, X)
-    # functions and strings have no precision: they pass, as jmp passes them (an Equinox module
-    # holds its activation functions as leaves)
-    out = f(dict(params_tree(), note="first run", act=jax.nn.relu), X)
+    note = object()
+    # functions, strings and opaque objects have no precision: they pass, as jmp passes them
+    # (an Equinox module holds its activation functions as leaves)
+    out = f(dict(params_tree(), note="first run", act=jax.nn.relu, obj=note), X)
     assert out.dtype == jnp.bfloat16
-    with pytest.raises(TypeError, match=r"leaf at \[1\] is a object"):
-        mp.Policy("mixed_bfloat16").cast_to_compute([jnp.ones(2), object()])
+    tree = dict(o=note, h=jnp.ones([], jnp.float16), f=jnp.ones([]), i=jnp.ones([], jnp.int16))
+    cast = mp.Policy("p=f32,c=f16").cast_to_param(tree)
+    assert cast["o"] is note and cast["h"].dtype == jnp.float32 and cast["i"].dtype == jnp.int16
+    # a tensor of another framework would stay in its own precision without a word
+    with pytest.raises(TypeError, match=r"arrays of torch and jax in one call.*jnp.asarray"):
+        f(dict(params_tree(), t=torch.ones(2)), X)
     # Python numbers are fine: they take the dtype of the arrays they meet.
     assert mp.apply_policy(lambda p, s: p * s, "mixed_bfloat16")(jnp.ones(2), 2.0).dtype == jnp.bfloat16
 
