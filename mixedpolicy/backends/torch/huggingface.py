@@ -21,50 +21,11 @@ from typing import Any
 import torch
 
 from mixedpolicy.backends.torch.optimizer import TorchLossScaleOptimizer
+from mixedpolicy.backends.torch.scaler_view import GradScalerView
 from mixedpolicy.policy_map import as_policy_map
 from mixedpolicy.scope import global_policy
 
 _built: dict = {}
-
-
-class AccelerateScaler:
-    """What Accelerate asks of its ``scaler``, answered by a torch `LossScaleOptimizer`."""
-
-    def __init__(self, optimizer: TorchLossScaleOptimizer):
-        self.optimizer = optimizer
-
-    def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        return self.optimizer.scale_loss(loss)
-
-    def unscale_(self, optimizer: Any = None) -> None:
-        if not self.optimizer._unscaled:
-            self.optimizer.unscale_()
-
-    def step(self, optimizer: Any, closure: Any = None) -> Any:
-        """Steps through `optimizer.step` (Accelerate's patched one, which records that a step
-        was taken) only when the step is applied; a skipped step goes round it."""
-        self.unscale_()
-        found_inf = self.optimizer._found_inf
-        if found_inf is not None and bool(found_inf):  # GradScaler reads this flag here too
-            return type(self.optimizer).step(self.optimizer)  # skipped: counted, the scale backs off
-        return optimizer.step(closure) if closure is not None else optimizer.step()
-
-    def update(self, new_scale: Any = None) -> None:
-        if new_scale is not None:
-            raise TypeError("Received update(new_scale=...): the mixedpolicy scale moves by its own "
-                            "rule. Set initial_scale= on the Trainer instead.")
-
-    def get_scale(self) -> float:
-        return float(self.optimizer.loss_scale)
-
-    def is_enabled(self) -> bool:
-        return True
-
-    def state_dict(self) -> dict:
-        return self.optimizer.scaler_state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_scaler_state_dict(state)
 
 
 class PolicyTrainer:
@@ -114,18 +75,18 @@ class PolicyTrainer:
                                       else self.policy_map.with_default(global_policy()))
             optimizer = LossScaleOptimizer(optimizer, **settings)
         self.optimizer = optimizer
-        self.accelerator.scaler = AccelerateScaler(optimizer)
+        self.accelerator.scaler = GradScalerView(optimizer)
         return optimizer
 
     @property
     def loss_scale_optimizer(self) -> TorchLossScaleOptimizer | None:
         """The `LossScaleOptimizer` this Trainer steps (None before training made one)."""
         scaler = self.accelerator.scaler
-        return scaler.optimizer if isinstance(scaler, AccelerateScaler) else None
+        return scaler.optimizer if isinstance(scaler, GradScalerView) else None
 
     def _unscale(self) -> None:
         scaler = self.accelerator.scaler
-        if isinstance(scaler, AccelerateScaler):
+        if isinstance(scaler, GradScalerView):
             scaler.unscale_()
 
     def _clip_grad_norm(self, model: Any) -> Any:

@@ -103,6 +103,16 @@ class PolicyPrecision:
         """What the plugin does to each step (dynamic scaling, or none with the skip)."""
         return summary(self._loss_scale)
 
+    @property
+    def scaler(self) -> Any:
+        """GradScaler's interface to the scale (``get_scale()``, ``state_dict()``...), as
+        Lightning's ``MixedPrecision`` has it: None where nothing is scaled (its bf16-mixed)."""
+        if self.optimizer is None or not self.optimizer.is_enabled():
+            return None
+        from mixedpolicy.backends.torch.scaler_view import GradScalerView
+
+        return GradScalerView(self.optimizer)
+
     # -- the module ---------------------------------------------------------------
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         from mixedpolicy.api import apply_policy

@@ -67,14 +67,13 @@ def _data(n=8):
 
 
 class Record(pl.Callback):
-    """The scale after every step, read from whichever plugin scales."""
+    """The scale after every step, read as code written for Lightning's MixedPrecision reads it
+    (its `scaler`, None where nothing is scaled): from either plugin alike."""
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        plugin = trainer.precision_plugin
-        if getattr(plugin, "scaler", None) is not None:
-            module.scales.append(float(plugin.scaler.get_scale()))
-        elif getattr(plugin, "optimizer", None) is not None:
-            module.scales.append(float(plugin.optimizer.loss_scale))
+        scaler = trainer.precision_plugin.scaler if hasattr(trainer.precision_plugin, "scaler") else None
+        if scaler is not None:
+            module.scales.append(float(scaler.get_scale()))
 
 
 def _fit(module, steps=8, **trainer_kw):
@@ -100,7 +99,9 @@ def test_16_mixed_matches_lightnings_own_plugin_losses_skips_and_scale(manual):
     plugin = trainer.precision_plugin
     assert isinstance(plugin, pl.plugins.precision.Precision) and trainer.precision == "16-mixed"
     assert ours.scales == theirs.scales and ours.scales[POISON] == ours.scales[0] / 2
-    assert plugin.optimizer.num_skipped_steps == 1
+    assert plugin.optimizer.num_skipped_steps == 1 and len(ours.scales) == 8
+    state = plugin.scaler.state_dict()  # GradScaler's format, as Lightning's plugin's scaler gives it
+    assert set(state) == {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
     # the same steps taken: float16 compute in two orders of operations, so close, not equal
     torch.testing.assert_close(torch.tensor(ours.losses), torch.tensor(theirs.losses), rtol=2e-2, atol=2e-2)
     assert torch.isfinite(_weights(ours)).all()
@@ -131,6 +132,7 @@ def test_bf16_mixed_matches_lightnings_own_plugin_and_skips_what_it_would_apply(
     ours = Net(manual, poison=None)
     trainer = _fit(ours, plugins=[mpl.Precision("bf16-mixed")])
     assert trainer.precision == "bf16-mixed" and trainer.precision_plugin.loss_scaling.startswith("no scaling")
+    assert trainer.precision_plugin.scaler is None and ours.scales == theirs.scales == []  # as Lightning's bf16
     torch.testing.assert_close(torch.tensor(ours.losses), torch.tensor(theirs.losses), rtol=3e-2, atol=3e-2)
     # an infinite loss: Lightning's bf16 plugin applies the step (the weights turn NaN); ours skips it
     theirs, ours = Net(manual), Net(manual)

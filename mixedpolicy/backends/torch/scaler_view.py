@@ -1,0 +1,53 @@
+"""GradScaler's interface over a torch `LossScaleOptimizer`, for code written against GradScaler."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mixedpolicy.backends.torch.optimizer import TorchLossScaleOptimizer
+
+
+class GradScalerView:
+    """``torch.amp.GradScaler``'s interface answered by a torch `LossScaleOptimizer`: what
+    Accelerate asks of its ``scaler``, and what code written for Lightning's ``MixedPrecision``
+    reads from ``trainer.precision_plugin.scaler`` (``get_scale()``, ``state_dict()`` in
+    GradScaler's format)."""
+
+    def __init__(self, optimizer: TorchLossScaleOptimizer):
+        self.optimizer = optimizer
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.optimizer.scale_loss(loss)
+
+    def unscale_(self, optimizer: Any = None) -> None:
+        if not self.optimizer._unscaled:
+            self.optimizer.unscale_()
+
+    def step(self, optimizer: Any, closure: Any = None) -> Any:
+        """Steps through `optimizer.step` (Accelerate's patched one, which records that a step
+        was taken) only when the step is applied; a skipped step goes round it."""
+        self.unscale_()
+        found_inf = self.optimizer._found_inf
+        if found_inf is not None and bool(found_inf):  # GradScaler reads this flag here too
+            return type(self.optimizer).step(self.optimizer)  # skipped: counted, the scale backs off
+        return optimizer.step(closure) if closure is not None else optimizer.step()
+
+    def update(self, new_scale: Any = None) -> None:
+        if new_scale is not None:
+            raise TypeError("Received update(new_scale=...): the mixedpolicy scale moves by its own "
+                            "rule. Set initial_scale= where the LossScaleOptimizer is made (its "
+                            "constructor, PolicyTrainer's scale_settings, lightning.Precision).")
+
+    def get_scale(self) -> float:
+        return self.optimizer.get_scale()
+
+    def is_enabled(self) -> bool:
+        return self.optimizer.is_enabled()
+
+    def state_dict(self) -> dict:
+        return self.optimizer.scaler_state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_scaler_state_dict(state)
