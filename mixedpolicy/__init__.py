@@ -14,7 +14,8 @@ from mixedpolicy.optimizer import LossScaleOptimizer
 from mixedpolicy.table import LayerPolicy, PolicyTable
 from mixedpolicy.function import PolicyFunction
 from mixedpolicy.scope import global_policy, policy_scope, set_global_policy
-from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale, all_finite
+from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale
+from mixedpolicy.trees import all_finite, select_tree
 from mixedpolicy.float8 import Float8Recipe
 from mixedpolicy.policy import Policy
 from mixedpolicy.policy_map import LayerInfo, PolicyMap, Resolution
@@ -78,6 +79,7 @@ __all__ = [
     "Resolution",
     "StaticLossScale",
     "all_finite",
+    "select_tree",
     "inspect_gradients",
     "metrics",
     "apply_policy",

@@ -67,7 +67,7 @@ def check_scale(value: Any, what: str) -> Any:
     return value if framework_array else np.asarray(number, np.float32)
 
 
-def check_finite_flag(grads_finite: Any) -> Any:
+def check_finite_flag(grads_finite: Any, what: str = "grads_finite") -> Any:
     """Refuses what cannot be a 'were the gradients finite' flag (None, NaN, a list...)."""
     if isinstance(grads_finite, (bool, np.bool_)):
         return grads_finite
@@ -75,7 +75,7 @@ def check_finite_flag(grads_finite: Any) -> Any:
     if array_dtype_name(grads_finite) == "bool" and shape in ((), (1,)):
         return grads_finite
     raise TypeError(
-        f"Received grads_finite={grads_finite!r:.80} of type {type(grads_finite).__name__}; "
+        f"Received {what}={grads_finite!r:.80} of type {type(grads_finite).__name__}; "
         f"expected a boolean scalar: True, False, or a bool array of shape () such as the "
         f"result of all_finite(grads).")
 

@@ -17,17 +17,7 @@ import numpy as np
 
 from mixedpolicy._registry import array_ops_for as _ops, array_ops_for_tree as _tree_ops
 from mixedpolicy._scale_checks import array_dtype_name, check_finite_flag, check_scale, dynamic_settings
-
-
-def all_finite(tree: Any) -> Any:
-    """A boolean scalar of the tree's framework: are all floating leaves free of inf and NaN?
-
-    Python floats count as floating leaves. No host sync for framework arrays.
-
-    >>> bool(all_finite({"w": np.ones(2, np.float32), "b": float("inf")}))
-    False
-    """
-    return _tree_ops(tree).all_finite(tree)
+from mixedpolicy.trees import all_finite  # noqa: F401  (re-exported: its home before trees.py)
 
 
 def _like(ops: Any, scale: Any, x: Any) -> Any:

@@ -322,3 +322,31 @@ def test_torch_state_of_another_optimizer_count_is_refused_and_nothing_loads():
         three.load_state_dict(one.state_dict())
     with pytest.raises(ValueError, match="over 2 optimizer"):
         one.load_state_dict(two.state_dict())
+
+
+@pytest.mark.parametrize("backend", ["numpy", "jax", "torch"])
+def test_select_tree_keeps_the_old_tree_after_a_non_finite_step_as_jmps_does(backend):
+    """jmp's loop: unscale, all_finite, adjust, select_tree(finite, new, old); in the trees'
+    framework, under jit too; the flag and the two trees checked."""
+    if backend == "numpy":
+        xp, flag = np, np.bool_
+    elif backend == "jax":
+        xp = require_module("jax").numpy
+        flag = xp.bool_
+    else:
+        torch = require_module("torch")
+        xp, flag = torch, (lambda v: torch.tensor(v))
+    new, old = {"w": xp.ones(2), "n": None, "c": [xp.ones(3)]}, {"w": xp.zeros(2), "n": None, "c": [xp.zeros(3)]}
+    for finite, expected in ((True, 1.0), (False, 0.0)):
+        picked = mp.select_tree(flag(finite), new, old)
+        assert picked["n"] is None and float(picked["w"][0]) == float(picked["c"][0][2]) == expected
+    assert mp.select_tree(True, new, old) is new and mp.select_tree(mp.all_finite({"g": float("nan")}), new, old)["w"].sum() == 0
+    if backend == "jax":
+        jax = require_module("jax")
+        assert float(jax.jit(mp.select_tree)(flag(False), new, old)["w"][1]) == 0.0
+    with pytest.raises(TypeError, match=r"Received pred=.*expected a boolean scalar"):
+        mp.select_tree(xp.ones(1), new, old)
+    with pytest.raises(ValueError, match=r"shapes \(2,\) and \(3,\)"):
+        mp.select_tree(flag(True), {"w": xp.ones(2)}, {"w": xp.ones(3)})
+    with pytest.raises(ValueError, match="trees of 1 and 2 leaves"):
+        mp.select_tree(flag(True), {"w": xp.ones(2)}, {"w": xp.ones(2), "b": xp.ones(2)})
