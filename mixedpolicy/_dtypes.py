@@ -56,7 +56,7 @@ class DType(str):
             return str.__eq__(self, other)
         if is_dtype_object(other):
             try:
-                return canonical_dtype(other) == str.__str__(self)
+                return canonical_reduce_dtype(other) == str.__str__(self)  # the 8-bit floats too
             except (TypeError, ValueError):  # a dtype, not a floating one
                 return False
         return NotImplemented

@@ -237,6 +237,7 @@ def test_jmps_three_positional_dtypes_and_dtypes_that_equal_dtype_objects():
     assert {"bfloat16": 1}[p.compute_dtype] == 1 and type(str(p.compute_dtype)) is str
     assert pickle.loads(pickle.dumps(p)) == p and json.loads(json.dumps(p.get_config()))["compute_dtype"] == "bfloat16"
     assert Policy(np.float16, np.float16, np.float16) == Policy("float16")
+    assert Policy("mixed_bfloat16", reduce_dtype="e5m2").reduce_dtype == ml_dtypes.float8_e5m2 != ml_dtypes.float8_e4m3fn
 
 
 def test_a_framework_dtype_names_the_policy_and_a_tensor_does_not():
