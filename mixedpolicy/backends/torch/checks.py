@@ -174,8 +174,9 @@ def unscaled_step_error(what: str, scale: float) -> RuntimeError:
         f"the loss scale ({scale:g}) would make the update that many times too small "
         f"(torch.amp.GradScaler stops here too). Call opt.scale_loss(loss).backward(). In "
         f"Lightning, let the Trainer scale: Trainer(plugins=[mixedpolicy.lightning."
-        f"Precision(policy)]) with the plain optimizer from configure_optimizers; with the "
-        f"Hugging Face Trainer, see docs/torch.md.")
+        f"Precision(policy)]) with the plain optimizer from configure_optimizers; for the "
+        f"Hugging Face Trainer, mixedpolicy.huggingface.Trainer(..., policy=policy) scales "
+        f"through Accelerate (pass the plain optimizer).")
 
 
 # (device type, dtype) pairs whose gradients torch's AMP kernel cannot unscale: CUDA's
