@@ -68,6 +68,17 @@ class DType(str):
     __hash__ = str.__hash__
 
 
+def _represent_as_string(dumper: Any, value: DType) -> Any:
+    return dumper.represent_str(str.__str__(value))
+
+
+def _teach_yaml(yaml: Any) -> None:
+    """YAML writes a `DType` as the string it is (its safe dumper refuses str subclasses:
+    a policy's dtype in a Lightning hparams.yaml would stop the run)."""
+    for dumper in (yaml.SafeDumper, yaml.Dumper):
+        dumper.add_representer(DType, _represent_as_string)
+
+
 def show(value: object, limit: int = 80) -> str:
     """``repr(value)``, cut short for an error message (a 1 MB string is not echoed whole)."""
     text = repr(value)

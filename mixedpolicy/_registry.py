@@ -53,6 +53,7 @@ ENTRIES: list[Entry] = [
     Entry("torch", "torch", arrays=f"{_B}.torch.arrays:TorchArrays",
           models=f"{_B}.torch.modules:TorchModels", optimizers=f"{_B}.torch.optimizer:TorchOptimizers",
           wrapper=f"{_B}.torch.optimizer:TorchLossScaleOptimizer", conversions=f"{_B}.torch.reduce",
+          on_import=(f"{_B}.torch.serialization",),
           model_words="a torch.nn.Module", optimizer_words="a torch.optim.Optimizer (or a list of them)"),
     Entry("tensorflow", "tensorflow", arrays=f"{_B}.tensorflow.arrays:TensorFlowArrays",
           models=f"{_B}.tensorflow.modules:TensorFlowModules", model_words="a tf.Module"),
@@ -323,3 +324,6 @@ def install_import_hooks() -> None:
     for e in ENTRIES:
         if e.on_import:
             when_imported(e.gate, _load_on_import)
+    from mixedpolicy._dtypes import _teach_yaml
+
+    when_imported("yaml", _teach_yaml)  # a policy's dtypes written as the strings they are

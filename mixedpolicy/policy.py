@@ -180,6 +180,7 @@ class Policy:
         Policy('mixed_float16')
         """
         config: dict[str, Any] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        config = {k: str.__str__(v) if isinstance(v, str) else v for k, v in config.items()}  # plain strings
         if self.float8_recipe is not None:
             config["float8_recipe"] = self.float8_recipe.get_config()
         return config

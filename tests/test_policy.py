@@ -236,6 +236,10 @@ def test_jmps_three_positional_dtypes_and_dtypes_that_equal_dtype_objects():
     assert p.output_dtype != np.int32 and p.output_dtype != 32 and p.compute_dtype != None  # noqa: E711
     assert {"bfloat16": 1}[p.compute_dtype] == 1 and type(str(p.compute_dtype)) is str
     assert pickle.loads(pickle.dumps(p)) == p and json.loads(json.dumps(p.get_config()))["compute_dtype"] == "bfloat16"
+    assert pickle.loads(pickle.dumps(p)).compute_dtype == ml_dtypes.bfloat16
+    assert all(type(v) is str for k, v in p.get_config().items() if k != "float8_recipe")
+    yaml = pytest.importorskip("yaml")  # (its safe dumper refuses str subclasses unless told)
+    assert yaml.safe_dump({"dtype": p.compute_dtype}) == yaml.dump({"dtype": p.compute_dtype}) == "dtype: bfloat16\n"
     assert Policy(np.float16, np.float16, np.float16) == Policy("float16")
     assert Policy("mixed_bfloat16", reduce_dtype="e5m2").reduce_dtype == ml_dtypes.float8_e5m2 != ml_dtypes.float8_e4m3fn
 

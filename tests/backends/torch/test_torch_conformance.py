@@ -43,6 +43,18 @@ def test_a_model_with_a_policy_saves_and_loads_whole():
     assert loaded(x).dtype == torch.float32
 
 
+def test_a_checkpoint_holding_policies_loads_weights_only_as_lightning_loads_it():
+    """torch.load's default (weights_only=True, what Lightning's load_from_checkpoint uses) reads a
+    policy, and a policy's dtype, kept in a checkpoint's hyperparameters."""
+    policies = [mp.Policy("mixed_float16"), mp.Policy("float8_from_mixed_bfloat16", amax_history_len=16),
+                mp.Policy("bfloat16_stochastic_int8", reduce_dtype="e5m2")]
+    buf = io.BytesIO()
+    torch.save({"hyper_parameters": {"policies": policies, "dtype": policies[0].compute_dtype}}, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)["hyper_parameters"]
+    assert loaded["policies"] == policies and loaded["dtype"] == torch.float16 == loaded["policies"][0].compute_dtype
+
+
 @pytest.mark.parametrize("policy", ["bfloat16", "float16"])
 def test_removing_a_pure_policy_gives_back_the_unrounded_values(policy):
     model = _mlp()
