@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from mixedpolicy._dtypes import FLOATING_DTYPES, HALF_DTYPES, canonical_dtype, canonical_reduce_dtype, is_dtype_object, show
+from mixedpolicy._dtypes import (FLOATING_DTYPES, HALF_DTYPES, canonical_dtype, canonical_reduce_dtype,
+                                 is_dtype_object, show)
 from mixedpolicy.float8 import KERAS_SOURCES, Float8Recipe
 from mixedpolicy.memory import PRESETS, is_default, preset_for
 
@@ -174,7 +175,6 @@ def canonical_name(variable: str, compute: str, output: str, reduce: str,
     if variable == "float32" and compute in HALF_DTYPES and output == compute:
         return f"mixed_{compute}"
     return f"params={variable},compute={compute},output={output}"
-
 
 
 def read_name(name: object) -> Parsed:
