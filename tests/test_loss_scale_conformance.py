@@ -239,9 +239,16 @@ def test_torch_reads_as_a_grad_scaler_and_a_gradient_penalty_works_as_in_torchs_
     for p, g in zip(model.parameters(), expected):
         torch.testing.assert_close(p.grad, g)
     opt.step()
-    assert opt.num_skipped_steps == 0
+    opt.update()  # GradScaler's loop calls it after step: the scale already moved
+    assert opt.num_skipped_steps == 0 and opt.get_scale() == 8.0
+    opt.update(torch.tensor([64.0]))  # GradScaler's update(new_scale): set, the counter kept
+    assert opt.get_scale() == 64.0 and opt.scaler_state_dict()["_growth_tracker"] == 1
+    with pytest.raises(ValueError, match="new_scale=0.0; expected a finite number > 0"):
+        opt.update(0.0)
     _, _, plain = _torch_setup(mp.NoLossScale())
     assert (plain.is_enabled(), plain.get_scale()) == (False, 1.0)
+    with pytest.raises(ValueError, match="scales nothing"):
+        plain.update(4.0)
 
 
 def test_torch_no_loss_scale_skips_and_survives_its_state_dict():

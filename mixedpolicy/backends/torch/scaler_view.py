@@ -35,10 +35,7 @@ class GradScalerView:
         return optimizer.step(closure) if closure is not None else optimizer.step()
 
     def update(self, new_scale: Any = None) -> None:
-        if new_scale is not None:
-            raise TypeError("Received update(new_scale=...): the mixedpolicy scale moves by its own "
-                            "rule. Set initial_scale= where the LossScaleOptimizer is made (its "
-                            "constructor, PolicyTrainer's scale_settings, lightning.Precision).")
+        self.optimizer.update(new_scale)
 
     def get_scale(self) -> float:
         return self.optimizer.get_scale()

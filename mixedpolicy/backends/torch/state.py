@@ -11,6 +11,7 @@ from typing import Any
 
 from mixedpolicy.backends.torch.checks import config_from_scaler_state
 from mixedpolicy.backends.torch.updates import reconcile, state_kinds
+from mixedpolicy._scale_checks import check_scale
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale
 
 _log = logging.getLogger("mixedpolicy")
@@ -52,6 +53,25 @@ class Checkpoints:
 
     def get_growth_interval(self) -> int:
         return self.scaler_state_dict()["growth_interval"]
+
+    def update(self, new_scale: Any = None) -> None:
+        """GradScaler's ``update``. The scale already moved in `step`, so a call without argument
+        does nothing (a loop written for GradScaler, ``step`` then ``update``, runs as it is);
+        ``new_scale`` (a number or a one-element tensor) sets the scale, as GradScaler's does,
+        the counters kept.
+
+        Raises:
+          ValueError: `new_scale` is not a finite number > 0, or this wrapper scales nothing.
+        """
+        if new_scale is None:
+            return
+        if not self.is_enabled():
+            raise ValueError(f"Received update(new_scale={new_scale!r:.40}) for a LossScaleOptimizer that "
+                             f"scales nothing ({self.loss_scaling}); give it a scale to set one "
+                             f"(initial_scale=..., or policy='mixed_float16').")
+        value = float(check_scale(new_scale.detach().cpu() if hasattr(new_scale, "detach") else new_scale,
+                                  "new_scale"))
+        self.load_scaler_state_dict({**self.scaler_state_dict(), "scale": value})
 
     def load_scaler_state_dict(self, state: dict) -> None:
         """Loads a ``torch.amp.GradScaler.state_dict()`` (or `scaler_state_dict`) into the scale.
