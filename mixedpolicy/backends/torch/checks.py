@@ -254,3 +254,16 @@ def take_fused_kernel(opt: torch.optim.Optimizer) -> None:
     for group in opt.param_groups:
         group["fused"] = True
     opt._step_supports_amp_scaling = True  # as torch's constructor marks a fused optimizer
+
+
+def check_unscale_target(wrapper: Any, optimizer: Any) -> None:
+    """Refuses an `unscale_(optimizer)` argument that is not the wrapper or its one inner optimizer
+    (GradScaler's call names the optimizer; a wrapper of several unscales them together)."""
+    inners = wrapper.inner_optimizers
+    if optimizer is None or optimizer is wrapper or (len(inners) == 1 and optimizer is inners[0]):
+        return
+    raise ValueError(
+        f"Received unscale_({type(optimizer).__name__}) for a LossScaleOptimizer over "
+        f"{[type(o).__name__ for o in inners]}; it unscales all its optimizers' gradients at once: "
+        f"call opt.unscale_(). To unscale and step one of several, use `with opt.acting_on(inner): "
+        f"opt.unscale_(); opt.step()`.")

@@ -8,11 +8,9 @@ Used like the optimizer it wraps::
     opt.step()                          # unscale, skip or apply, update the scale
     opt.zero_grad()
 
-The scale lives on the device. Per step at most one host sync (``GradScaler``'s, for the
-skip); none with fused optimizers (``fused=True``), whose kernel unscales and skips. The
-scale moves by ``GradScaler``'s own kernel and a clamp to ``[min_scale, max_scale]``:
-exactly `DynamicLossScale.adjust`.
-"""
+The scale lives on the device; at most one host sync a step (``GradScaler``'s), none with fused
+optimizers, whose kernel unscales and skips. It moves by ``GradScaler``'s kernel and a clamp to
+``[min_scale, max_scale]``: exactly `DynamicLossScale.adjust`."""
 
 from __future__ import annotations
 
@@ -24,9 +22,9 @@ from torch.optim import optimizer as _torch_optimizer
 
 from mixedpolicy._adapter import OptimizerAdapter
 from mixedpolicy.backends.torch.arrays import PARAMETER_POLICY
-from mixedpolicy.backends.torch.checks import (check_capturable, check_half_master_weights, grads_by_device_and_dtype,
-                                               params_by_device_and_dtype, take_fused_kernels, unscale_and_check_,
-                                               unscaled_step_error)
+from mixedpolicy.backends.torch.checks import (check_capturable, check_half_master_weights, check_unscale_target,
+                                               grads_by_device_and_dtype, params_by_device_and_dtype,
+                                               take_fused_kernels, unscale_and_check_, unscaled_step_error)
 from mixedpolicy.backends.torch.closure import check_closure_optimizers, closure_step, reevaluates_closure
 from mixedpolicy.backends.torch.inner import InnerView
 from mixedpolicy.backends.torch.updates import TorchUpdates
@@ -208,12 +206,14 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
             return flag if flag.device == scale.device else flag.to(scale.device, non_blocking=True)
         return sum(f.to(scale.device, non_blocking=True) for f in per_device.values())
 
-    def unscale_(self) -> None:
-        """Divides the gradients by the scale in place (call before clipping them).
+    def unscale_(self, optimizer: Any = None) -> None:
+        """Divides the gradients by the scale in place (call before clipping them); `optimizer`, as
+        ``GradScaler.unscale_`` takes it, may be this wrapper or its one inner one.
 
         Raises:
           RuntimeError: `unscale_` was already called since the last `step`.
         """
+        check_unscale_target(self, optimizer)
         if self._unscaled:
             raise RuntimeError("unscale_() was already called since the last step(); the "
                                "gradients are unscaled once per step. Call step() next.")
