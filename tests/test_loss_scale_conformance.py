@@ -235,12 +235,12 @@ def test_torch_reads_as_a_grad_scaler_and_a_gradient_penalty_works_as_in_torchs_
     penalty = sum((g / opt.get_scale()).pow(2).sum() for g in scaled)
     expected = torch.autograd.grad(loss + penalty, list(model.parameters()), retain_graph=True)
     opt.scale_loss(loss + penalty).backward()
-    with pytest.raises(ValueError, match=r"unscale_\(SGD\) for a LossScaleOptimizer over \['SGD'\]"):
+    with pytest.raises(ValueError, match=r"unscale_\(SGD\) for a LossScaleOptimizer over \['SGD'\]; .*acting_on"):
         opt.unscale_(torch.optim.SGD(model.parameters(), lr=0.1))  # not the one it wraps
     opt.unscale_(opt.inner_optimizer)  # GradScaler's spelling names the optimizer
     for p, g in zip(model.parameters(), expected):
         torch.testing.assert_close(p.grad, g)
-    opt.step()
+    opt.step(opt.inner_optimizer)  # GradScaler's step(optimizer)
     opt.update()  # GradScaler's loop calls it after step: the scale already moved
     assert opt.num_skipped_steps == 0 and opt.get_scale() == 8.0
     opt.update(torch.tensor([64.0]))  # GradScaler's update(new_scale): set, the counter kept

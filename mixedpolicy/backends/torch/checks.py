@@ -256,14 +256,17 @@ def take_fused_kernel(opt: torch.optim.Optimizer) -> None:
     opt._step_supports_amp_scaling = True  # as torch's constructor marks a fused optimizer
 
 
-def check_unscale_target(wrapper: Any, optimizer: Any) -> None:
-    """Refuses an `unscale_(optimizer)` argument that is not the wrapper or its one inner optimizer
-    (GradScaler's call names the optimizer; a wrapper of several unscales them together)."""
+def is_own_optimizer(wrapper: Any, optimizer: Any, what: str = "unscale_") -> bool:
+    """Is `optimizer` (GradScaler's ``unscale_(optimizer)`` / ``step(optimizer)`` argument) the
+    wrapper or its one inner optimizer? False for None or step's closure; anything else is refused
+    (another optimizer; a wrapper of several unscales and steps them together)."""
     inners = wrapper.inner_optimizers
-    if optimizer is None or optimizer is wrapper or (len(inners) == 1 and optimizer is inners[0]):
-        return
+    if optimizer is None or (what == "step" and callable(optimizer)):
+        return False  # nothing, or step's closure
+    if optimizer is wrapper or (len(inners) == 1 and optimizer is inners[0]):
+        return True
     raise ValueError(
-        f"Received unscale_({type(optimizer).__name__}) for a LossScaleOptimizer over "
-        f"{[type(o).__name__ for o in inners]}; it unscales all its optimizers' gradients at once: "
-        f"call opt.unscale_(). To unscale and step one of several, use `with opt.acting_on(inner): "
+        f"Received {what}({type(optimizer).__name__}) for a LossScaleOptimizer over "
+        f"{[type(o).__name__ for o in inners]}; it unscales and steps all its optimizers at once: "
+        f"call opt.{what}(). To unscale and step one of several, use `with opt.acting_on(inner): "
         f"opt.unscale_(); opt.step()`.")

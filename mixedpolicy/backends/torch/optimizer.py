@@ -22,7 +22,7 @@ from torch.optim import optimizer as _torch_optimizer
 
 from mixedpolicy._adapter import OptimizerAdapter
 from mixedpolicy.backends.torch.arrays import PARAMETER_POLICY
-from mixedpolicy.backends.torch.checks import (check_capturable, check_half_master_weights, check_unscale_target,
+from mixedpolicy.backends.torch.checks import (check_capturable, check_half_master_weights, is_own_optimizer,
                                                grads_by_device_and_dtype, params_by_device_and_dtype,
                                                take_fused_kernels, unscale_and_check_, unscaled_step_error)
 from mixedpolicy.backends.torch.closure import check_closure_optimizers, closure_step, reevaluates_closure
@@ -99,10 +99,7 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
         return self._scale
 
     def _first_device(self) -> torch.device:
-        for group in self.param_groups:
-            for p in group["params"]:
-                return p.device
-        return torch.device("cpu")
+        return next((p.device for group in self.param_groups for p in group["params"]), torch.device("cpu"))
 
     @property
     def loss_scale(self) -> torch.Tensor:
@@ -213,7 +210,7 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
         Raises:
           RuntimeError: `unscale_` was already called since the last `step`.
         """
-        check_unscale_target(self, optimizer)
+        is_own_optimizer(self, optimizer)  # refuses another optimizer
         if self._unscaled:
             raise RuntimeError("unscale_() was already called since the last step(); the "
                                "gradients are unscaled once per step. Call step() next.")
@@ -234,7 +231,8 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
         Args:
           closure: as torch's optimizers take it (Lightning passes one): called once, with
             gradients enabled, before the gradients are checked; its result is returned. An
-            optimizer that re-evaluates it (LBFGS) gets it as it is under a pass-through.
+            optimizer that re-evaluates it (LBFGS) gets it as it is under a pass-through. An
+            optimizer in its place is GradScaler's ``step(optimizer)``, as `unscale_` takes it.
 
         Raises:
           RuntimeError: under loss scaling, no loss was scaled since the last step (the
@@ -246,6 +244,7 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
         return self._step(closure)
 
     def _step(self, closure: Any = None) -> Any:
+        closure = None if is_own_optimizer(self, closure, "step") else closure
         pass_through = is_pass_through(self._scale_settings)
         stepped = self._stepped()
         if closure is not None and any(reevaluates_closure(o) for o in stepped):
