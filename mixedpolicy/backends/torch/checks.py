@@ -260,9 +260,9 @@ def is_own_optimizer(wrapper: Any, optimizer: Any, what: str = "unscale_") -> bo
     """Is `optimizer` (GradScaler's ``unscale_(optimizer)`` / ``step(optimizer)`` argument) the
     wrapper or its one inner optimizer? False for None or step's closure; anything else is refused
     (another optimizer; a wrapper of several unscales and steps them together)."""
-    inners = wrapper.inner_optimizers
     if optimizer is None or (what == "step" and callable(optimizer)):
-        return False  # nothing, or step's closure
+        return False  # nothing, or step's closure (every step: nothing else looked at)
+    inners = wrapper.inner_optimizers
     if optimizer is wrapper or (len(inners) == 1 and optimizer is inners[0]):
         return True
     raise ValueError(
