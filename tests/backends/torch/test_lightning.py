@@ -100,6 +100,7 @@ def test_16_mixed_matches_lightnings_own_plugin_losses_skips_and_scale(manual):
     assert isinstance(plugin, pl.plugins.precision.Precision) and trainer.precision == "16-mixed"
     assert ours.scales == theirs.scales and ours.scales[POISON] == ours.scales[0] / 2
     assert plugin.optimizer.num_skipped_steps == 1 and len(ours.scales) == 8
+    assert trainer.scaler.get_scale() == ours.scales[-1]  # Lightning's own property reads it
     state = plugin.scaler.state_dict()  # GradScaler's format, as Lightning's plugin's scaler gives it
     assert set(state) == {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
     # the same steps taken: float16 compute in two orders of operations, so close, not equal
