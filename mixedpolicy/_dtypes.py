@@ -225,14 +225,29 @@ def canonical_reduce_dtype(value: object, *, what: str = "reduce_dtype") -> str:
                          f"reduced in. Expected one of {valid}.") from None
 
 
-def host_leaves_finite(leaves: Any) -> bool:
+def host_leaves_finite(leaves: Any, own: Any = None) -> bool:
     """Are the host-side floating leaves among `leaves` (Python floats, numpy floating arrays and
     scalars, ml_dtypes' bfloat16 among them) free of inf and NaN, each checked in its own dtype
-    (a float64 1e300 is finite)? Other leaves (a framework's tensors, integers) are not looked at:
-    every framework's ``all_finite`` checks its own tensors on the device and these here."""
+    (a float64 1e300 is finite)? Leaves `own` (the caller's framework's tensors, checked on the
+    device) and integers are not looked at; another array-like leaf no framework here reads (a
+    Keras variable, which holds its backend's array) is read on the host, not passed as finite.
+
+    Raises:
+      TypeError: such a leaf cannot be read as an array.
+    """
     import numpy as np
 
     for leaf in leaves:
+        if own is not None and own(leaf):
+            continue
+        if not (isinstance(leaf, (float, np.ndarray, np.generic))) and hasattr(leaf, "__array__") \
+                and hasattr(leaf, "dtype") and not isinstance(leaf, type):
+            try:
+                leaf = np.asarray(leaf)
+            except Exception as e:
+                raise TypeError(f"Received a {type(leaf).__module__}.{type(leaf).__name__} among the leaves, "
+                                f"which cannot be read as an array here ({e}); pass the arrays it holds "
+                                f"(a Keras variable's .value).") from None
         if isinstance(leaf, float) or (isinstance(leaf, (np.ndarray, np.generic))
                                        and np.dtype(leaf.dtype).name in FLOATING_DTYPES):
             if not bool(np.isfinite(leaf).all()):

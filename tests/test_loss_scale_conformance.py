@@ -37,6 +37,15 @@ def test_all_finite_checks_python_floats_and_numpy_leaves_beside_a_frameworks_te
     assert not bool(all_finite([ones, np.float16(np.inf)]))
     assert bool(all_finite({"t": ones, "step": 3, "flag": True}))  # integers are not looked at
 
+    class Held:  # an array-like no framework here reads (as a Keras variable holds its backend's array)
+        def __init__(self, value):
+            self.value, self.dtype, self.shape = np.asarray(value, np.float32), np.dtype("float32"), (1,)
+
+        def __array__(self, dtype=None, copy=None):
+            return self.value
+
+    assert not bool(all_finite({"t": ones, "v": Held([np.inf])})) and bool(all_finite([ones, Held([2.0])]))
+
 
 def test_scale_takes_a_tree_on_every_loss_scale():
     tree = {"a": np.ones(2, np.float16), "n": np.arange(2)}

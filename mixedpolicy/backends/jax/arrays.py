@@ -81,7 +81,7 @@ def all_finite(tree: Any) -> Any:
     """A boolean scalar: are all floating leaves free of inf and NaN? (no host sync; a Python
     float or numpy array among them is checked on the host, in its own dtype)"""
     leaves = jax.tree_util.tree_leaves(tree)
-    if not host_leaves_finite(leaves):
+    if not host_leaves_finite(leaves, lambda x: isinstance(x, jax.Array)):
         return jnp.asarray(False)
     flags = [jnp.isfinite(x).all() for x in leaves if isinstance(x, jax.Array) and dtype_name(x.dtype) is not None]
     return jnp.stack(flags).all() if flags else jnp.asarray(True)

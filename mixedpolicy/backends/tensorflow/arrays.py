@@ -45,7 +45,7 @@ class TensorFlowArrays(ArrayOps):
 
     def all_finite(self, tree: Any) -> Any:
         leaves = tf.nest.flatten(tree)
-        if not host_leaves_finite(leaves):  # a Python float or numpy array among the tensors
+        if not host_leaves_finite(leaves, _is_tensor):  # a Python float or numpy array among the tensors
             return tf.constant(False)
         flags = [tf.reduce_all(tf.math.is_finite(x)) for x in leaves if _is_tensor(x) and x.dtype.is_floating]
         return tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)

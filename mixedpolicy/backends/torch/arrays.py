@@ -47,7 +47,7 @@ class TorchArrays(ArrayOps):
     def all_finite(self, tree: Any) -> Any:
         leaves = pytree.tree_leaves(tree)
         flags = [torch.isfinite(x).all() for x in leaves if isinstance(x, torch.Tensor) and x.is_floating_point()]
-        if not host_leaves_finite(leaves):  # a Python float or numpy array among the tensors
+        if not host_leaves_finite(leaves, torch.is_tensor):  # a Python float or numpy array among the tensors
             return torch.tensor(False, device=flags[0].device if flags else None)
         return torch.stack(flags).all() if flags else torch.tensor(True)
 

@@ -326,3 +326,11 @@ def test_a_pass_through_around_nadam_trains_as_nadam_alone():
         losses.append(model.fit(x, y, epochs=3, batch_size=16, verbose=0, shuffle=False).history["loss"])
         assert len(opt.variables) == 2 + 2 * 4 + 1  # iterations, learning rate, 2 moments each, _u_product
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)  # two compiled programs; the bug: 4%
+
+
+def test_all_finite_reads_keras_variables_as_well_as_backend_tensors():
+    """A Keras variable holds its backend's array: mp.all_finite read it as an opaque leaf and
+    answered True over an inf weight."""
+    weights = [keras.Variable(np.array([1.0, np.inf], "float32")), keras.Variable(np.ones(2, "float32"))]
+    assert not bool(mp.all_finite(weights)) and not bool(mp.all_finite({"w": weights[0], "t": keras.ops.ones(2)}))
+    assert bool(mp.all_finite(weights[1:])) and bool(mp.all_finite([weights[1], keras.ops.ones(2)]))
