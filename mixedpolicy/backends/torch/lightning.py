@@ -21,6 +21,7 @@ import torch
 
 from mixedpolicy.backends.torch.regions import cast_inputs, region_context
 from mixedpolicy.backends.torch.optimizer import TorchLossScaleOptimizer
+from mixedpolicy.backends.torch.scaler_view import GradScalerView
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, summary
 from mixedpolicy.policy_map import PolicyMap, as_policy_map
 from mixedpolicy.scope import global_policy
@@ -109,8 +110,6 @@ class PolicyPrecision:
         Lightning's ``MixedPrecision`` has it: None where nothing is scaled (its bf16-mixed)."""
         if self.optimizer is None or not self.optimizer.is_enabled():
             return None
-        from mixedpolicy.backends.torch.scaler_view import GradScalerView
-
         return GradScalerView(self.optimizer)
 
     # -- the module ---------------------------------------------------------------
