@@ -19,8 +19,8 @@ How a layer's policy is chosen, first rule that applies wins:
    covers everything inside it);
 4. the map's default, or when it has none, the global policy at resolve time.
 
-Paths use each framework's own naming: ``named_modules()`` in PyTorch, ``layer.path``
-in Keras, the pytree path in JAX.
+Paths use each framework's own naming: ``named_modules()`` in PyTorch (less wrappers'
+segments), ``layer.path`` in Keras, the pytree path in JAX.
 """
 
 from __future__ import annotations

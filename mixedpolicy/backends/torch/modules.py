@@ -3,7 +3,7 @@
 How a policy reaches a module tree:
 
 - every module's policy is resolved from the `PolicyMap` (by its ``named_modules()``
-  path, its class, the built-in rules);
+  path without the wrappers' segments, paths.py; its class; the built-in rules);
 - a module gets a *region* only where its policy differs from its parent's (the
   root always has one): its ``forward`` is wrapped, so a whole ``mixed_bfloat16``
   model costs one ``torch.autocast`` region, exactly what hand-written AMP does;
@@ -45,6 +45,7 @@ from mixedpolicy.layer_plan import dotted_chains, join, plan
 from mixedpolicy.policy_map import (EMBEDDING, HEAD, LOSS, NO_FLOAT8, NORMALIZATION, SMALL_MATMUL, LayerInfo,
                                     Resolution)
 from mixedpolicy.backends.torch import float8
+from mixedpolicy.backends.torch.paths import named_layers, unwrap
 from mixedpolicy.backends.torch.regions import STATE as _STATE, _autocasts, install, uninstall
 
 _FLOAT32 = Policy("float32")
@@ -93,21 +94,27 @@ class TorchModels(ModelAdapter):
             from mixedpolicy.backends.torch.reduce import apply_to_ddp
 
             return apply_to_ddp(model, lambda inner: self.apply_policy(inner, policy_map), remove_policy)
+        if unwrap(model) is not model:  # torch.compile's module, a checkpoint wrapper: the model inside
+            self.apply_policy(unwrap(model), policy_map)
+            return model
         remove_policy(model)
         head = _head(model)
-        layers = dotted_chains((path, module, LayerInfo(path, type(module), _kind(module, head), matmul=_matmul(module)))
-                               for path, module in model.named_modules())
-        steps = plan(policy_map, layers, variables=_own_parameters, fix="Call model.float()",
+        real = {}  # the user's path -> named_modules()'s (wrappers inside the model left out)
+        listed = []
+        for path, named, module in named_layers(model):
+            real[path] = named
+            listed.append((path, module, LayerInfo(path, type(module), _kind(module, head), matmul=_matmul(module))))
+        steps = plan(policy_map, dotted_chains(listed), variables=_own_parameters, fix="Call model.float()",
                      adjust=_follow_attention)
         # fp8 layers become torchao's Float8Linear (same parameters) before anything else changes
-        swapped = float8.convert(model, [(step.path, step.policy.float8_recipe) for step in steps
+        swapped = float8.convert(model, [(real[step.path], step.policy.float8_recipe) for step in steps
                                          if step.policy.float8_recipe is not None and float8.eligible(step.layer)])
         changed: dict = {}
         regions: dict = {}  # path -> the policy of the region it computes in
         for step in steps:
             module, policy, resolution, path = step.layer, step.policy, step.resolution, step.path
-            if path in swapped:
-                module = model.get_submodule(path)
+            if real[path] in swapped:
+                module = model.get_submodule(real[path])
             info, parent_policy = step.info, step.parent_policy
             state = {"policy": policy, "source": resolution.source, "dtypes": {}}
             target = _TORCH_DTYPES[policy.variable_dtype]
@@ -120,7 +127,7 @@ class TorchModels(ModelAdapter):
                     state.setdefault("originals", {})[name] = p.data
                     p.data = p.data.to(target)
             for name, b in module.named_buffers(recurse=False):  # fp8 scales stay float32
-                if b is not None and b.is_floating_point() and b.dtype != target and path not in swapped:
+                if b is not None and b.is_floating_point() and b.dtype != target and real[path] not in swapped:
                     state["dtypes"][name] = b.dtype
                     state.setdefault("originals", {})[name] = b
                     setattr(module, name, b.to(target))
@@ -137,9 +144,9 @@ class TorchModels(ModelAdapter):
                 # activation, dropout) is left to the autocast state it is called in, at no cost
                 if next(module.parameters(), None) is not None:
                     state["entry"] = install(module, parent, region=False)
-            if path in swapped:
-                state["float8_original"] = swapped[path]
-            changed[path] = state
+            if real[path] in swapped:
+                state["float8_original"] = swapped[real[path]]
+            changed[real[path]] = state
         for path, state in changed.items():
             setattr(model.get_submodule(path), _STATE, state)
         return model
@@ -149,6 +156,9 @@ class TorchModels(ModelAdapter):
             from mixedpolicy.backends.torch.reduce import remove_from_ddp
 
             return remove_from_ddp(model, remove_policy)
+        if unwrap(model) is not model:
+            self.remove_policy(unwrap(model))
+            return model
         return remove_policy(model)
 
     def range_stats(self, model: torch.nn.Module, loss_fn: Any, batches: list, scales: tuple,
@@ -158,10 +168,12 @@ class TorchModels(ModelAdapter):
         return range_stats(model, loss_fn, batches, scales, activations)
 
     def describe(self, model: torch.nn.Module) -> list:
+        if unwrap(model) is not model:
+            return self.describe(unwrap(model))
         if _is_ddp(model):  # the wrapped module's own paths: the keys apply_policy(ddp, ...) matches
-            model = model.module
+            return self.describe(model.module)
         rows = []
-        for path, module in model.named_modules():
+        for path, _, module in named_layers(model):
             state = getattr(module, _STATE, None)
             if state is not None:
                 policy, source = state["policy"], state["source"]

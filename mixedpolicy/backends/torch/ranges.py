@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from mixedpolicy.backends.torch.paths import named_layers
 from mixedpolicy.ranges import BINS, EMIN, ROW_BINS, rows
 
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -67,7 +68,7 @@ def range_stats(model: torch.nn.Module, loss_fn: Any, batches: list, scales: tup
 
     handles = []
     if activations:
-        for path, module in model.named_modules():
+        for path, _, module in named_layers(model):
             if next(module.children(), None) is not None:
                 continue  # leaf modules: a container's output is its last child's
 
@@ -78,7 +79,7 @@ def range_stats(model: torch.nn.Module, loss_fn: Any, batches: list, scales: tup
                         output.register_hook(lambda g, path=path: add((path, "activation_grad"), stats(g, scales)))
 
             handles.append(module.register_forward_hook(hook))
-    for path, module in model.named_modules():  # the weights as they are (no step is taken)
+    for path, _, module in named_layers(model):  # the weights as they are (no step is taken)
         own = [by_output(p.detach()) for p in module.parameters(recurse=False) if p.is_floating_point()]
         if own:
             add((path, "weight"), merged(own, scales))
@@ -88,7 +89,7 @@ def range_stats(model: torch.nn.Module, loss_fn: Any, batches: list, scales: tup
             model.zero_grad(set_to_none=True)
             loss = loss_fn(model, batch)
             loss.backward()
-            for path, module in model.named_modules():
+            for path, _, module in named_layers(model):
                 grads = [by_output(p.grad) for p in module.parameters(recurse=False) if p.grad is not None]
                 if grads:
                     add((path, "weight_grad"), merged(grads, scales))
@@ -97,7 +98,7 @@ def range_stats(model: torch.nn.Module, loss_fn: Any, batches: list, scales: tup
             h.remove()
         for n, p in model.named_parameters():  # the user's gradients as they were
             p.grad = saved[n]
-    order = {path: i for i, (path, _) in enumerate(model.named_modules())}
+    order = {path: i for i, (path, _, _) in enumerate(named_layers(model))}
     kinds = ("weight", "activation", "activation_grad", "weight_grad")
     keys = sorted(totals, key=lambda k: (order.get(k[0], len(order)), kinds.index(k[1])))
     return {key: totals[key].cpu().numpy() for key in keys}  # one transfer per (layer, kind)

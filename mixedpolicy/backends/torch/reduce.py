@@ -26,6 +26,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from mixedpolicy.backends.torch.arrays import PARAMETER_POLICY, TORCH_DTYPES
+from mixedpolicy.backends.torch.paths import named_layers
 from mixedpolicy.codecs import (float8_scale, is_float8, pack_codes, table_bits, table_codes, table_quantiles,
                                 table_values, unpack_codes, wire_bytes)
 from mixedpolicy.policy import as_policy
@@ -78,12 +79,14 @@ def _per_parameter(model: torch.nn.Module, policy: Any) -> dict[str, str]:
     path or class, or by parameter path: ``"*.bias"``), else the policy apply_policy put on
     each parameter's module, else the global."""
     out = {}
-    type_at = (lambda q: type(model.get_submodule(q)))
-    for path, module in model.named_modules():
+    layers = list(named_layers(model))  # the user's paths (torch.compile's and checkpointing's wrappers left out)
+    types = {path: type(module) for path, _, module in layers}
+    for path, named, module in layers:
         for name, p in module.named_parameters(recurse=False):
-            full = f"{path}.{name}" if path else name
+            full = f"{named}.{name}" if named else name
             if isinstance(policy, PolicyMap):  # keys by path, glob or class; "*.bias" names the parameter
-                out[full] = policy.resolve(layer_chain(full, type(p), type_at=type_at)).policy.reduce_dtype
+                chain = layer_chain(f"{path}.{name}" if path else name, type(p), type_at=types.get)
+                out[full] = policy.resolve(chain).policy.reduce_dtype
             elif policy is not None:
                 out[full] = as_policy(policy).reduce_dtype
             else:

@@ -207,6 +207,39 @@ def test_torch_compile_has_no_graph_breaks():
     assert torch.allclose(compiled(x), model(x), atol=1e-2)
 
 
+def test_keys_written_for_the_bare_model_reach_it_compiled_or_checkpoint_wrapped():
+    # torch.compile puts the model under `_orig_mod`, checkpoint_wrapper a block under
+    # `_checkpoint_wrapped_module`: the paths a user writes for the bare model still name its
+    # layers, describe prints those paths, and each printed path pastes back as a key
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    overrides = {"encoder.1": "float32", "head": "float32"}
+    bare = mp.apply_policy(make(), "mixed_bfloat16", overrides)
+    x = torch.randn(4, 8)
+    wrapped = make()
+    wrapped.encoder = checkpoint_wrapper(wrapped.encoder)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no key is reported as matching nothing
+        mp.apply_policy(wrapped, "mixed_bfloat16", overrides)
+    rows = mp.describe(wrapped)
+    assert [(r.path, r.layer_type, r.source) for r in rows] == \
+        [(r.path, r.layer_type, r.source) for r in mp.describe(bare)]
+    assert torch.equal(wrapped(x), bare(x))
+    wrapped(x.requires_grad_()).sum().backward()  # the block recomputed in backward, in its policy
+
+    compiled = torch.compile(make())
+    mp.apply_policy(compiled, "mixed_bfloat16", overrides)
+    assert [r.path for r in mp.describe(compiled)] == [r.path for r in rows]
+    assert torch.allclose(compiled(x), bare(x), atol=1e-2) and compiled(x).dtype == torch.float32
+    for row in rows:
+        mp.apply_policy(compiled, mp.PolicyMap("mixed_bfloat16", {row.path: "float16"}))
+        assert {r.path: r.source for r in mp.describe(compiled)}[row.path] == f"map key {row.path!r}"
+    mp.remove_policy(compiled)
+    mp.remove_policy(wrapped)
+    assert not any("forward" in vars(m) for m in [*wrapped.modules(), *compiled._orig_mod.modules()])
+    assert {r.source for r in mp.describe(compiled)} == {"no policy applied"}
+
+
 def test_explicit_output_dtype_is_honoured():
     model = mp.apply_policy(make(), "p=f32,c=bf16,o=f32")
     assert model(torch.randn(2, 8)).dtype == torch.float32
