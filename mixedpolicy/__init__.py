@@ -15,7 +15,7 @@ from mixedpolicy.table import LayerPolicy, PolicyTable
 from mixedpolicy.function import PolicyFunction
 from mixedpolicy.scope import global_policy, policy_scope, set_global_policy
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale
-from mixedpolicy.trees import all_finite, select_tree
+from mixedpolicy.trees import all_finite, cast_to_full, cast_to_half, half_dtype, select_tree
 from mixedpolicy.float8 import Float8Recipe
 from mixedpolicy.policy import Policy
 from mixedpolicy.policy_map import LayerInfo, PolicyMap, Resolution
@@ -80,6 +80,9 @@ __all__ = [
     "StaticLossScale",
     "all_finite",
     "select_tree",
+    "cast_to_full",
+    "cast_to_half",
+    "half_dtype",
     "inspect_gradients",
     "metrics",
     "apply_policy",

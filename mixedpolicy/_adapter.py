@@ -52,6 +52,11 @@ class ArrayOps(abc.ABC):
         """Casts the floating leaves of a container of arrays to `dtype`."""
         return self.tree_map(lambda x: self.cast(x, dtype), tree)
 
+    def half_dtype(self) -> str:
+        """The half-precision dtype of this framework's default device: float16, where a
+        framework's arrays live on a TPU bfloat16 (jmp's ``half_dtype``)."""
+        return "float16"
+
     @abc.abstractmethod
     def all_finite(self, tree: Any) -> Any:
         """A boolean scalar array: are all floating leaves free of inf and NaN? No host sync."""

@@ -177,6 +177,11 @@ def _tree_entry(tree: Any) -> Entry:
     return found[0] if found else entry("numpy")
 
 
+def imported_array_ops() -> list[ArrayOps]:
+    """The array operations of every framework with arrays of its own that is imported now."""
+    return [_load(e.arrays) for e in _live() if e.arrays]
+
+
 def array_ops_for_tree(tree: Any) -> ArrayOps:
     """The first framework's (in priority order) with an array among the leaves of `tree`."""
     return _load(_tree_entry(tree).arrays)

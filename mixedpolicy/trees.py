@@ -1,5 +1,6 @@
-"""The two tree functions of a hand-written loss-scaling loop (jmp's names): is every gradient
-finite, and keep the new state or the old one, in the trees' own framework, without a host sync.
+"""jmp's tree functions, on the trees of every framework: the two of a hand-written
+loss-scaling loop (is every gradient finite; keep the new state or the old one), in the trees'
+own framework without a host sync, and the casts to full and half precision.
 
 A jmp loop moves over by its import::
 
@@ -15,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from mixedpolicy._dtypes import show
-from mixedpolicy._registry import array_ops_for_tree as _tree_ops
+from mixedpolicy._dtypes import DType, show
+from mixedpolicy._registry import array_ops_for_tree as _tree_ops, cast_tree
 from mixedpolicy._scale_checks import check_finite_flag
 
 
@@ -63,3 +64,39 @@ def select_tree(pred: Any, a: Any, b: Any) -> Any:
         y = next(others)
         return None if x is None else ops.where(pred, x, y)  # (torch's pytree hands None over as a leaf)
     return ops.tree_map(pick, a)
+
+
+def half_dtype(tree: Any = None) -> DType:
+    """The half-precision dtype for the device a framework computes on (jmp's ``half_dtype``):
+    ``"bfloat16"`` on a TPU, where float16 has no hardware, else ``"float16"``. Judged by the
+    framework of `tree`'s arrays, or without a tree by JAX's default device where JAX is imported.
+
+    >>> half_dtype(np.ones(2, np.float32))
+    'float16'
+    """
+    if tree is None:
+        from mixedpolicy._registry import imported_array_ops
+
+        return DType(next((ops.half_dtype() for ops in imported_array_ops() if ops.half_dtype() != "float16"),
+                          "float16"))
+    return DType(_tree_ops(tree).half_dtype())
+
+
+def cast_to_full(tree: Any) -> Any:
+    """The floating leaves of `tree` cast to float32, every other leaf as it is (jmp's
+    ``cast_to_full``).
+
+    >>> cast_to_full({"w": np.ones(2, np.float16), "step": np.int32(3)})["w"].dtype
+    dtype('float32')
+    """
+    return cast_tree(tree, "float32")
+
+
+def cast_to_half(tree: Any) -> Any:
+    """The floating leaves of `tree` cast to `half_dtype` of its framework, every other leaf as it
+    is (jmp's ``cast_to_half``).
+
+    >>> cast_to_half([np.ones(2, np.float32), np.arange(2)])[0].dtype
+    dtype('float16')
+    """
+    return cast_tree(tree, half_dtype(tree))

@@ -368,3 +368,27 @@ def test_select_tree_keeps_the_old_tree_after_a_non_finite_step_as_jmps_does(bac
         mp.select_tree(flag(True), {"w": xp.ones(2)}, {"w": xp.ones(3)})
     with pytest.raises(ValueError, match="trees of 1 and 2 leaves"):
         mp.select_tree(flag(True), {"w": xp.ones(2)}, {"w": xp.ones(2), "b": xp.ones(2)})
+
+
+@pytest.mark.parametrize("backend", ["numpy", "jax", "torch"])
+def test_cast_to_full_and_half_are_jmps_on_every_frameworks_trees(backend):
+    """jmp's test_cast_to_full / test_cast_to_half: floating leaves cast, integers and objects
+    kept; the half dtype is float16 off a TPU (jmp's half_dtype), bfloat16 on one."""
+    if backend == "numpy":
+        xp = np
+    elif backend == "jax":
+        xp = require_module("jax").numpy
+    else:
+        xp = require_module("torch")
+    half = mp.half_dtype()
+    on_tpu = backend == "jax" and require_module("jax").local_devices()[0].platform == "tpu"
+    assert half == ("bfloat16" if on_tpu else "float16") and isinstance(half, str)
+    o = object()
+    tree = {"o": o, "h": xp.ones((), dtype=xp.float16), "f": xp.ones((), dtype=xp.float32),
+            "i": xp.ones((), dtype=xp.int16)}
+    full = mp.cast_to_full(tree)
+    assert full["o"] is o and full["h"].dtype == xp.float32 and full["f"].dtype == xp.float32
+    assert full["i"].dtype == xp.int16 and float(full["h"]) == 1.0
+    halved = mp.cast_to_half(tree)
+    assert mp.half_dtype(tree) == halved["f"].dtype == halved["h"].dtype and halved["i"].dtype == xp.int16
+    assert halved["o"] is o and mp.cast_to_half([1.5])[0] == 1.5  # a Python number is not an array

@@ -111,6 +111,9 @@ class JaxArrays(ArrayOps):
     def all_finite(self, tree: Any) -> Any:
         return all_finite(tree)
 
+    def half_dtype(self) -> str:
+        return "bfloat16" if jax.local_devices()[0].platform == "tpu" else "float16"
+
     def where(self, cond: Any, a: Any, b: Any) -> Any:
         return jnp.where(cond, a, b)
 
