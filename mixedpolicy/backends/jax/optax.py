@@ -66,8 +66,33 @@ def _check_state(state: Any, config: LossScale) -> None:
             f"scale setting. Convert it with tx.adopt_state(state), which keeps the inner state.")
     raise TypeError(
         f"Received a state of type {type(state).__name__}; expected the {expected.__name__} that "
-        f"this LossScaleOptimizer's init/update returned. If it sits inside optax.chain, pass "
-        f"that element of the chain's state.")
+        f"this LossScaleOptimizer's init/update returned (or a state holding exactly one, such as "
+        f"the state of an optax.chain around it).")
+
+
+def _own_state(state: Any, config: LossScale) -> Any:
+    """This wrapper's state: `state`, or the one such state inside it (the state of an
+    ``optax.chain`` around the wrapper).
+
+    Raises:
+      ValueError: the state of an ``optax.MultiSteps`` around a wrapper that scales or skips.
+    """
+    if not isinstance(state, _STATES):
+        inside = [x for x in jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, _STATES))
+                  if isinstance(x, _STATES)]
+        if len(inside) == 1 and isinstance(state, optax.MultiStepsState) and not is_pass_through(config):
+            raise ValueError(
+                "Received the state of an optax.MultiSteps around this LossScaleOptimizer: MultiSteps "
+                "sums the gradients of its micro-batches before the wrapper sees them and clears the sum "
+                "by multiplying it with 0, so one micro-batch that overflows turns the sum into NaN "
+                "and every later step is skipped; nor does the scale back off where MultiSteps "
+                "skips a micro-batch itself. Accumulate inside the wrapper: "
+                "mp.LossScaleOptimizer(optax.MultiSteps(tx, every_k_schedule=k)), which checks "
+                "each micro-batch.")
+        if len(inside) == 1:
+            state = inside[0]
+    _check_state(state, config)
+    return state
 
 
 class LossScaleTransformation(optax.GradientTransformationExtraArgs):
@@ -90,9 +115,14 @@ class LossScaleTransformation(optax.GradientTransformationExtraArgs):
         Args:
           loss: the unscaled loss, a scalar of any floating dtype.
           state: this transformation's `LossScaleState` (as returned by ``init`` or
-            ``update``, or ``nnx.Optimizer.opt_state``).
+            ``update``, or ``nnx.Optimizer.opt_state``), or a state holding it once (that of
+            an ``optax.chain`` around this transformation).
+
+        Raises:
+          ValueError: `state` is that of an ``optax.MultiSteps`` around this wrapper (see
+            the message: accumulate inside the wrapper instead).
         """
-        _check_state(state, self.update.loss_scale)
+        state = _own_state(state, self.update.loss_scale)
         if isinstance(self.update.loss_scale, NoLossScale):
             return loss
         return jnp.asarray(loss).astype(jnp.float32) * state.loss_scale

@@ -129,6 +129,36 @@ def test_a_skipped_step_leaves_params_inner_state_and_its_count_alone():
     assert float(new.loss_scale) == 2.0**14 and int(new.counter) == 0
 
 
+def test_gradient_accumulation_inside_the_wrapper_and_a_chain_around_it():
+    """mp.LossScaleOptimizer(optax.MultiSteps(...)): each micro-batch unscaled and checked, finite
+    steps equal plain accumulation, an overflowing micro-batch skipped alone; scale_loss takes
+    the state of a chain around the wrapper. MultiSteps around the wrapper is refused: its sum
+    turns NaN for good at the first overflow (it clears it by multiplying with 0)."""
+    def run(tx, scale_loss, poisoned=()):
+        params, state = params_tree(), tx.init(params_tree())
+        for i in range(4):
+            grads = jax.grad(lambda p: scale_loss(loss_fn(p, i in poisoned), state))(params)
+            updates, state = jax.jit(tx.update)(grads, state, params)
+            params = optax.apply_updates(params, updates)
+        return params, state
+
+    with adam():
+        lso = mp.LossScaleOptimizer(optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2))
+        tx = optax.chain(optax.identity(), lso)
+        plain, _ = run(optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2), lambda v, s: v)
+        ours, _ = run(tx, lso.scale_loss)
+        for a, b in zip(jax.tree_util.tree_leaves(plain), jax.tree_util.tree_leaves(ours)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+        skipped, state = run(tx, lso.scale_loss, poisoned=(0,))
+        assert int(state[1].num_skipped_steps) == 1 and float(state[1].loss_scale) == 2.0**14
+        assert int(state[1].inner_state.gradient_step) == 1  # micro-batches 1 and 2 made a step
+        assert all(bool(jnp.isfinite(leaf).all()) for leaf in jax.tree_util.tree_leaves(skipped))
+        around = optax.MultiSteps(mp.LossScaleOptimizer(optax.adam(1e-2)), every_k_schedule=2)
+        with pytest.raises(ValueError, match=r"optax.MultiSteps around this LossScaleOptimizer.*"
+                                             r"mp.LossScaleOptimizer\(optax.MultiSteps\(tx"):
+            around.inner_opt.scale_loss(loss_fn(params_tree(), False), around.init(params_tree()))
+
+
 def test_200_overflows_leave_the_weights_and_the_scale_at_its_floor():
     opt = mp.LossScaleOptimizer(optax.sgd(0.1))
     step = make_step(opt)
