@@ -284,11 +284,12 @@ def _function(target: str) -> Any:
 
 
 def lightning_callback_class() -> Any:
-    """The loss-scale callback class of the Lightning package already imported, or None."""
-    for gate, target in LIGHTNING_CALLBACKS:
-        if gate in sys.modules:
-            return _function(target)(sys.modules[gate])
-    return None
+    """The loss-scale callback class of the Lightning packages already imported (a Callback of
+    each), or None."""
+    imported = [(gate, target) for gate, target in LIGHTNING_CALLBACKS if gate in sys.modules]
+    if not imported:
+        return None
+    return _function(imported[0][1])(*(sys.modules[gate] for gate, _ in imported))
 
 
 #: the global policy `set_global_policy` last told the table of (None: never set, the default)

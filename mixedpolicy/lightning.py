@@ -2,8 +2,9 @@
 
 ``Trainer(plugins=[mixedpolicy.lightning.Precision("16-mixed", {"head": "float32"})],
 callbacks=[mixedpolicy.lightning.LossScaleCallback()])``. Both are subclasses of the Lightning
-package in use: ``pytorch_lightning`` or ``lightning.pytorch``, whichever is imported already,
-else the first of the two that is installed. Importing this module imports torch; reading
+package in use: ``pytorch_lightning`` or ``lightning.pytorch``, whichever is imported already
+(of both, where a process imports both, so that a Trainer of either takes them), else the
+first of the two that is installed. Importing this module imports torch; reading
 ``Precision`` or ``LossScaleCallback`` imports Lightning.
 """
 
@@ -48,15 +49,21 @@ def lightning_package() -> Any:
                       "with pip install pytorch-lightning (or lightning).")
 
 
+def _packages() -> list:
+    """Every Lightning package imported (the plugin and the callback subclass each one's base, so
+    that either Trainer takes them), else the one `lightning_package` imports."""
+    return [sys.modules[name] for name in _PACKAGES if name in sys.modules] or [lightning_package()]
+
+
 def __getattr__(name: str) -> Any:
     if name == "Precision":
         from mixedpolicy.backends.torch.lightning import precision_class
 
-        return precision_class(lightning_package())
+        return precision_class(*_packages())
     if name == "LossScaleCallback":
         from mixedpolicy.backends.torch.lightning import callback_class
 
-        return callback_class(lightning_package())
+        return callback_class(*_packages())
     raise AttributeError(f"module 'mixedpolicy.lightning' has no attribute {name!r}")
 
 

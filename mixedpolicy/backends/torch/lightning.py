@@ -1,8 +1,9 @@
 """Lightning's precision plugin and callback, built on the torch `LossScaleOptimizer`.
 
-`precision_class(pl)` and `callback_class(pl)` build, for one Lightning package (``pytorch_lightning``
-or ``lightning.pytorch``: their base classes differ), a subclass of its ``Precision`` plugin and
-of its ``Callback``; `mixedpolicy.lightning` hands out the ones of the package in use.
+`precision_class(*pls)` and `callback_class(*pls)` build, for the Lightning packages in use
+(``pytorch_lightning``, ``lightning.pytorch``, or both where a process imports both: their base
+classes differ, and each Trainer accepts only its own), a subclass of their ``Precision`` plugin
+and of their ``Callback``; `mixedpolicy.lightning` hands out the ones of the packages imported.
 
 What the plugin does where Lightning calls it (the order Lightning's own ``MixedPrecision`` keeps):
 ``convert_module`` puts the policy (or `PolicyMap`) on the LightningModule before the optimizers
@@ -116,6 +117,15 @@ class PolicyPrecision:
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         from mixedpolicy.api import apply_policy
 
+        # Made where both Lightning packages are imported, the plugin subclasses both (each
+        # Trainer takes only its own); it becomes the plugin of the module's package alone, whose
+        # inherited methods agree with its Trainer (the two packages' enums differ: clipping
+        # by the other's GradClipAlgorithmType would clip nothing).
+        packages = getattr(type(self), "lightning_packages", ())
+        for pl in packages if len(packages) > 1 else ():
+            if isinstance(module, pl.LightningModule):
+                self.__class__ = precision_class(pl)
+                break
         self._module = apply_policy(module, self.policy_map)
         return self._module
 
@@ -210,14 +220,14 @@ class PolicyPrecision:
         self.optimizer.load_scaler_state_dict(state_dict)
 
 
-def precision_class(pl: Any) -> type:
-    """The ``Precision`` plugin subclass for the Lightning package `pl` (built once): `PolicyPrecision`
-    over the package's own ``Precision`` base."""
-    key = ("precision", pl.__name__)
+def precision_class(*pls: Any) -> type:
+    """The ``Precision`` plugin subclass for the Lightning packages `pls` (built once): `PolicyPrecision`
+    over each package's own ``Precision`` base, so that a Trainer of either accepts it."""
+    key = ("precision", *(pl.__name__ for pl in pls))
     if key not in _built:
-        _built[key] = type("Precision", (PolicyPrecision, pl.plugins.precision.Precision),
+        _built[key] = type("Precision", (PolicyPrecision, *(pl.plugins.precision.Precision for pl in pls)),
                            {"__module__": "mixedpolicy.lightning", "__qualname__": "Precision",
-                            "__doc__": PolicyPrecision.__doc__})
+                            "__doc__": PolicyPrecision.__doc__, "lightning_packages": pls})
     return _built[key]
 
 
@@ -242,12 +252,12 @@ class PolicyLossScaleCallback(LightningLossScaleCallback):
             pl_module.log_dict({k: float(v) for k, v in metrics(plugin.optimizer, self.prefix).items()})
 
 
-def callback_class(pl: Any) -> type:
-    """The ``Callback`` subclass for the Lightning package `pl` (built once): `PolicyLossScaleCallback`
-    over the package's own ``Callback``."""
-    key = ("callback", pl.__name__)
+def callback_class(*pls: Any) -> type:
+    """The ``Callback`` subclass for the Lightning packages `pls` (built once): `PolicyLossScaleCallback`
+    over each package's own ``Callback``."""
+    key = ("callback", *(pl.__name__ for pl in pls))
     if key not in _built:
-        _built[key] = type("LossScaleCallback", (PolicyLossScaleCallback, pl.Callback),
+        _built[key] = type("LossScaleCallback", (PolicyLossScaleCallback, *(pl.Callback for pl in pls)),
                            {"__module__": "mixedpolicy.lightning", "__qualname__": "LossScaleCallback",
                             "__doc__": PolicyLossScaleCallback.__doc__})
     return _built[key]

@@ -257,3 +257,39 @@ def test_an_update_recipe_on_the_trainer_rounds_the_optimizers_updates():
     assert module.head.weight.dtype == torch.bfloat16 and torch.isfinite(_weights(module)).all()
     with pytest.raises(ValueError, match="8-bit block-quantized state is torchao's"):
         _fit(Net(poison=None), steps=1, plugins=[mpl.Precision("bfloat16_stochastic_int8")])
+
+
+def test_the_unified_lightning_package_and_both_in_one_process():
+    """`lightning.pytorch` (the unified package) and `pytorch_lightning` imported together:
+    each Trainer takes only plugins and callbacks of its own package, so ours subclass both;
+    under lightning.pytorch it matches that package's own MixedPrecision step for step."""
+    L = pytest.importorskip("lightning.pytorch")
+    plugin, callback = mpl.Precision("16-mixed", initial_scale=2.0**16), mpl.LossScaleCallback(every_n_steps=1)
+    assert isinstance(plugin, L.plugins.precision.Precision) and isinstance(plugin, pl.plugins.precision.Precision)
+    assert isinstance(callback, L.Callback) and isinstance(mp.LightningLossScaleCallback(), L.Callback)
+
+    def module(poison=POISON):  # the same Net, a LightningModule of the unified package
+        net = Net(poison=poison)
+        unified = type("UnifiedNet", (L.LightningModule,), {k: getattr(Net, k) for k in (
+            "forward", "_loss", "training_step", "configure_optimizers")})
+        out = unified()
+        out.body, out.head, out.make_optimizer, out.poison = net.body, net.head, net.make_optimizer, net.poison
+        out.losses, out.scales = [], []
+        return out
+
+    def fit(m, plugin, callbacks=()):
+        trainer = L.Trainer(max_steps=8, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, plugins=[plugin],
+                            callbacks=[*callbacks], gradient_clip_val=0.5)
+        trainer.fit(m, _data(8))
+        return trainer
+
+    theirs, ours = module(), module()
+    fit(theirs, L.plugins.precision.MixedPrecision("16-mixed", "cpu"))
+    trainer = fit(ours, plugin, [callback])  # clipped as Lightning's own clips (its enum, not the other's)
+    assert not isinstance(trainer.precision_plugin, pl.plugins.precision.Precision)  # now the module's package's
+    assert trainer.scaler.get_scale() == theirs.trainer.scaler.get_scale() == 2.0**15  # backed off once
+    assert float(trainer.callback_metrics["loss_scale/skipped_steps"]) == 1.0
+    torch.testing.assert_close(torch.tensor(ours.losses), torch.tensor(theirs.losses), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(_weights(ours), _weights(theirs), rtol=1e-6, atol=1e-6)
+    _fit(Net(), plugins=[mpl.Precision("16-mixed")], callbacks=[mpl.LossScaleCallback()])  # and the other Trainer
