@@ -128,20 +128,28 @@ class _Region:
         finally:
             _running.depth -= 1
 
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The forward this one wraps: the instance's earlier one, else the class's, called with
+        the module as its first argument. (Not ``type(module).forward.__get__(module)``: where
+        the forward breaks torch.compile's graph, dynamo rebuilds such a bound method as
+        ``module.forward``, which is this region, and recursed without end.)"""
+        if self.inner is not None:
+            return self.inner(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
     def _run(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
-        forward = self.inner if self.inner is not None else type(module).forward.__get__(module)
         if self._autocast:
             with torch.autocast(_device_type(args, kwargs, module), dtype=self._compute):
-                out = forward(*args, **kwargs)
+                out = self._forward(*args, **kwargs)
         else:
             args, kwargs = _cast_floating(args, self._compute), _cast_floating(kwargs, self._compute)
             device = _device_type(args, kwargs, module)
             if torch.is_autocast_enabled(device):
                 with torch.autocast(device, enabled=False):
-                    out = forward(*args, **kwargs)
+                    out = self._forward(*args, **kwargs)
             else:
-                out = forward(*args, **kwargs)
+                out = self._forward(*args, **kwargs)
         return _cast_floating(out, self._output) if self._cast_out else out
 
 
@@ -158,8 +166,7 @@ class _Entry(_Region):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if getattr(_running, "depth", 0) or torch.is_autocast_enabled(_device_type(args, kwargs, self.module)):
-            forward = self.inner if self.inner is not None else type(self.module).forward.__get__(self.module)
-            return forward(*args, **kwargs)
+            return self._forward(*args, **kwargs)
         return _Region.__call__(self, *args, **kwargs)
 
 

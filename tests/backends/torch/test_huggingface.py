@@ -71,6 +71,18 @@ def test_the_trainer_under_a_policy_matches_its_own_mixed_precision(tmp_path, po
     torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("arguments", [dict(torch_compile=True, torch_compile_backend="eager"),
+                                       dict(gradient_checkpointing=True, gradient_accumulation_steps=2)],
+                         ids=["torch_compile", "checkpointing-and-accumulation"])
+def test_the_trainers_compile_checkpointing_and_accumulation_train_as_its_own_bf16(tmp_path, arguments):
+    # torch_compile: GPT-2's forward breaks dynamo's graph, which made every region recurse
+    theirs = transformers.Trainer(model=_model(), args=_args(tmp_path, bf16=True, **arguments), train_dataset=_data())
+    theirs.train()
+    ours = Trainer(model=_model(), args=_args(tmp_path, **arguments), train_dataset=_data(), policy="bf16-mixed")
+    ours.train()
+    torch.testing.assert_close(torch.tensor(_losses(ours)), torch.tensor(_losses(theirs)), rtol=2e-2, atol=2e-2)
+
+
 def test_a_non_finite_step_is_skipped_the_scheduler_waits_and_overrides_reach_their_layers(tmp_path):
     overrides = {"transformer.h.1.mlp": "float32"}
     trainer = _poisoned(Trainer)(model=_model(), args=_args(tmp_path, max_grad_norm=1.0), train_dataset=_data(),

@@ -207,6 +207,27 @@ def test_torch_compile_has_no_graph_breaks():
     assert torch.allclose(compiled(x), model(x), atol=1e-2)
 
 
+def test_a_forward_that_breaks_torch_compiles_graph_runs_compiled():
+    # any graph break inside a region's forward (a print, data-dependent control flow, a
+    # Hugging Face model's loss) recursed without end: dynamo rebuilt the region's bound
+    # forward as `module.forward`, the region itself
+    class Breaks(Net):
+        def forward(self, x):
+            hidden = self.encoder(x)
+            torch._dynamo.graph_break()
+            return self.head(hidden)
+
+    x = torch.randn(4, 8)
+    for overrides in ({}, {"head": "float32"}, {"encoder": "bfloat16"}):
+        torch.manual_seed(0)
+        model = mp.apply_policy(Breaks(), "mixed_bfloat16", overrides)
+        expected = model(x)
+        compiled = torch.compile(model, backend="eager")
+        out = compiled(x)
+        assert out.dtype == expected.dtype and torch.allclose(out.float(), expected.float(), atol=1e-2)
+        compiled(x.requires_grad_()).float().sum().backward()
+
+
 def test_keys_written_for_the_bare_model_reach_it_compiled_or_checkpoint_wrapped():
     # torch.compile puts the model under `_orig_mod`, checkpoint_wrapper a block under
     # `_checkpoint_wrapped_module`: the paths a user writes for the bare model still name its
