@@ -30,7 +30,7 @@ from mixedpolicy.backends.torch.inner import InnerView
 from mixedpolicy.backends.torch.updates import TorchUpdates
 from mixedpolicy.backends.torch.state import Checkpoints
 from mixedpolicy.scope import global_policy
-from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, is_pass_through, summary
+from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, is_pass_through
 
 
 def _global_hooks() -> bool:
@@ -100,28 +100,6 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
 
     def _first_device(self) -> torch.device:
         return next((p.device for group in self.param_groups for p in group["params"]), torch.device("cpu"))
-
-    @property
-    def loss_scale(self) -> torch.Tensor:
-        """The current scale, a float32 tensor on the device (reading it does not sync)."""
-        return self._ensure_scale(self._first_device())
-
-    @property
-    def last_step_skipped(self) -> bool:
-        """Whether the last `step` was skipped (reading it syncs with the device)."""
-        self._ensure_scale(self._first_device())
-        return bool(self._last_skipped)
-
-    @property
-    def num_skipped_steps(self) -> int:
-        """How many steps were skipped so far (reading it syncs with the device)."""
-        self._ensure_scale(self._first_device())
-        return int(self._skipped)
-
-    @property
-    def loss_scaling(self) -> str:
-        """What this wrapper does to a step: dynamic, static, none, or a pass-through."""
-        return summary(self._scale_settings)
 
     def scale_loss(self, loss: Any) -> Any:
         """Returns ``loss * loss_scale`` in float32; call ``.backward()`` on it.
@@ -320,6 +298,12 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
     def __repr__(self) -> str:
         inner = ", ".join(type(o).__name__ for o in self._inners)
         return f"LossScaleOptimizer({inner}, {self._scale_settings!r})"
+
+
+# Eager inside a torch.compile'd step: dynamo takes the wrapper for one of torch's Optimizers and lost
+# its bookkeeping across the step's graph break (the step's flag read back as None).
+for _name in ("scale_loss", "unscale_", "step"):
+    setattr(TorchLossScaleOptimizer, _name, torch.compiler.disable(getattr(TorchLossScaleOptimizer, _name)))
 
 
 class TorchOptimizers(TorchUpdates, OptimizerAdapter):

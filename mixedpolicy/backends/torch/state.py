@@ -12,13 +12,36 @@ from typing import Any
 from mixedpolicy.backends.torch.checks import config_from_scaler_state
 from mixedpolicy.backends.torch.updates import reconcile, state_kinds
 from mixedpolicy._scale_checks import check_scale
-from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale
+from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, summary
 
 _log = logging.getLogger("mixedpolicy")
 
 
 class Checkpoints:
-    """Checkpoint methods; the class they are mixed into keeps the scale and the inner optimizers."""
+    """The scale's state as read and saved; the class this is mixed into keeps the scale and the
+    inner optimizers."""
+
+    @property
+    def loss_scale(self) -> Any:
+        """The current scale, a float32 tensor on the device (reading it does not sync)."""
+        return self._ensure_scale(self._first_device())
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last `step` was skipped (reading it syncs with the device)."""
+        self._ensure_scale(self._first_device())
+        return bool(self._last_skipped)
+
+    @property
+    def num_skipped_steps(self) -> int:
+        """How many steps were skipped so far (reading it syncs with the device)."""
+        self._ensure_scale(self._first_device())
+        return int(self._skipped)
+
+    @property
+    def loss_scaling(self) -> str:
+        """What this wrapper does to a step: dynamic, static, none, or a pass-through."""
+        return summary(self._scale_settings)
 
     def scaler_state_dict(self) -> dict:
         """The scale in ``torch.amp.GradScaler.state_dict()`` format."""
