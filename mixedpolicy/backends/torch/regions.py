@@ -66,13 +66,17 @@ def region_context(model: torch.nn.Module, device: str) -> Any:
     """The autocast state that `model`'s own forward sets for the modules it calls: what a
     call into a submodule that does not go through that forward needs (a LightningModule's
     ``training_step`` calling ``self.net(x)``). Regions inside set their own state as usual;
-    a pure (half-precision variables) policy also needs its inputs cast (`cast_inputs`)."""
+    a pure (half-precision variables) policy also needs its inputs cast (`cast_inputs`).
+
+    The autocast keeps no cast copies of the weights (``cache_enabled=False``, as Lightning's
+    own plugin): a step can update them in place and run a forward again within it (manual
+    optimization), which would otherwise compute on the copies made before the update."""
     state = getattr(model, STATE, None)
     if state is None or "forward" not in state:  # no policy, or a plain float32 root
         return contextlib.nullcontext()
     policy = state["policy"]
     if _autocasts(policy):
-        return torch.autocast(device, dtype=_TORCH_DTYPES[policy.compute_dtype])
+        return torch.autocast(device, dtype=_TORCH_DTYPES[policy.compute_dtype], cache_enabled=False)
     return torch.autocast(device, enabled=False)
 
 

@@ -293,3 +293,24 @@ def test_the_unified_lightning_package_and_both_in_one_process():
     torch.testing.assert_close(torch.tensor(ours.losses), torch.tensor(theirs.losses), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(_weights(ours), _weights(theirs), rtol=1e-6, atol=1e-6)
     _fit(Net(), plugins=[mpl.Precision("16-mixed")], callbacks=[mpl.LossScaleCallback()])  # and the other Trainer
+
+
+def test_a_forward_after_a_manual_step_in_the_same_training_step_sees_the_new_weights():
+    # (a GAN's second optimizer, a look-ahead): the training step's autocast keeps no cast copies
+    # of the weights, as Lightning's own does (cache_enabled=False); with the cache on, the
+    # second forward ran on the half-precision copies of the weights before the step
+    class TwoForwards(Net):
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.manual_backward(self._loss(batch, batch_idx))
+            opt.step()
+            self.after.append(self(batch[0]).detach().float())
+
+    theirs, ours = TwoForwards(manual=True, poison=-1), TwoForwards(manual=True, poison=-1)
+    theirs.after, ours.after = [], []
+    _fit(theirs, steps=3, plugins=[pl.plugins.precision.MixedPrecision("bf16-mixed", "cpu")])
+    _fit(ours, steps=3, plugins=[mpl.Precision("bf16-mixed")])
+    assert len(ours.after) == len(theirs.after) == 3
+    for a, b in zip(ours.after, theirs.after):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
