@@ -8,6 +8,7 @@ without tracing, for their value; a traced array (under ``jax.jit``) passes.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import numpy as np
@@ -28,12 +29,32 @@ def is_number(value: Any) -> bool:
     return isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool)
 
 
+class FlagError(TypeError, AssertionError):
+    """A finiteness flag that is no boolean scalar: a TypeError, and the AssertionError jmp raises."""
+
+
+def float_scale(value: Any, what: str) -> Any:
+    """`value`, an integer array (jmp warns and goes on) taken as a float32 scalar with jmp's
+    warning where its value can be read; anything else as it is."""
+    dtype = array_dtype_name(value)
+    if not dtype.startswith(("int", "uint")) or is_number(value):
+        return value
+    warnings.warn(f"Expected floating type for {what}, got {dtype}: it is taken as float32 (the "
+                  f"scale is kept in float32); pass a float32 array or a Python number.", stacklevel=5)
+    try:
+        return np.asarray(float(value), np.float32)
+    except Exception:  # traced (jax.jit): its dtype is the caller's
+        return value
+
+
 def check_scale(value: Any, what: str) -> Any:
     """Validates a scale; returns a float32 numpy scalar, or a framework array as given.
 
     A framework array is checked for its dtype and, where its value can be read
-    without tracing (outside ``jax.jit``), for its value; a traced one passes.
+    without tracing (outside ``jax.jit``), for its value; a traced one passes. An integer
+    array is taken as float32 with jmp's warning (`float_scale`).
     """
+    value = float_scale(value, what)
     dtype = array_dtype_name(value)
     if dtype in ("float16", "bfloat16"):
         raise ValueError(
@@ -41,8 +62,8 @@ def check_scale(value: Any, what: str) -> Any:
             f"compute dtype (float16 overflows above 65504, and the scale grows past that). "
             f"Pass a Python number such as 2**15, or a float32 array.")
     if dtype and not is_number(value) and not dtype.startswith("float"):
-        raise TypeError(f"Received {what} as an array of dtype {dtype}; expected a float32 "
-                        f"scalar or a Python number such as 2**15 (the scale is kept in float32).")
+        raise TypeError(f"Received {what} as an array of dtype {dtype}; expected a float32 scalar "
+                        f"or a Python number such as 2**15 (the scale is kept in float32).")
     if isinstance(value, bool) or not (is_number(value) or hasattr(value, "dtype")):
         raise TypeError(f"Received {what}={value!r:.80} of type {type(value).__name__}; "
                         f"expected a positive number such as 2**15.")
@@ -74,9 +95,9 @@ def check_finite_flag(grads_finite: Any, what: str = "grads_finite") -> Any:
     shape = tuple(getattr(grads_finite, "shape", (None,)))
     if array_dtype_name(grads_finite) == "bool" and shape in ((), (1,)):
         return grads_finite
-    raise TypeError(
+    raise FlagError(
         f"Received {what}={grads_finite!r:.80} of type {type(grads_finite).__name__}; "
-        f"expected a boolean scalar: True, False, or a bool array of shape () such as the "
+        f"expected boolean scalar: True, False, or a bool array of shape () such as the "
         f"result of all_finite(grads).")
 
 
@@ -98,7 +119,7 @@ def dynamic_settings(jmp: dict, ours: dict) -> dict:
     if jmp["factor"] is not None:
         factor = jmp["factor"]
         settings["growth_factor"], settings["backoff_factor"] = factor, 1.0 / float(check_scale(factor, "factor"))
-    floor = jmp["min_loss_scale"]
+    floor = float_scale(jmp["min_loss_scale"], "min_loss_scale")
     if floor is not None:
         zero = is_number(floor) or hasattr(floor, "dtype") and getattr(floor, "shape", None) == ()
         settings["min_scale"] = float(np.finfo(np.float32).tiny) if zero and float(floor) == 0 else floor

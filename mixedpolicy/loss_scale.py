@@ -240,6 +240,8 @@ class DynamicLossScale(LossScale):
 
     def __post_init__(self):
         steps = self.dynamic_growth_steps
+        if isinstance(steps, (float, np.floating)) and float(steps).is_integer():  # jmp's period=5.
+            object.__setattr__(self, "dynamic_growth_steps", steps := int(steps))
         if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
             raise ValueError(f"Received dynamic_growth_steps={steps!r}; expected a whole "
                              f"number >= 1 (Keras and torch use 2000; jmp calls it period).")

@@ -64,9 +64,11 @@ def test_a_floor_or_scale_that_is_not_a_positive_float32_is_refused(bad):
         mp.StaticLossScale(bad)
 
 
-def test_integer_and_non_scalar_scale_arrays_are_refused():
-    with pytest.raises(TypeError, match="dtype int"):
-        mp.StaticLossScale(np.asarray(8, np.int32))
+def test_boolean_and_non_scalar_scale_arrays_are_refused():
+    with pytest.raises(TypeError, match="dtype bool"):
+        mp.StaticLossScale(np.asarray(True))
+    with pytest.warns(UserWarning, match="Expected floating type"):  # jmp warns; taken as float32
+        assert mp.StaticLossScale(np.asarray(8, np.int32)).loss_scale.dtype == np.float32
     with pytest.raises(ValueError, match="NaN"):
         mp.DynamicLossScale(np.asarray(np.nan, np.float32))
     with pytest.raises(ValueError, match="shape"):
@@ -168,6 +170,26 @@ def test_jmps_positional_order_and_attribute_names():
     assert float(s.loss_scale) == float(np.finfo(np.float32).tiny) > 0
     with pytest.raises(TypeError, match=r"min_loss_scale=2.0 \(jmp's spelling\) and min_scale=1.0"):
         mp.DynamicLossScale(8.0, 0, 10, 2, 2.0, min_scale=1.0)
+
+
+def test_jmps_loose_inputs_a_float_period_integer_scales_and_its_assertion():
+    """jmp's tests: period=5. is a period of 5; an int32 scale or floor is taken as float32 with
+    jmp's warning ("Expected floating type for ..."); select_tree's refusal of a non-scalar flag is
+    also the AssertionError jmp raises ("expected boolean scalar")."""
+    s = mp.DynamicLossScale(np.float32(10), np.int32(0), 5.0, 2.0, np.float32(0.0))
+    assert s.period == 5 and isinstance(s.period, int)
+    for _ in range(5):
+        s = s.adjust(np.bool_(True))
+    assert float(s.loss_scale) == 20.0
+    with pytest.warns(UserWarning, match="Expected floating type for loss_scale, got int32"):
+        s = mp.DynamicLossScale(np.asarray(1, np.int32))
+    assert float(s.loss_scale) == 1.0 and s.loss_scale.dtype == np.float32
+    with pytest.warns(UserWarning, match="Expected floating type for min_loss_scale"):
+        mp.DynamicLossScale(np.asarray(1, np.float32), min_loss_scale=np.asarray(1, np.int32))
+    with pytest.raises(AssertionError, match="expected boolean scalar"):
+        mp.select_tree(np.ones([1]), None, None)
+    with pytest.raises(ValueError, match="period|dynamic_growth_steps=2.5"):
+        mp.DynamicLossScale(8.0, 0, 2.5)
 
 
 # -- optax -------------------------------------------------------------------------
@@ -362,7 +384,7 @@ def test_select_tree_keeps_the_old_tree_after_a_non_finite_step_as_jmps_does(bac
     if backend == "jax":
         jax = require_module("jax")
         assert float(jax.jit(mp.select_tree)(flag(False), new, old)["w"][1]) == 0.0
-    with pytest.raises(TypeError, match=r"Received pred=.*expected a boolean scalar"):
+    with pytest.raises(TypeError, match=r"Received pred=.*expected boolean scalar"):
         mp.select_tree(xp.ones(1), new, old)
     with pytest.raises(ValueError, match=r"shapes \(2,\) and \(3,\)"):
         mp.select_tree(flag(True), {"w": xp.ones(2)}, {"w": xp.ones(3)})
