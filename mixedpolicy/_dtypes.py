@@ -123,7 +123,7 @@ def canonical_dtype(value: object, *, what: str = "dtype") -> str:
                   "float8_recipe='tensorwise')) or a name such as 'float8_from_mixed_bfloat16'.")
     raise ValueError(
         f"Received {what}={show(value)}, which is not a floating dtype mixedpolicy "
-        f"supports. Expected one of {valid} (short forms such as 'f16', 'bf16', "
+        f"supports (Unknown dtype). Expected one of {valid} (short forms such as 'f16', 'bf16', "
         f"'f32', 'half' and 'full' are accepted too). Integer and boolean tensors "
         f"are never cast, so they need no policy.{float8}"
     )

@@ -96,7 +96,7 @@ def parse_name(name: str) -> Parsed:
     except ValueError as e:
         float8 = " 8-bit" in str(e)  # canonical_dtype's word on fp8 spellings
         raise ValueError(f"Received policy name {show(name)}, which is not a policy "
-                         f"mixedpolicy knows. {_valid_names_hint()}"
+                         f"mixedpolicy knows (Unknown dtype or policy name). {_valid_names_hint()}"
                          + (str(e)[str(e).index(" 8-bit"):] if float8 else "")) from None
     return dtype, dtype, None, None, None, {}
 
@@ -123,8 +123,8 @@ def _parse_jmp(name: str) -> Parsed:
             continue
         if not sep or field is None:
             raise ValueError(
-                f"Received policy name {show(name)}: the part {part.strip()!r} is not "
-                f"'key=dtype' with key one of 'params' ('p'), 'compute' ('c'), 'output' "
+                f"Received policy name {show(name)}: Unknown key in the part {part.strip()!r}, "
+                f"which is not 'key=dtype' with key one of 'params' ('p'), 'compute' ('c'), 'output' "
                 f"('o') or 'reduce' ('r'), an fp8 setting ('float8', 'amax_history_len', "
                 f"'margin', 'float8_forward', 'float8_backward') or an optimizer setting "
                 f"('rounding', 'state'). Example: "

@@ -253,3 +253,14 @@ def test_a_framework_dtype_names_the_policy_and_a_tensor_does_not():
     assert Policy("mixed_float16").compute_dtype != torch.bfloat16
     with pytest.raises(TypeError, match="of type Tensor; expected a string such as 'mixed_float16', a floating dtype"):
         Policy(torch.ones(2))
+
+
+def test_unknown_names_say_so_in_jmps_words():
+    """jmp's tests match "Unknown dtype" (and "Unknown key") in its refusals; ours say it too,
+    with what was received and what is valid."""
+    for name in ("compute_float16", "c=f17"):
+        with pytest.raises(ValueError, match="Unknown dtype") as err:
+            Policy(name)
+        assert name.partition("=")[2] in str(err.value) and "Expected" in str(err.value)
+    with pytest.raises(ValueError, match="Unknown key in the part 'x=f16'"):
+        Policy("x=f16")
