@@ -77,8 +77,8 @@ def half_dtype(tree: Any = None) -> DType:
     if tree is None:
         from mixedpolicy._registry import imported_array_ops
 
-        return DType(next((ops.half_dtype() for ops in imported_array_ops() if ops.half_dtype() != "float16"),
-                          "float16"))
+        halves = {ops.half_dtype() for ops in imported_array_ops()}
+        return DType("bfloat16" if "bfloat16" in halves else "float16")
     return DType(_tree_ops(tree).half_dtype())
 
 
@@ -99,4 +99,5 @@ def cast_to_half(tree: Any) -> Any:
     >>> cast_to_half([np.ones(2, np.float32), np.arange(2)])[0].dtype
     dtype('float16')
     """
-    return cast_tree(tree, half_dtype(tree))
+    ops = _tree_ops(tree)  # (one look at the tree's leaves for both)
+    return ops.cast_tree(tree, ops.half_dtype())

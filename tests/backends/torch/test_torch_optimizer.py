@@ -102,6 +102,19 @@ def test_a_train_step_under_torch_compile_matches_the_eager_one(name):
     for a, b in zip(model.parameters(), eager_model.parameters()):
         torch.testing.assert_close(a, b)
 
+    # the inner optimizer's own step compiled on its own, inside the wrapper's eager step
+    model = net()
+    inner = OPTIMIZERS[name](model)
+    inner.step = torch.compile(inner.step, backend="eager")
+    opt = mp.LossScaleOptimizer(inner)
+    for i, (x, y) in enumerate(batches(6)):
+        opt.scale_loss(loss_of(model, x, y, i == 3)).backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.num_skipped_steps == 1
+    for a, b in zip(model.parameters(), eager_model.parameters()):
+        torch.testing.assert_close(a, b)
+
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_a_skipped_step_changes_nothing(name):
