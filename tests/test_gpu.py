@@ -58,6 +58,24 @@ def test_every_policy_steps_without_a_host_sync_on_cuda(policy, fused):
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def test_stochastic_rounding_on_cuda_is_one_compiled_kernel_with_the_cpus_bits(monkeypatch):
+    """On CUDA a chunk's hash and rounding run as one kernel torch.compile writes; its result is
+    the CPU's ops' bit for bit (integer arithmetic), across chunk boundaries, for a parameter
+    larger than a chunk and for steps whose hash term wraps."""
+    torch = _cuda()
+    from mixedpolicy.backends.torch import rounding
+
+    monkeypatch.setattr(rounding, "_CHUNK", 1000)
+    sizes, indices = [700, 200, 2500, 1, 99], [0, 1, 2, 3, 7]
+    x = torch.randn(sum(sizes))
+    for step in (0, 123456789, 2**31 + 5):
+        on_cpu, on_gpu = x.clone(), x.to("cuda")
+        rounding.round_flat_(on_cpu, sizes, indices, step, "cpu")
+        rounding.round_flat_(on_gpu, sizes, indices, step, "cuda")
+        assert rounding._compiled() is not None and "cuda" in rounding._FUSED  # it took the kernel
+        assert torch.equal(on_gpu.cpu(), on_cpu)
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_gradscaler_state_moves_both_ways(device):
     torch = require_module("torch")

@@ -109,7 +109,7 @@ def install(optimizer: Any, rounding: str) -> Any:
             return True
         step = getattr(optimizer.iterations, "value", optimizer.iterations)  # the backend's tensor
         if keras.backend.backend() == "torch":  # the same bits from the torch rule's hash: far fewer calls
-            from mixedpolicy.backends.torch.updates import random_bits16 as torch_bits
+            from mixedpolicy.backends.torch.rounding import random_bits16 as torch_bits
 
             bits = torch_bits(tuple(variable.shape), step, index, device=step.device)
         else:
@@ -143,8 +143,8 @@ def _parallel_rounded(optimizer: Any) -> Any:
     variables with the bits the per-variable rule draws (the torch rule's hash, all at once)."""
     import torch
 
-    from mixedpolicy.backends.torch.updates import random_bits16_all
-    from mixedpolicy.backends.torch.updates import stochastic_round_bfloat16 as round_torch
+    from mixedpolicy.backends.torch.rounding import random_bits16_all
+    from mixedpolicy.backends.torch.rounding import stochastic_round_bfloat16 as round_torch
 
     cls = type(optimizer)
 

@@ -12,9 +12,9 @@ copies of the bfloat16 parameters, gradients and moments for the length of the s
 
 from __future__ import annotations
 
-import functools
-import itertools
-from typing import Any, Iterator
+from typing import Any
+
+from mixedpolicy.backends.torch.rounding import round_flat_
 
 _EIGHT_BIT = ("Adam8bit", "AdamW8bit")
 
@@ -111,113 +111,9 @@ def reconcile(optimizer: Any, saved: dict) -> set:
     return kept
 
 
-# -- stochastic rounding after any optimizer's step ------------------------------------------
-# murmur3's finaliser and the golden-ratio step: the counter-based hash the optax and Keras rules
-# use, so one model rounds alike on torch, optax and Keras. Here in int32 arithmetic, whose
-# products wrap modulo 2**32 as the rules' masked arithmetic does (right shifts masked to be
-# logical), over all of a step's parameters at once: a handful of ops per step, not per parameter
-_MASK, _GOLDEN, _M1, _M2, _VARIABLE, _SEED = 0xFFFFFFFF, 0x9E3779B1, 0x85EBCA6B, 0xC2B2AE35, 668265261, 0x5EED
-_SLICED = {"cpu"}  # devices where a parameter's terms are added slice by slice (small ops are cheap)
-_CHUNK = 1 << 24  # elements hashed at once: bounds the int32 temporaries (and keeps indices < 2**31)
+# -- the rule around any optimizer's step -----------------------------------------------------
 STEP_KEY = "stochastic_rounding_step"  # in the first param group: saved and loaded with the optimizer
 KAHAN_KEY = "kahan_compensation"  # per bfloat16 parameter, in the optimizer's state
-
-
-def _int32(value: int) -> int:
-    """The int32 with the bits of the uint32 `value`."""
-    value &= _MASK
-    return value - (1 << 32) if value >= 1 << 31 else value
-
-
-def _mix_(h: Any, tmp: Any) -> Any:
-    """murmur3's 32-bit finaliser, in place on an int32 tensor (`tmp`: scratch of its size)."""
-    import torch
-
-    for shift, mask, factor in ((16, 0xFFFF, _int32(_M1)), (13, 0x7FFFF, _int32(_M2)), (16, 0xFFFF, None)):
-        h.bitwise_xor_(torch.bitwise_right_shift(h, shift, out=tmp).bitwise_and_(mask))  # a logical shift
-        if factor is not None:
-            h.mul_(factor)
-    return h
-
-
-def random_bits16_all(sizes: list, indices: list, step: Any, device: Any = None, seed: int = _SEED) -> list:
-    """16 random bits per element of each of several flat tensors (int32, one tensor each);
-    `step` a Python int or an integer tensor on `device` (read there). No host sync and no copy
-    from the host: what does not change from step to step is built once per device."""
-    return [bits for h, chunk_sizes in _bits_by_chunk(sizes, indices, step, device, seed)
-            for bits in h.split(chunk_sizes)]
-
-
-def _bits_by_chunk(sizes: list, indices: list, step: Any, device: Any = None, seed: int = _SEED) -> Iterator:
-    """`random_bits16_all`'s bits as they are made: (one int32 tensor for consecutive
-    parameters, their sizes), chunk after chunk."""
-    import torch
-
-    if torch.is_tensor(step):
-        step_term = step.to(device=device, dtype=torch.int32) * _int32(_GOLDEN)
-    else:
-        step_term = _int32(int(step) * _GOLDEN)  # an int32 scalar: added as a kernel argument
-    where = torch.device(device or "cpu")
-    sliced = where.type in _SLICED
-    for total, chunk_sizes, terms, on_device in _chunks(tuple(sizes), tuple(indices), str(where), seed, _CHUNK,
-                                                        sliced):
-        h = torch.arange(total, dtype=torch.int32, device=where).mul_(_int32(_GOLDEN))
-        tmp = torch.empty_like(h)  # one scratch tensor for both finalisers
-        for stage in (0, 1):  # the element's hash input, then the finalised value plus the start
-            if sliced:  # a CPU: each parameter's term added to its slice (an op each)
-                for offset, size, term in zip(*terms[stage]):
-                    piece = h[offset:offset + size]
-                    piece.add_(term).add_(step_term) if torch.is_tensor(step_term) else piece.add_(
-                        _int32(term + step_term))
-            else:  # one op for all: the terms repeated to each element
-                shift, counts = on_device[stage], on_device[2]
-                h.add_(shift.add(step_term).repeat_interleave(counts, output_size=total))
-            _mix_(h, tmp)
-        yield h.bitwise_and_(0xFFFF), chunk_sizes
-
-
-@functools.lru_cache(maxsize=16)
-def _chunks(sizes: tuple, indices: tuple, device: str, seed: int, chunk: int, sliced: bool) -> tuple:
-    """The parameters in chunks of at most `chunk` elements (a larger one alone), each as (its
-    elements, its parameters' sizes, the hash's per-parameter terms without the step's as
-    (offsets, sizes, terms) for each stage, and unless `sliced` the terms and sizes as tensors
-    on `device`): int32 arithmetic wraps as the hash's uint32 arithmetic does."""
-    import torch
-
-    chunks, i = [], 0
-    while i < len(sizes):
-        j, total = i + 1, sizes[i]
-        while j < len(sizes) and total + sizes[j] <= chunk:
-            total, j = total + sizes[j], j + 1
-        # start_p = step * golden + base_p; element k of parameter p hashes k * golden + start_p,
-        # over the chunk its flat position times golden plus (start_p - offset_p * golden), mod 2**32
-        bases = [(index * _VARIABLE + seed) & 0x7FFFFFFF for index in indices[i:j]]
-        offsets = [0, *itertools.accumulate(sizes[i:j - 1])]
-        shifts, starts = [_int32(b - o * _GOLDEN) for b, o in zip(bases, offsets)], [_int32(b) for b in bases]
-        terms = ((offsets, sizes[i:j], shifts), (offsets, sizes[i:j], starts))
-        on_device = None if sliced else (
-            *torch.tensor([shifts, starts], dtype=torch.int32).to(device), torch.tensor(sizes[i:j]).to(device))
-        chunks.append((total, list(sizes[i:j]), terms, on_device))
-        i = j
-    return tuple(chunks)
-
-
-def random_bits16(shape: tuple, step: int, index: int, device: Any = None, seed: int = _SEED) -> Any:
-    """16 random bits per element (int32 in [0, 65536)): the hash of the element's position, the
-    step, the parameter's index and the seed that the optax and Keras rules draw."""
-    size = 1
-    for d in shape:
-        size *= int(d)
-    return random_bits16_all([size], [index], step, device, seed)[0].reshape(shape)
-
-
-def stochastic_round_bfloat16(x: Any, bits16: Any) -> Any:
-    """float32 `x` rounded into bfloat16 up or down with the probability of its remainder."""
-    import torch
-
-    pattern = x.float().view(torch.int32)
-    cut = (pattern + bits16) & -65536  # 0xFFFF0000 as int32
-    return cut.view(torch.float32).to(torch.bfloat16)  # exact: the low half is zero
 
 
 def _moments(optimizer: Any, p: Any) -> Any:
@@ -264,12 +160,8 @@ class _RoundedStep:
             count = optimizer.param_groups[0][STEP_KEY]
             for device, (flat, on, views) in flats.items():
                 olds = [widened[i][2] for i in on]
-                if self.rounding == "stochastic":  # on the float32 buffer, chunk by chunk, in place
-                    sizes = [widened[i][0].numel() for i in on]
-                    start = 0
-                    for h, _ in _bits_by_chunk(sizes, on, count, device):
-                        flat[start:start + h.numel()].view(torch.int32).add_(h).bitwise_and_(-65536)
-                        start += h.numel()
+                if self.rounding == "stochastic":  # on the float32 buffer, in place
+                    round_flat_(flat, [widened[i][0].numel() for i in on], on, count, device)
                 if self.rounding == "kahan":  # what nearest rounding dropped is added back next step
                     for i, new in zip(on, views):
                         p, old = widened[i][0], widened[i][2]

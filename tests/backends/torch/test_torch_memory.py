@@ -53,7 +53,7 @@ def test_what_torch_cannot_carry_is_refused_with_what_does():
 
 
 def test_the_rule_around_any_optimizer_rounds_stochastically_with_the_bits_optax_and_keras_draw():
-    from mixedpolicy.backends.torch.updates import random_bits16, stochastic_round_bfloat16
+    from mixedpolicy.backends.torch.rounding import random_bits16, stochastic_round_bfloat16
 
     assert random_bits16((8,), 3, 2).tolist() == [30602, 37930, 56895, 27383, 42306, 40381, 57622, 52687]
     x = torch.full((100_000,), 1.0 + 2.0**-10)
@@ -88,7 +88,7 @@ def test_the_bits_of_all_parameters_at_once_are_each_parameters_own(monkeypatch,
     a chunk."""
     import numpy as np
 
-    from mixedpolicy.backends.torch import updates
+    from mixedpolicy.backends.torch import rounding as updates
 
     monkeypatch.setattr(updates, "_CHUNK", 1000)
     monkeypatch.setattr(updates, "_SLICED", {"cpu"} if sliced else set())  # the CPU's way, or the GPU's
@@ -99,6 +99,39 @@ def test_the_bits_of_all_parameters_at_once_are_each_parameters_own(monkeypatch,
         assert bits.dtype == torch.int32 and bits.shape == (size,)
         np.testing.assert_array_equal(bits.numpy(), _reference_bits16(size, 123456789, index))
         assert torch.equal(bits, bits_of_tensor_step)
+
+
+def test_the_one_kernel_rounding_computes_the_separate_ops_bits(monkeypatch, caplog):
+    """The function CUDA compiles into one kernel (run here uncompiled, the same arithmetic)
+    rounds a flat buffer exactly as the separate ops do, across chunks and wrapping steps; and
+    where the compiler fails the separate ops round instead, with a warning that says so."""
+    from mixedpolicy.backends.torch import rounding
+
+    monkeypatch.setattr(rounding, "_CHUNK", 1000)
+    sizes, indices = [700, 200, 2500, 1, 99], [0, 1, 2, 3, 7]
+    x = torch.randn(sum(sizes))
+    monkeypatch.setattr(rounding, "_FUSED", {"cpu"})
+    for step in (0, 123456789, 2**31 + 5):
+        monkeypatch.setattr(rounding, "_compiled", lambda: rounding._round_chunk_)
+        separate, fused = x.clone(), x.clone()
+        start = 0  # the separate ops: what every device without the kernel runs
+        for h, _ in rounding._bits_by_chunk(sizes, indices, step, "cpu"):
+            separate[start:start + h.numel()].view(torch.int32).add_(h).bitwise_and_(-65536)
+            start += h.numel()
+        rounding.round_flat_(fused, sizes, indices, step, "cpu")
+        assert torch.equal(fused, separate)
+        assert torch.equal(fused, fused.bfloat16().float())  # exact in bfloat16
+
+    def broken(*args):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(rounding, "_compiled", lambda: broken)
+    fallback = x.clone()
+    with caplog.at_level("WARNING", logger="mixedpolicy"):
+        rounding.round_flat_(fallback, sizes, indices, 2**31 + 5, "cpu")
+    assert torch.equal(fallback, separate)
+    assert "could not build the stochastic-rounding kernel" in caplog.text and "no C++ compiler" in caplog.text
+    assert "cpu" not in rounding._FUSED  # asked once: later steps take the separate ops at once
 
 
 def _digits_accuracy(policy, steps=400):

@@ -19,7 +19,7 @@ def test_the_rounding_is_unbiased_and_its_bits_the_same_on_every_backend():
     # the counter-based hash in keras.ops integer arithmetic: these values on jax, torch and tensorflow
     assert bits.tolist() == [30602, 37930, 56895, 27383, 42306, 40381, 57622, 52687]
     if keras.backend.backend() == "torch":  # the per-variable rule draws them with the torch rule's hash
-        from mixedpolicy.backends.torch.updates import random_bits16 as torch_bits
+        from mixedpolicy.backends.torch.rounding import random_bits16 as torch_bits
 
         step = keras.ops.convert_to_tensor(3, "int32")
         assert torch_bits((8,), step, 2, device=step.device).tolist() == bits.tolist()
