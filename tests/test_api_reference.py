@@ -64,6 +64,7 @@ def test_the_facades_classes_show_how_to_construct_them(site):
     shown = headings((site / "api" / "index.html").read_text())
     for name, argument in (("mixedpolicy.lightning.Precision", "policy=None"),
                            ("mixedpolicy.huggingface.Trainer", "policy=None"),
+                           ("mixedpolicy.huggingface.Accelerator", "policy=None"),
                            ("mixedpolicy.LossScaleOptimizer", "initial_scale=None"),
                            ("mixedpolicy.Policy", "compute_dtype=None")):
         assert argument in shown[name], shown[name]

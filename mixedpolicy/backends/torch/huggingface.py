@@ -1,4 +1,5 @@
-"""The Hugging Face ``Trainer`` under a mixedpolicy policy: a subclass that takes ``policy=``.
+"""Hugging Face's ``Trainer`` and Accelerate's ``Accelerator`` under a mixedpolicy policy:
+subclasses that take ``policy=``.
 
 `trainer_class(transformers)` builds, once, a subclass of ``transformers.Trainer``:
 
@@ -12,6 +13,12 @@
 
 The policy decides the compute dtype, so ``TrainingArguments(fp16=True)`` / ``bf16=True`` are
 refused (they would wrap the whole forward in an autocast of their own).
+
+`accelerator_class(accelerate)` builds the same for a loop written with ``accelerate.Accelerator``:
+``prepare`` puts the policy on each model and wraps each optimizer, the wrapper is Accelerate's
+scaler (``backward`` scales, ``clip_grad_norm_`` unscales first, ``step_was_skipped`` reports a
+skip), and ``save_state`` / ``load_state`` carry the scale; ``mixed_precision`` other than "no"
+is refused as ``fp16=True`` is.
 """
 
 from __future__ import annotations
@@ -45,19 +52,11 @@ class PolicyTrainer:
     def __init__(self, model: Any = None, args: Any = None, *rest: Any, policy: Any = None,
                  overrides: Any = None, scale_settings: dict | None = None, **kwargs: Any):
         policy_map = as_policy_map(policy, overrides)
-        default = policy_map.default or global_policy()
         if args is not None and (getattr(args, "fp16", False) or getattr(args, "bf16", False)):
-            raise ValueError(
-                f"Received TrainingArguments(fp16={args.fp16}, bf16={args.bf16}) with a mixedpolicy "
-                f"policy ({default.name}): both would put the whole forward under "
-                f"an autocast of their own and override the per-layer policy. Set fp16=False and "
-                f"bf16=False; the policy decides the dtypes (policy='mixed_float16' scales the "
-                f"loss as fp16=True would).")
-        if scale_settings is not None and not isinstance(scale_settings, dict):
-            raise TypeError(f"Received scale_settings of type {type(scale_settings).__name__}; "
-                            f"expected a dict such as {{'initial_scale': 2**16}}.")
+            _refuse_native_precision(f"TrainingArguments(fp16={args.fp16}, bf16={args.bf16})",
+                                     "Set fp16=False and bf16=False", policy_map.default or global_policy())
         self.policy_map = policy_map
-        self.scale_settings = dict(scale_settings or {})
+        self.scale_settings = _scale_settings(scale_settings)
         if model is not None:
             from mixedpolicy.api import apply_policy
 
@@ -66,15 +65,7 @@ class PolicyTrainer:
 
     def create_optimizer(self, model: Any = None) -> Any:
         optimizer = super().create_optimizer(model) if model is not None else super().create_optimizer()
-        if not isinstance(optimizer, TorchLossScaleOptimizer):
-            from mixedpolicy.optimizer import LossScaleOptimizer
-
-            settings = dict(self.scale_settings)
-            if "loss_scale" not in settings:  # the policy decides, its default the global one
-                settings["policy"] = (self.policy_map if self.policy_map.default
-                                      else self.policy_map.with_default(global_policy()))
-            optimizer = LossScaleOptimizer(optimizer, **settings)
-        self.optimizer = optimizer
+        optimizer = self.optimizer = _wrapped(optimizer, self.policy_map, self.scale_settings)
         self.accelerator.scaler = GradScalerView(optimizer)
         return optimizer
 
@@ -97,6 +88,109 @@ class PolicyTrainer:
         if grad_norm is None:
             self._unscale()  # the logged norm is the true one
         return super()._get_grad_norm(model, grad_norm=grad_norm)
+
+
+def _wrapped(optimizer: Any, policy_map: Any, scale_settings: dict) -> TorchLossScaleOptimizer:
+    """`optimizer` in a `LossScaleOptimizer` that follows `policy_map` (its default the global
+    policy) unless `scale_settings` set the scale; a wrapper is taken as it is."""
+    if isinstance(optimizer, TorchLossScaleOptimizer):
+        return optimizer
+    from mixedpolicy.optimizer import LossScaleOptimizer
+
+    settings = dict(scale_settings)
+    if "loss_scale" not in settings:  # the policy decides, its default the global one
+        settings["policy"] = policy_map if policy_map.default else policy_map.with_default(global_policy())
+    return LossScaleOptimizer(optimizer, **settings)
+
+
+def _refuse_native_precision(received: str, where: str, default: Any) -> None:
+    raise ValueError(
+        f"Received {received} with a mixedpolicy policy ({default.name}): it would put the whole "
+        f"forward under an autocast of its own and override the per-layer policy. {where}; the "
+        f"policy decides the dtypes (policy='mixed_float16' scales the loss as fp16 would).")
+
+
+def _scale_settings(scale_settings: Any) -> dict:
+    if scale_settings is not None and not isinstance(scale_settings, dict):
+        raise TypeError(f"Received scale_settings of type {type(scale_settings).__name__}; "
+                        f"expected a dict such as {{'initial_scale': 2**16}}.")
+    return dict(scale_settings or {})
+
+
+class PolicyAccelerator:
+    """``accelerate.Accelerator`` under a mixedpolicy policy, for a loop written with Accelerate.
+
+    Takes what ``accelerate.Accelerator`` takes, plus ``policy``, ``overrides`` and
+    ``scale_settings`` as `mixedpolicy.huggingface.Trainer` takes them. ``prepare`` puts the
+    policy on each model before Accelerate wraps it and each optimizer in a
+    `LossScaleOptimizer` that follows it (one given already wrapped is kept), which is then
+    Accelerate's scaler: ``accelerator.backward(loss)`` scales the loss, ``clip_grad_norm_``
+    and ``unscale_gradients`` unscale first, the prepared optimizer's ``step`` skips a
+    non-finite step (``step_was_skipped`` is then true, and a prepared scheduler waits) and
+    ``save_state`` / ``load_state`` carry the scale.
+
+    Raises:
+      ValueError: ``mixed_precision`` (an argument, ``accelerate launch``'s configuration or
+        ``ACCELERATE_MIXED_PRECISION``) other than "no"; a second optimizer where one of them
+        scales the loss (one loss scale cannot serve two: see the message); a bad policy.
+    """
+
+    def __init__(self, *args: Any, policy: Any = None, overrides: Any = None,
+                 scale_settings: dict | None = None, **kwargs: Any):
+        self.policy_map = as_policy_map(policy, overrides)
+        self.scale_settings = _scale_settings(scale_settings)
+        super().__init__(*args, **kwargs)
+        if str(self.state.mixed_precision) != "no":
+            _refuse_native_precision(f"mixed_precision={str(self.state.mixed_precision)!r}",
+                                     "Leave mixed_precision at 'no' (the argument, accelerate launch's "
+                                     "configuration and ACCELERATE_MIXED_PRECISION)",
+                                     self.policy_map.default or global_policy())
+        self.loss_scale_optimizers: list = []
+
+    def prepare_model(self, model: Any, *args: Any, **kwargs: Any) -> Any:
+        if not getattr(model, "_is_accelerate_prepared", False):
+            from mixedpolicy.api import apply_policy
+
+            model = apply_policy(model, self.policy_map)
+        return super().prepare_model(model, *args, **kwargs)
+
+    def prepare_optimizer(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(optimizer, "_is_accelerate_prepared", False):
+            return super().prepare_optimizer(optimizer, *args, **kwargs)
+        wrapper = _wrapped(optimizer, self.policy_map, self.scale_settings)
+        wrappers = [*self.loss_scale_optimizers, wrapper]
+        scaling = [w for w in wrappers if w.is_enabled()]
+        if len(wrappers) > 1 and scaling:
+            raise ValueError(
+                f"Received a second optimizer for an Accelerator whose optimizer "
+                f"{'' if scaling[0] is wrapper else 'already '}scales the loss "
+                f"({scaling[0].loss_scaling}): accelerator.backward(loss) scales by one scale, and "
+                f"the other optimizer's gradients would stay scaled. Give one optimizer all the "
+                f"parameters, or keep the loss unscaled (a bfloat16 or float32 policy), or call "
+                f"each wrapper's opt.scale_loss(loss).backward() yourself in place of "
+                f"accelerator.backward.")
+        self.loss_scale_optimizers.append(wrapper)
+        if self.scaler is None or len(wrappers) == 1:
+            self.scaler = GradScalerView(wrapper)  # Accelerate's prepared optimizer steps through it
+        return super().prepare_optimizer(wrapper, *args, **kwargs)
+
+    def unscale_gradients(self, optimizer: Any = None) -> None:
+        chosen = self.loss_scale_optimizers if optimizer is None else (
+            list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer])
+        for opt in chosen:
+            while not isinstance(opt, TorchLossScaleOptimizer) and hasattr(opt, "optimizer"):
+                opt = opt.optimizer  # Accelerate's AcceleratedOptimizer around the wrapper
+            if isinstance(opt, TorchLossScaleOptimizer) and isinstance(self.scaler, GradScalerView):
+                self.scaler.unscale_(opt)
+
+
+def accelerator_class(accelerate: Any) -> type:
+    """The ``accelerate.Accelerator`` subclass (built once per process): `PolicyAccelerator` over it."""
+    if "accelerator" not in _built:
+        _built["accelerator"] = type("Accelerator", (PolicyAccelerator, accelerate.Accelerator),
+                                     {"__module__": "mixedpolicy.huggingface", "__qualname__": "Accelerator",
+                                      "__doc__": PolicyAccelerator.__doc__})
+    return _built["accelerator"]
 
 
 def trainer_class(transformers: Any) -> type:

@@ -17,25 +17,33 @@ class GradScalerView:
 
     def __init__(self, optimizer: TorchLossScaleOptimizer):
         self.optimizer = optimizer
+        self._stepped = optimizer  # the wrapper `update` follows: the one stepped last
+
+    def _wrapper(self, optimizer: Any) -> TorchLossScaleOptimizer:
+        """The wrapper a call is about: `optimizer` where it is one (several pass-through
+        wrappers may share a view), else this view's own."""
+        return optimizer if isinstance(optimizer, TorchLossScaleOptimizer) else self.optimizer
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return self.optimizer.scale_loss(loss)
 
     def unscale_(self, optimizer: Any = None) -> None:
-        if not self.optimizer._unscaled:
-            self.optimizer.unscale_()
+        wrapper = self._wrapper(optimizer)
+        if not wrapper._unscaled:
+            wrapper.unscale_()
 
     def step(self, optimizer: Any, closure: Any = None) -> Any:
         """Steps through `optimizer.step` (Accelerate's patched one, which records that a step
         was taken) only when the step is applied; a skipped step goes round it."""
-        self.unscale_()
-        found_inf = self.optimizer._found_inf
+        wrapper = self._stepped = self._wrapper(optimizer)
+        self.unscale_(wrapper)
+        found_inf = wrapper._found_inf
         if found_inf is not None and bool(found_inf):  # GradScaler reads this flag here too
-            return type(self.optimizer).step(self.optimizer)  # skipped: counted, the scale backs off
+            return type(wrapper).step(wrapper)  # skipped: counted, the scale backs off
         return optimizer.step(closure) if closure is not None else optimizer.step()
 
     def update(self, new_scale: Any = None) -> None:
-        self.optimizer.update(new_scale)
+        self._stepped.update(new_scale)
 
     def get_scale(self) -> float:
         return self.optimizer.get_scale()

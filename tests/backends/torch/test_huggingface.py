@@ -142,3 +142,115 @@ def test_the_base_model_called_directly_computes_as_under_autocast(policy, half)
         got = ours.transformer(ids).last_hidden_state
     assert {r.path: r.compute_dtype for r in mp.describe(ours)}["transformer.h.0.attn.c_attn"] == half
     assert torch.equal(got, expected)
+
+
+# -- a loop written with Accelerate: mixedpolicy.huggingface.Accelerator -------------------------
+@pytest.fixture
+def fresh_accelerate():
+    """Accelerate keeps one process-wide state; each test starts from none and leaves none."""
+    import accelerate
+
+    accelerate.state.AcceleratorState._reset_state(True)
+    yield accelerate
+    accelerate.state.AcceleratorState._reset_state(True)
+
+
+def _accelerate_loop(accelerator, steps=6, poison=POISON, state=None, start=0):
+    """A user's Accelerate loop (prepare, backward, clip_grad_norm_, step, scheduler, zero_grad)
+    on a seeded MLP; the loss at step `poison` is made infinite. Returns (losses, skipped,
+    learning rates, gradient norms, the prepared optimizer)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(steps)]
+    model, opt, sched = accelerator.prepare(model, opt, sched)
+    if state is not None:
+        accelerator.load_state(state)
+    out = ([], [], [], [])
+    for i, (x, y) in enumerate(data[start:], start):
+        loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+        accelerator.backward(loss * float("inf") if i == poison else loss)
+        norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        for seq, value in zip(out, (float(loss), opt.step_was_skipped, sched.get_last_lr()[0], float(norm))):
+            seq.append(value)
+    return (*out, opt)
+
+
+def test_an_accelerate_loop_under_a_policy_trains_as_accelerates_bf16_and_skips_what_it_applies(fresh_accelerate):
+    from mixedpolicy.huggingface import Accelerator
+
+    ours = _accelerate_loop(Accelerator(cpu=True, policy="mixed_bfloat16"))
+    fresh_accelerate.state.AcceleratorState._reset_state(True)
+    native = _accelerate_loop(fresh_accelerate.Accelerator(cpu=True, mixed_precision="bf16"))
+    # the same autocast-level numerics up to the poisoned step (bfloat16 rounding apart)
+    assert ours[0][:POISON] == pytest.approx(native[0][:POISON], rel=2e-2)
+    # Accelerate's bf16 applies the infinite step and never recovers; ours skips it, and the
+    # prepared scheduler waits a step as Accelerate makes it wait for GradScaler's skips
+    assert ours[1] == [i == POISON for i in range(6)] and not any(native[1])
+    assert all(map(lambda v: v == v and abs(v) < 1e9, ours[0][POISON + 1:]))
+    assert ours[2][POISON] == ours[2][POISON - 1] and native[2][POISON] < native[2][POISON - 1]
+
+
+def test_an_accelerate_loop_under_mixed_float16_clips_true_gradients_and_resumes_its_scale(fresh_accelerate, tmp_path):
+    from mixedpolicy.huggingface import Accelerator
+
+    reference = _accelerate_loop(Accelerator(cpu=True, policy="float32"))
+    fresh_accelerate.state.AcceleratorState._reset_state(True)
+    accelerator = Accelerator(cpu=True, policy="mixed_float16", overrides={"3": "float32"})
+    losses, skipped, _, norms, opt = _accelerate_loop(accelerator)
+    # clip_grad_norm_ saw the unscaled gradients (scaled ones are 2**15 larger)
+    assert norms[0] == pytest.approx(reference[3][0], rel=2e-2)
+    assert skipped == [i == POISON for i in range(6)] and accelerator.scaler.get_scale() == 2.0**14
+    layers = {row.path: row for row in mp.describe(accelerator._models[0])}
+    assert layers["3"].compute_dtype == "float32" and layers["0"].compute_dtype == "float16"  # the override reached it
+    # save_state after step 3, load into a fresh run: the scale and skip count come back, and
+    # the run goes on as the uninterrupted one
+    fresh_accelerate.state.AcceleratorState._reset_state(True)
+    first = Accelerator(cpu=True, policy="mixed_float16", overrides={"3": "float32"})
+    _accelerate_loop(first, steps=4)
+    first.save_state(str(tmp_path / "ckpt"))
+    fresh_accelerate.state.AcceleratorState._reset_state(True)
+    resumed = Accelerator(cpu=True, policy="mixed_float16", overrides={"3": "float32"})
+    after = _accelerate_loop(resumed, state=str(tmp_path / "ckpt"), start=4)
+    assert after[4].optimizer.num_skipped_steps == 1 and resumed.scaler.get_scale() == 2.0**14
+    assert after[0] == pytest.approx(losses[4:], rel=1e-6)
+
+
+def test_the_accelerator_refuses_what_would_undo_the_policy(fresh_accelerate):
+    from mixedpolicy.huggingface import Accelerator
+
+    with pytest.raises(ValueError, match="mixed_precision='fp16'.*Leave mixed_precision at 'no'"):
+        Accelerator(cpu=True, mixed_precision="fp16", policy="mixed_float16")
+    fresh_accelerate.state.AcceleratorState._reset_state(True)
+    with pytest.raises(TypeError, match="scale_settings of type"):
+        Accelerator(cpu=True, scale_settings=2.0)
+    fresh_accelerate.state.AcceleratorState._reset_state(True)
+    accelerator = Accelerator(cpu=True, policy="mixed_float16")
+    generator, critic = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+    accelerator.prepare(torch.optim.SGD(generator.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="second optimizer.*already scales the loss.*scale_loss"):
+        accelerator.prepare(torch.optim.SGD(critic.parameters(), lr=0.1))
+
+
+def test_two_optimizers_under_a_bfloat16_policy_each_skip_their_own_step(fresh_accelerate):
+    from mixedpolicy.huggingface import Accelerator
+
+    accelerator = Accelerator(cpu=True, policy="mixed_bfloat16")
+    torch.manual_seed(0)
+    generator, critic = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+    generator, critic, g_opt, c_opt = accelerator.prepare(
+        generator, critic, torch.optim.SGD(generator.parameters(), lr=0.1), torch.optim.SGD(critic.parameters(), lr=0.1))
+    x = torch.randn(8, 4)
+    c_before = critic.weight.detach().clone()
+    accelerator.backward(critic(generator(x).detach()).float().mean() * float("inf"))
+    c_opt.step()
+    accelerator.backward(critic(generator(x)).float().mean())
+    g_opt.step()
+    assert c_opt.step_was_skipped and torch.equal(critic.weight.detach(), c_before)
+    assert not g_opt.step_was_skipped and torch.isfinite(generator.weight).all()
