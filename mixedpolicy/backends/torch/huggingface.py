@@ -139,8 +139,12 @@ class PolicyAccelerator:
                  scale_settings: dict | None = None, **kwargs: Any):
         self.policy_map = as_policy_map(policy, overrides)
         self.scale_settings = _scale_settings(scale_settings)
+        asked = kwargs.get("mixed_precision", args[2] if len(args) > 2 else None)
+        if asked is not None and str(asked) != "no":  # refused before Accelerate's state is set
+            _refuse_native_precision(f"mixed_precision={str(asked)!r}", "Leave mixed_precision at 'no'",
+                                     self.policy_map.default or global_policy())
         super().__init__(*args, **kwargs)
-        if str(self.state.mixed_precision) != "no":
+        if str(self.state.mixed_precision) != "no":  # from accelerate launch's configuration
             _refuse_native_precision(f"mixed_precision={str(self.state.mixed_precision)!r}",
                                      "Leave mixed_precision at 'no' (the argument, accelerate launch's "
                                      "configuration and ACCELERATE_MIXED_PRECISION)",

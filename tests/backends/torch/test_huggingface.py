@@ -222,11 +222,17 @@ def test_an_accelerate_loop_under_mixed_float16_clips_true_gradients_and_resumes
     assert after[0] == pytest.approx(losses[4:], rel=1e-6)
 
 
-def test_the_accelerator_refuses_what_would_undo_the_policy(fresh_accelerate):
+def test_the_accelerator_refuses_what_would_undo_the_policy(fresh_accelerate, monkeypatch):
     from mixedpolicy.huggingface import Accelerator
 
     with pytest.raises(ValueError, match="mixed_precision='fp16'.*Leave mixed_precision at 'no'"):
         Accelerator(cpu=True, mixed_precision="fp16", policy="mixed_float16")
+    assert not fresh_accelerate.state.AcceleratorState._shared_state  # refused before Accelerate set its state
+    with monkeypatch.context() as env:  # what accelerate launch's configuration sets
+        env.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+        with pytest.raises(ValueError, match="mixed_precision='bf16'.*ACCELERATE_MIXED_PRECISION"):
+            Accelerator(cpu=True, policy="mixed_bfloat16")
+    fresh_accelerate.state.AcceleratorState._reset_state(True)
     fresh_accelerate.state.AcceleratorState._reset_state(True)
     with pytest.raises(TypeError, match="scale_settings of type"):
         Accelerator(cpu=True, scale_settings=2.0)
