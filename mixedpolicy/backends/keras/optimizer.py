@@ -27,7 +27,7 @@ from keras import ops
 from keras.src.saving import object_registration as _registry  # the name a class saves under
 
 from mixedpolicy._adapter import OptimizerAdapter
-from mixedpolicy.backends.keras.reduce import (already_summed, check_reduce_policy, finite_on_every_replica,
+from mixedpolicy.backends.keras.reduce import (all_finite, already_summed, check_reduce_policy, finite_on_every_replica,
                                                reduce_from_config, reduce_to_config, sum_across_replicas)
 from mixedpolicy.backends.keras.updates import KerasUpdates, rounding_to_config
 from mixedpolicy.backends.keras.saving import (SkipCounts, constructor_arguments, load_keras_layout,
@@ -170,7 +170,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     # -- the step ------------------------------------------------------------
     def check_finite(self, grads: Any) -> Any:
-        return finite_on_every_replica(super().check_finite(grads))
+        return finite_on_every_replica(all_finite(grads))
 
     def _unscale(self, grads: Any, trainable_variables: Any) -> list:
         """Divides by the scale in float32 (float64 for float64 gradients); each keeps its dtype."""

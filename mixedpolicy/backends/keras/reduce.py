@@ -13,6 +13,7 @@ import contextlib
 from typing import Any, Iterator
 
 import keras
+from keras import ops
 
 from mixedpolicy.policy import Policy, as_policy
 from mixedpolicy.layer_plan import check_class_keys
@@ -101,6 +102,18 @@ def already_summed(optimizer: Any, summed: bool) -> Iterator[None]:
         yield
     finally:
         optimizer.__dict__.pop("_all_reduce_sum_gradients", None)
+
+
+def all_finite(grads: Any) -> Any:
+    """A boolean scalar tensor: are all the gradients (None skipped) free of inf and NaN?
+    Counted by a dot product, not ``all`` of the stacked flags as Keras's own check: XLA copies
+    that chain of ands into every fusion that reads the flag, a compile time quadratic in the
+    number of weights."""
+    flags = [ops.all(ops.isfinite(g)) for g in grads if g is not None]
+    if len(flags) < 2:
+        return flags[0] if flags else ops.convert_to_tensor(True)
+    counted = ops.dot(ops.cast(ops.stack(flags), "float32"), ops.ones((len(flags),), "float32"))
+    return ops.equal(counted, float(len(flags)))  # exact: a float32 counts up to 2**24
 
 
 def finite_on_every_replica(finite: Any) -> Any:

@@ -334,3 +334,17 @@ def test_all_finite_reads_keras_variables_as_well_as_backend_tensors():
     weights = [keras.Variable(np.array([1.0, np.inf], "float32")), keras.Variable(np.ones(2, "float32"))]
     assert not bool(mp.all_finite(weights)) and not bool(mp.all_finite({"w": weights[0], "t": keras.ops.ones(2)}))
     assert bool(mp.all_finite(weights[1:])) and bool(mp.all_finite([weights[1], keras.ops.ones(2)]))
+
+
+def test_the_finite_check_counts_every_gradient_once_and_finds_the_one_that_is_not():
+    """The flag is counted by a dot product (Keras's own `all` of the stacked flags is copied by
+    XLA into every fusion that reads it): the same answers, None gradients skipped."""
+    from mixedpolicy.backends.keras.reduce import all_finite
+
+    grads = [keras.ops.ones((3, 2)) for _ in range(50)]
+    assert bool(all_finite(grads)) and bool(all_finite([])) and bool(all_finite([None, grads[0]]))
+    for bad in (np.inf, -np.inf, np.nan):
+        poisoned = list(grads)
+        poisoned[31] = keras.ops.convert_to_tensor(np.full((3, 2), bad, np.float32))
+        assert not bool(all_finite(poisoned)) and not bool(all_finite([None, poisoned[31]]))
+    assert bool(all_finite([keras.ops.ones((2,), "float16") * 60000]))  # large but finite
