@@ -260,3 +260,15 @@ def test_two_optimizers_under_a_bfloat16_policy_each_skip_their_own_step(fresh_a
     g_opt.step()
     assert c_opt.step_was_skipped and torch.equal(critic.weight.detach(), c_before)
     assert not g_opt.step_was_skipped and torch.isfinite(generator.weight).all()
+
+
+@pytest.mark.slow
+def test_the_accelerator_under_ddp_on_two_gloo_ranks_skips_together():
+    """Accelerate wraps the policy's model in DDP (two gloo ranks on CPU): the per-layer override
+    is found by the bare model's path, an infinite loss on one rank makes both skip with the
+    same scale, and the replicas stay equal (asserts in accelerate_ddp_worker.py)."""
+    from test_torch_distributed import _report
+
+    report = _report("accelerate_ddp_worker.py")
+    assert report["skipped"] == [i == POISON for i in range(5)] and report["scale"] == 2.0**14
+    assert report["distributed_type"].endswith("MULTI_CPU")
