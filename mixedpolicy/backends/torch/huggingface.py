@@ -188,19 +188,20 @@ class PolicyAccelerator:
                 self.scaler.unscale_(opt)
 
 
+def _subclass(name: str, ours: type, theirs: type) -> type:
+    """`ours` over the library's class `theirs`, as ``mixedpolicy.huggingface.<name>`` (built
+    once per process)."""
+    if name not in _built:
+        _built[name] = type(name, (ours, theirs), {"__module__": "mixedpolicy.huggingface", "__qualname__": name,
+                                                   "__doc__": ours.__doc__})
+    return _built[name]
+
+
 def accelerator_class(accelerate: Any) -> type:
-    """The ``accelerate.Accelerator`` subclass (built once per process): `PolicyAccelerator` over it."""
-    if "accelerator" not in _built:
-        _built["accelerator"] = type("Accelerator", (PolicyAccelerator, accelerate.Accelerator),
-                                     {"__module__": "mixedpolicy.huggingface", "__qualname__": "Accelerator",
-                                      "__doc__": PolicyAccelerator.__doc__})
-    return _built["accelerator"]
+    """The ``accelerate.Accelerator`` subclass: `PolicyAccelerator` over it."""
+    return _subclass("Accelerator", PolicyAccelerator, accelerate.Accelerator)
 
 
 def trainer_class(transformers: Any) -> type:
-    """The ``transformers.Trainer`` subclass (built once per process): `PolicyTrainer` over it."""
-    if "trainer" not in _built:
-        _built["trainer"] = type("Trainer", (PolicyTrainer, transformers.Trainer),
-                                 {"__module__": "mixedpolicy.huggingface", "__qualname__": "Trainer",
-                                  "__doc__": PolicyTrainer.__doc__})
-    return _built["trainer"]
+    """The ``transformers.Trainer`` subclass: `PolicyTrainer` over it."""
+    return _subclass("Trainer", PolicyTrainer, transformers.Trainer)
