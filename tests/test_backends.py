@@ -232,3 +232,38 @@ def test_a_toy_backend_is_one_folder_and_one_row(tmp_path, monkeypatch):
     finally:
         for name in [m for m in sys.modules if m.startswith(("toyframework", "toybackend"))]:
             del sys.modules[name]
+
+
+def test_all_finite_over_many_leaves_finds_the_one_that_is_not(backend):
+    """The flag over many leaves is counted (a dot product on JAX and TensorFlow, whose XLA
+    copied `all` of the stacked flags into every reader): the same answers on every backend."""
+    import mixedpolicy as mp
+
+    leaves = [backend.asarray([1.0, 2.0], "float32") for _ in range(30)]
+    assert bool(mp.all_finite(leaves)) and bool(mp.all_finite(leaves[:1])) and bool(mp.all_finite([]))
+    for bad in (np.inf, -np.inf, np.nan):
+        for where in (0, 17, 29):
+            poisoned = list(leaves)
+            poisoned[where] = backend.asarray([1.0, bad], "float32")
+            assert not bool(mp.all_finite(poisoned)), (bad, where)
+
+
+def test_tensorflows_compiled_check_grows_with_the_leaves_not_their_square():
+    """Under tf.function(jit_compile=True) the jmp-style check and select over n leaves: XLA
+    copied the stacked flags' chain of ands into each select (n squared ands: 600 leaves took
+    71 s to compile on a CPU); it grows with n now."""
+    from conftest import require_module
+
+    tf = require_module("tensorflow")
+    import mixedpolicy as mp
+
+    def ands(n):
+        values = [tf.ones((4, 4)) for _ in range(n)]
+
+        @tf.function(jit_compile=True)
+        def step(p, g):
+            return mp.select_tree(mp.all_finite(g), [a - 0.1 * b for a, b in zip(p, g)], p)
+        return step.experimental_get_compiler_ir(values, values)(stage="optimized_hlo").count(" and(")
+
+    small, large = ands(20), ands(80)
+    assert large <= 8 * small + 100, (small, large)  # squared growth: 16x

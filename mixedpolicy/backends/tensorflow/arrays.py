@@ -48,7 +48,12 @@ class TensorFlowArrays(ArrayOps):
         if not host_leaves_finite(leaves, _is_tensor):  # a Python float or numpy array among the tensors
             return tf.constant(False)
         flags = [tf.reduce_all(tf.math.is_finite(x)) for x in leaves if _is_tensor(x) and x.dtype.is_floating]
-        return tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
+        if len(flags) < 2:
+            return flags[0] if flags else tf.constant(True)
+        # counted by a dot product (as on JAX): XLA copies `reduce_all` of the stacked flags, a
+        # chain of ands, into every fusion that reads it when jit-compiled (600 leaves: 71 s)
+        counted = tf.tensordot(tf.cast(tf.stack(flags), tf.float32), tf.ones(len(flags), tf.float32), 1)
+        return tf.equal(counted, float(len(flags)))
 
     def where(self, cond: Any, a: Any, b: Any) -> Any:
         return tf.where(cond, a, b)
