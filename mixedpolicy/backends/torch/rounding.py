@@ -168,9 +168,9 @@ def round_flat_(flat: Any, sizes: list, indices: list, step: int, device: Any) -
 
     where = torch.device(device or "cpu")
     fused = _compiled() if where.type in _FUSED else None
+    start = 0
     if fused is not None:
         step_term = _int32(int(step) * _GOLDEN)
-        start = 0
         try:
             for total, _, _, on_device in _chunks(tuple(sizes), tuple(indices), str(where), _SEED, _CHUNK, False):
                 fused(flat[start:start + total].view(torch.int32), on_device[3], on_device[0], on_device[1],
@@ -178,13 +178,12 @@ def round_flat_(flat: Any, sizes: list, indices: list, step: int, device: Any) -
                 start += total
             return
         except Exception as error:  # a compiler that fails here (a missing toolchain): the ops below
-            if start:  # pragma: no cover - a chunk already rounded cannot be rounded again
-                raise
             _FUSED.discard(where.type)
             log.warning("mixedpolicy: torch.compile could not build the stochastic-rounding kernel on %s "
                         "(%s: %s); rounding with separate ops, slower and the same bits", where, type(error).__name__,
                         error)
-    start = 0
+    rounded, start = start, 0  # the chunks the kernel rounded before it failed stay as they are
     for h, _ in _bits_by_chunk(sizes, indices, step, where):
-        flat[start:start + h.numel()].view(torch.int32).add_(h).bitwise_and_(-65536)
+        if start >= rounded:
+            flat[start:start + h.numel()].view(torch.int32).add_(h).bitwise_and_(-65536)
         start += h.numel()

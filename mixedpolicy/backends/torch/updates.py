@@ -148,34 +148,37 @@ class _RoundedStep:
             grads = [widened[i][1] for i in on]
             dense = [g for g in grads if g is not None and not g.is_sparse]
             wide = dict(zip(map(id, dense), _copies(dense, torch.float32)))
-            for i, view, g in zip(on, views, grads):
+            flats[device] = (flat, on, views, [None if g is None else wide[id(g)] if id(g) in wide else g.float()
+                                               for g in grads])
+        for flat, on, views, wide_grads in flats.values():  # only once every copy is made: nothing fails here
+            for i, view, g in zip(on, views, wide_grads):
                 p = widened[i][0]
                 p.grad, p.data = None, view
-                p.grad = None if g is None else wide[id(g)] if id(g) in wide else g.float()
-            flats[device] = (flat, on, views)
+                p.grad = g
         step_of_class = type(optimizer).step
         try:
             result = step_of_class(optimizer) if closure is None else step_of_class(optimizer, closure)
         finally:
             count = optimizer.param_groups[0][STEP_KEY]
-            for device, (flat, on, views) in flats.items():
-                olds = [widened[i][2] for i in on]
-                if self.rounding == "stochastic":  # on the float32 buffer, in place
-                    round_flat_(flat, [widened[i][0].numel() for i in on], on, count, device)
-                if self.rounding == "kahan":  # what nearest rounding dropped is added back next step
-                    for i, new in zip(on, views):
-                        p, old = widened[i][0], widened[i][2]
-                        state = optimizer.state[p]
-                        before = old.float()
-                        update = new - before + state.get(KAHAN_KEY, torch.zeros_like(old)).float()
-                        old.copy_(before + update)  # to the nearest bfloat16
-                        state[KAHAN_KEY] = (update - (old.float() - before)).to(torch.bfloat16)
-                else:  # the weights in their own storage (stochastic: exact, the low half is zero)
-                    torch._foreach_copy_(olds, views)
-                for i, old in zip(on, olds):
-                    widened[i][0].data, widened[i][0].grad = old, widened[i][1]
-            _retype(_moment_slots(optimizer, params), getattr(torch, self.state_dtype))
-            optimizer.param_groups[0][STEP_KEY] = count + 1
+            try:
+                for device, (flat, on, views, _) in flats.items():
+                    if self.rounding == "stochastic":  # on the float32 buffer, in place
+                        round_flat_(flat, [widened[i][0].numel() for i in on], on, count, device)
+                    if self.rounding == "kahan":  # what nearest rounding dropped is added back next step
+                        for i, new in zip(on, views):
+                            p, old = widened[i][0], widened[i][2]
+                            state = optimizer.state[p]
+                            before = old.float()
+                            update = new - before + state.get(KAHAN_KEY, torch.zeros_like(old)).float()
+                            old.copy_(before + update)  # to the nearest bfloat16
+                            state[KAHAN_KEY] = (update - (old.float() - before)).to(torch.bfloat16)
+                    else:  # the weights in their own storage (stochastic: exact, the low half is zero)
+                        torch._foreach_copy_([widened[i][2] for i in on], views)
+                optimizer.param_groups[0][STEP_KEY] = count + 1
+            finally:  # whatever failed above, the parameters are their own bfloat16 tensors again
+                for p, grad, old in widened:
+                    p.data, p.grad = old, grad
+                _retype(_moment_slots(optimizer, params), getattr(torch, self.state_dtype))
         return result
 
 

@@ -122,14 +122,19 @@ def test_the_one_kernel_rounding_computes_the_separate_ops_bits(monkeypatch, cap
         assert torch.equal(fused, separate)
         assert torch.equal(fused, fused.bfloat16().float())  # exact in bfloat16
 
-    def broken(*args):
-        raise RuntimeError("no C++ compiler")
+    calls = []
 
-    monkeypatch.setattr(rounding, "_compiled", lambda: broken)
+    def broken_after_a_chunk(*args):  # a kernel that builds once, then fails (a recompile)
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("no C++ compiler")
+        return rounding._round_chunk_(*args)
+
+    monkeypatch.setattr(rounding, "_compiled", lambda: broken_after_a_chunk)
     fallback = x.clone()
     with caplog.at_level("WARNING", logger="mixedpolicy"):
         rounding.round_flat_(fallback, sizes, indices, 2**31 + 5, "cpu")
-    assert torch.equal(fallback, separate)
+    assert torch.equal(fallback, separate)  # the first chunk rounded once, the rest by the ops
     assert "could not build the stochastic-rounding kernel" in caplog.text and "no C++ compiler" in caplog.text
     assert "cpu" not in rounding._FUSED  # asked once: later steps take the separate ops at once
 
@@ -342,3 +347,26 @@ def test_a_step_with_bfloat16_and_float32_gradients_that_both_overflow_counts_on
     opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, fused=True), policy="bfloat16")
     _train(model, opt, steps=2, poison=0)
     assert opt.num_skipped_steps == 1
+
+
+def test_a_rule_that_fails_mid_step_leaves_the_model_its_own_bfloat16_weights(monkeypatch):
+    """The rule swaps float32 copies in for the step's length; should the rounding fail (a
+    device out of memory, say), the error reaches the caller and every parameter is its own
+    bfloat16 tensor again with its gradient, the weights as before the step."""
+    from mixedpolicy.backends.torch import updates
+
+    torch.manual_seed(0)
+    net = mp.apply_policy(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)), "bfloat16_stochastic")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9), policy="bfloat16_stochastic")
+    opt.scale_loss(net(torch.randn(3, 4, dtype=torch.bfloat16)).float().sum()).backward()
+    before = [p.detach().clone() for p in net.parameters()]
+    grads = [p.grad for p in net.parameters()]
+
+    def failing(*args):
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(updates, "round_flat_", failing)
+    with pytest.raises(RuntimeError, match="simulated"):
+        opt.step()
+    for p, old, grad in zip(net.parameters(), before, grads):
+        assert p.dtype == torch.bfloat16 and p.grad is grad and torch.equal(p.detach(), old)
