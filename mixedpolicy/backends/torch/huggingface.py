@@ -58,9 +58,7 @@ class PolicyTrainer:
         self.policy_map = policy_map
         self.scale_settings = _scale_settings(scale_settings)
         if model is not None:
-            from mixedpolicy.api import apply_policy
-
-            model = apply_policy(model, policy_map)
+            model = _with_policy(model, policy_map)
         super().__init__(model, args, *rest, **kwargs)
 
     def create_optimizer(self, model: Any = None) -> Any:
@@ -90,15 +88,31 @@ class PolicyTrainer:
         return super()._get_grad_norm(model, grad_norm=grad_norm)
 
 
+def _names_nothing(policy_map: Any) -> bool:
+    """Whether the user gave neither a policy nor overrides."""
+    return policy_map.default is None and not policy_map.overrides
+
+
+def _with_policy(model: Any, policy_map: Any) -> Any:
+    """`model` under `policy_map` (its default the global policy); given neither a policy nor
+    overrides, a model that carries one already (``mp.apply_policy`` before) keeps it."""
+    from mixedpolicy.api import apply_policy, describe
+
+    if _names_nothing(policy_map) and any(row.source != "no policy applied" for row in describe(model)):
+        return model
+    return apply_policy(model, policy_map)
+
+
 def _wrapped(optimizer: Any, policy_map: Any, scale_settings: dict) -> TorchLossScaleOptimizer:
     """`optimizer` in a `LossScaleOptimizer` that follows `policy_map` (its default the global
-    policy) unless `scale_settings` set the scale; a wrapper is taken as it is."""
+    policy), or the policies its parameters carry where the user named none, unless
+    `scale_settings` set the scale; a wrapper is taken as it is."""
     if isinstance(optimizer, TorchLossScaleOptimizer):
         return optimizer
     from mixedpolicy.optimizer import LossScaleOptimizer
 
     settings = dict(scale_settings)
-    if "loss_scale" not in settings:  # the policy decides, its default the global one
+    if "loss_scale" not in settings and not _names_nothing(policy_map):  # the policy decides
         settings["policy"] = policy_map if policy_map.default else policy_map.with_default(global_policy())
     return LossScaleOptimizer(optimizer, **settings)
 
@@ -153,9 +167,7 @@ class PolicyAccelerator:
 
     def prepare_model(self, model: Any, *args: Any, **kwargs: Any) -> Any:
         if not getattr(model, "_is_accelerate_prepared", False):
-            from mixedpolicy.api import apply_policy
-
-            model = apply_policy(model, self.policy_map)
+            model = _with_policy(model, self.policy_map)
         return super().prepare_model(model, *args, **kwargs)
 
     def prepare_optimizer(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:

@@ -272,3 +272,25 @@ def test_the_accelerator_under_ddp_on_two_gloo_ranks_skips_together():
     report = _report("accelerate_ddp_worker.py")
     assert report["skipped"] == [i == POISON for i in range(5)] and report["scale"] == 2.0**14
     assert report["distributed_type"].endswith("MULTI_CPU")
+
+
+def test_a_model_that_carries_a_policy_keeps_it_when_none_is_given(fresh_accelerate, tmp_path):
+    """A model the user put under a policy (mp.apply_policy) before handing it over keeps that
+    policy and its overrides when neither the Accelerator nor the Trainer is given one, and the
+    wrapper follows what the parameters carry: it scales for a float16 model under a float32
+    global policy (before, the global float32 replaced the model's policy)."""
+    from mixedpolicy.huggingface import Accelerator
+
+    net = mp.apply_policy(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)),
+                          "mixed_float16", overrides={"2": "float32"})
+    accelerator = Accelerator(cpu=True)
+    model, opt = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    layers = {row.path: row.compute_dtype for row in mp.describe(model)}
+    assert layers["0"] == "float16" and layers["2"] == "float32"
+    assert accelerator.scaler.is_enabled() and accelerator.scaler.get_scale() == 2.0**15
+
+    gpt = mp.apply_policy(_model(), "mixed_float16", overrides={"lm_head": "float32"})
+    trainer = Trainer(model=gpt, args=_args(tmp_path, max_steps=1), train_dataset=_data())
+    trainer.train()
+    assert {r.path: r.compute_dtype for r in mp.describe(trainer.model)}["lm_head"] == "float32"
+    assert trainer.loss_scale_optimizer.loss_scaling.startswith("dynamic")
