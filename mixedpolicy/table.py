@@ -6,6 +6,9 @@ from typing import Iterable, NamedTuple
 
 from mixedpolicy.policy import Policy
 
+NOT_APPLIED = "no policy applied"  # the source of a layer no policy was put on
+
+
 
 class LayerPolicy(NamedTuple):
     """One row of `describe`: a layer, its policy and where that policy came from.

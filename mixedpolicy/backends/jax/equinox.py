@@ -27,7 +27,7 @@ import jax
 
 from mixedpolicy._adapter import ModelAdapter
 from mixedpolicy.backends.jax.arrays import Kept, cast_leaf, dtype_name, restore_leaf
-from mixedpolicy.table import LayerPolicy
+from mixedpolicy.table import NOT_APPLIED, LayerPolicy
 from mixedpolicy.policy import Policy
 from mixedpolicy.layer_plan import plan
 from mixedpolicy.policy_map import NORMALIZATION, LayerInfo, PolicyMap
@@ -204,7 +204,7 @@ def describe(model: Any) -> list:
         if isinstance(node, PolicyModule):
             module, policy, source = node.module, node.policy, node.source
         else:
-            module, source = node, "no policy applied"
+            module, source = node, NOT_APPLIED
             own = {dtype_name(getattr(x, "dtype", None)) for _, x in _children(node)[0]} - {None}
             policy = Policy(own.pop() if len(own) == 1 else "float32")
         rows.append(LayerPolicy(path, type(module).__name__, policy, source))

@@ -32,7 +32,7 @@ from mixedpolicy._adapter import ModelAdapter
 from mixedpolicy.backends._subclass import policy_subclass
 from mixedpolicy.backends.jax import float8
 from mixedpolicy.backends.jax.arrays import Kept, cast_leaf, dtype_name, jnp_dtype, restore_leaf
-from mixedpolicy.table import LayerPolicy
+from mixedpolicy.table import NOT_APPLIED, LayerPolicy
 from mixedpolicy.policy import Policy
 from mixedpolicy.layer_plan import dotted_chains, join, plan
 from mixedpolicy.policy_map import NORMALIZATION, LayerInfo, PolicyMap, Resolution
@@ -217,7 +217,7 @@ def _nnx_describe(model: Any) -> list:
             variable = dtype_name(getattr(module, "param_dtype", None)) or "float32"
             compute = dtype_name(getattr(module, "dtype", None)) or variable
             policy = Policy(f"params={variable},compute={compute},output={compute}")
-            source, cls = "no policy applied", type(module)
+            source, cls = NOT_APPLIED, type(module)
         rows.append(LayerPolicy(path, cls.__name__, policy, source, applied is not None and applied.dot_general is not _MISSING))
     return rows
 

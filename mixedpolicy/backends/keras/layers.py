@@ -34,7 +34,7 @@ import keras
 from keras.src.backend.common import global_state
 
 from mixedpolicy._adapter import ModelAdapter
-from mixedpolicy.table import LayerPolicy
+from mixedpolicy.table import NOT_APPLIED, LayerPolicy
 from mixedpolicy.policy import Policy
 from mixedpolicy.backends.keras import float8, patches
 from mixedpolicy.backends.keras.policy_maps import keep_through_save, own_policy, set_policy
@@ -205,7 +205,7 @@ class KerasModels(ModelAdapter):
         rows = []
         for layer, chain in _layers(model):
             state = layer.__dict__.get(_STATE)
-            source = state[1] if state is not None else "no policy applied"
+            source = state[1] if state is not None else NOT_APPLIED
             dtype_policy = own_policy(layer)
             policy = (Policy.from_keras(dtype_policy) if getattr(dtype_policy, "quantization_mode", None) == "float8"
                       else Policy(dtype_policy.name, float8_recipe=float8.tensorwise_recipe(layer)))

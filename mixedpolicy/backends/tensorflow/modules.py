@@ -33,7 +33,7 @@ from mixedpolicy.backends._subclass import policy_subclass
 from mixedpolicy._adapter import ModelAdapter
 from mixedpolicy.backends.tensorflow.arrays import NAMES as _NAMES, TF_DTYPES as _TF_DTYPES
 from mixedpolicy.backends.tensorflow.reduce import CARRIED
-from mixedpolicy.table import LayerPolicy
+from mixedpolicy.table import NOT_APPLIED, LayerPolicy
 from mixedpolicy.policy import Policy
 from mixedpolicy.layer_plan import dotted_chains, join, plan
 from mixedpolicy.policy_map import NORMALIZATION, LayerInfo, PolicyMap
@@ -59,7 +59,7 @@ class TensorFlowModules(ModelAdapter):
             else:
                 dtypes = {_NAMES.get(v.dtype) for v in _own_variables(module).values()} - {None}
                 policy = Policy(dtypes.pop() if len(dtypes) == 1 else "float32")
-                source, cls = "no policy applied", type(module)
+                source, cls = NOT_APPLIED, type(module)
             rows.append(LayerPolicy(path, cls.__name__, policy, source))
         return rows
 

@@ -31,6 +31,7 @@ from mixedpolicy.backends.torch.optimizer import TorchLossScaleOptimizer
 from mixedpolicy.backends.torch.scaler_view import GradScalerView
 from mixedpolicy.policy_map import as_policy_map
 from mixedpolicy.scope import global_policy
+from mixedpolicy.table import NOT_APPLIED
 
 _built: dict = {}
 
@@ -98,7 +99,7 @@ def _with_policy(model: Any, policy_map: Any) -> Any:
     overrides, a model that carries one already (``mp.apply_policy`` before) keeps it."""
     from mixedpolicy.api import apply_policy, describe
 
-    if _names_nothing(policy_map) and any(row.source != "no policy applied" for row in describe(model)):
+    if _names_nothing(policy_map) and any(row.source != NOT_APPLIED for row in describe(model)):
         return model
     return apply_policy(model, policy_map)
 

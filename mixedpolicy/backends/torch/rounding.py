@@ -30,11 +30,15 @@ def _int32(value: int) -> int:
     return value - (1 << 32) if value >= 1 << 31 else value
 
 
+# murmur3's 32-bit finaliser as (right shift, the mask that makes it logical, the factor after)
+_FINALISER = ((16, 0xFFFF, _int32(_M1)), (13, 0x7FFFF, _int32(_M2)), (16, 0xFFFF, None))
+
+
 def _mix_(h: Any, tmp: Any) -> Any:
     """murmur3's 32-bit finaliser, in place on an int32 tensor (`tmp`: scratch of its size)."""
     import torch
 
-    for shift, mask, factor in ((16, 0xFFFF, _int32(_M1)), (13, 0x7FFFF, _int32(_M2)), (16, 0xFFFF, None)):
+    for shift, mask, factor in _FINALISER:
         h.bitwise_xor_(torch.bitwise_right_shift(h, shift, out=tmp).bitwise_and_(mask))  # a logical shift
         if factor is not None:
             h.mul_(factor)
@@ -124,7 +128,7 @@ def stochastic_round_bfloat16(x: Any, bits16: Any) -> Any:
 
 def _mix(h: Any) -> Any:
     """`_mix_` without the scratch tensor, as one expression a compiler fuses."""
-    for shift, mask, factor in ((16, 0xFFFF, _int32(_M1)), (13, 0x7FFFF, _int32(_M2)), (16, 0xFFFF, None)):
+    for shift, mask, factor in _FINALISER:
         h = h ^ ((h >> shift) & mask)
         if factor is not None:
             h = h * factor
@@ -179,7 +183,7 @@ def round_flat_(flat: Any, sizes: list, indices: list, step: int, device: Any) -
             return
         except Exception as error:  # a compiler that fails here (a missing toolchain): the ops below
             _FUSED.discard(where.type)
-            log.warning("mixedpolicy: torch.compile could not build the stochastic-rounding kernel on %s "
+            log.warning("mixedpolicy: torch.compile could not build or run the stochastic-rounding kernel on %s "
                         "(%s: %s); rounding with separate ops, slower and the same bits", where, type(error).__name__,
                         error)
     rounded, start = start, 0  # the chunks the kernel rounded before it failed stay as they are
