@@ -129,9 +129,17 @@ def canonical_dtype(value: object, *, what: str = "dtype") -> str:
     )
 
 
+def _is_array(value: object) -> bool:
+    """An array or scalar value (it has a shape and a dtype), not a dtype: numpy reads a JAX
+    array or a numpy scalar as its dtype, which would make ``Policy(x)`` mean ``x.dtype``."""
+    return not isinstance(value, type) and hasattr(value, "shape") and hasattr(value, "dtype")
+
+
 def is_dtype_object(value: object) -> bool:
     """True for a dtype object of numpy, ml_dtypes, JAX, PyTorch or TensorFlow (not a name)."""
     if value is None or isinstance(value, (str, bytes, bool, int, float, list, tuple, dict)):
+        return False
+    if _is_array(value):
         return False
     kind = type(value)
     if (kind.__name__ == "dtype" and kind.__module__.startswith("torch")) or hasattr(value, "as_numpy_dtype"):
@@ -153,6 +161,12 @@ def _dtype_name(value: object, what: str) -> str:
         raise TypeError(
             f"Received {what}={show(value)} of type {type(value).__name__}; expected a "
             f"dtype name such as 'float32' or 'bfloat16', or a dtype object."
+        )
+    if _is_array(value):
+        raise TypeError(
+            f"Received {what}={show(value)}, an array of type {type(value).__name__} and shape "
+            f"{tuple(getattr(value, 'shape'))}, where a dtype was expected. To use the array's "
+            f"dtype, pass its .dtype (x.dtype); otherwise a name such as 'float32' or 'bfloat16'."
         )
     # torch.dtype prints as "torch.float16" and has no .name.
     text = str(value)

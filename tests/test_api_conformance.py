@@ -121,3 +121,16 @@ def test_a_quantized_keras_policy_is_refused_not_stripped():
     with pytest.raises(ValueError, match="quantization_mode='int8'"):
         mp.set_global_policy(Quantized())
     assert mp.global_policy() == mp.Policy("float32")
+
+
+def test_an_array_is_no_dtype_even_where_numpy_would_read_it_as_one():
+    # numpy's dtype() reads any object with a .dtype (a JAX array, a numpy scalar) as that dtype,
+    # so Policy(x) took a JAX array's dtype where a numpy array was refused.
+    jnp = require_module("jax.numpy", "jax")
+    np = require_module("numpy")
+    for value in (jnp.zeros(2, jnp.float16), np.float16(1.0), np.zeros(3, np.float16)):
+        with pytest.raises(TypeError, match="Received policy name"):
+            mp.Policy(value)
+        with pytest.raises(TypeError, match=r"an array of type .* shape .*pass its \.dtype"):
+            mp.Policy(compute_dtype=value)
+    assert mp.Policy(jnp.zeros(2, jnp.float16).dtype) == mp.Policy(np.float16) == mp.Policy("float16")
