@@ -103,7 +103,7 @@ def _call_under_policy(module: tf.Module, call_super: Any, args: tuple, kwargs: 
     """``__call__`` of a swapped tf.Module class (see the module docstring)."""
     state = module.__dict__[_STATE]
     compute = _TF_DTYPES[state.policy.compute_dtype]
-    args, kwargs = _cast_floating((args, kwargs), compute)
+    args, kwargs = cast_floating((args, kwargs), compute)
     if state.cast:
         # The swap is held under the module's lock and undone from the variables recorded
         # at apply time, so calls from several threads can neither see each other's cast
@@ -118,11 +118,11 @@ def _call_under_policy(module: tf.Module, call_super: Any, args: tuple, kwargs: 
     else:
         out = call_super(*args, **kwargs)
     if state.policy.output_dtype != state.policy.compute_dtype:
-        out = _cast_floating(out, _TF_DTYPES[state.policy.output_dtype])
+        out = cast_floating(out, _TF_DTYPES[state.policy.output_dtype])
     return out
 
 
-def _cast_floating(tree: Any, dtype: Any) -> Any:
+def cast_floating(tree: Any, dtype: Any) -> Any:
     def leaf(x):
         if isinstance(x, (tf.Tensor, tf.Variable)) and x.dtype.is_floating and x.dtype != dtype:
             return tf.cast(x, dtype)

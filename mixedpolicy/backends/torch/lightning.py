@@ -11,6 +11,12 @@ are made; ``connect`` wraps the Trainer's optimizers in one `LossScaleOptimizer`
 all, as one ``GradScaler``); ``pre_backward`` scales the loss; ``optimizer_step`` runs the closure,
 unscales (so clipping and ``on_before_optimizer_step`` see true gradients), then steps, skipping a
 step whose gradients are not all finite; the scale and skip count go into the Trainer's checkpoint.
+
+Under Lightning Fabric (``Fabric(plugins=[...])``), which never calls ``connect`` and hands the
+plugin each optimizer only when it steps (as Fabric's own ``MixedPrecision`` and its one
+``GradScaler``): ``backward`` scales the loss, ``unscale_gradients`` (``fabric.clip_gradients``) and
+``optimizer_step`` adopt the optimizer into the one wrapper and act on it alone, with the shared
+scale; ``fabric.save(path, {..., "precision": plugin})`` carries the scale.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from mixedpolicy.backends.torch.regions import cast_inputs, region_context
+from mixedpolicy.backends.torch.regions import cast_floating, cast_inputs, region_context
 from mixedpolicy.backends.torch.optimizer import TorchLossScaleOptimizer
 from mixedpolicy.backends.torch.scaler_view import GradScalerView
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, summary
@@ -99,6 +105,7 @@ class PolicyPrecision:
         self.optimizer: TorchLossScaleOptimizer | None = None  # the Trainer's optimizers, once connected
         self._pending_state: dict | None = None
         self._module: torch.nn.Module | None = None  # the LightningModule, once converted
+        self._in_trainer = False  # a Trainer connected its optimizers; else Fabric runs the plugin
 
     @property
     def loss_scaling(self) -> str:
@@ -146,7 +153,15 @@ class PolicyPrecision:
         # dtype, as Lightning's own "bf16-true" casts them
         return super().convert_input(data if self._module is None else cast_inputs(self._module, data))
 
+    def convert_output(self, data: Any) -> Any:
+        # Fabric: the loss is computed outside the model, where no region runs; the model's
+        # floating outputs come back in torch's default dtype, as Fabric's own plugins give them
+        if self._in_trainer:
+            return super().convert_output(data)
+        return cast_floating(data, torch.get_default_dtype())
+
     def connect(self, model: Any, optimizers: list, lr_schedulers: list) -> tuple:
+        self._in_trainer = True
         inners = [_unwrap(o) for o in optimizers]
         for opt in inners:
             if isinstance(opt, TorchLossScaleOptimizer):
@@ -156,28 +171,76 @@ class PolicyPrecision:
                     "gradients would be scaled twice. Return the plain torch optimizer "
                     "(opt.inner_optimizer); pass the scale settings to Precision(...).")
         if inners:
+            self._wrap(inners)
+        return super().connect(model, optimizers, lr_schedulers)
+
+    def _policies(self) -> tuple:
+        return (self.policy_map.default, *(p for _, p in self.policy_map.overrides))
+
+    def _wrap(self, inners: list) -> TorchLossScaleOptimizer:
+        """The one wrapper over `inners` (a Trainer's optimizers; none yet under Fabric)."""
+        self._with_updates(inners)
+        wrapper = TorchLossScaleOptimizer(inners, self._loss_scale)
+        if isinstance(self._loss_scale, NoLossScale):
+            wrapper._follow_policies(self._policies())
+        self.optimizer = wrapper
+        if self._pending_state is not None:
+            wrapper.load_scaler_state_dict(self._pending_state)
+            self._pending_state = None
+        return wrapper
+
+    def _with_updates(self, inners: list) -> None:
+        if inners:  # an update recipe (stochastic rounding, a state dtype): the optimizers carry it out
             from mixedpolicy.backends.torch.optimizer import TorchOptimizers
             from mixedpolicy.optimizer import _with_updates
 
-            # an update recipe (stochastic rounding, a state dtype): the optimizers carry it out
-            _with_updates(TorchOptimizers(), inners, (self.policy_map.default,
-                                                      *(p for _, p in self.policy_map.overrides)))
-            wrapper = TorchLossScaleOptimizer(inners, self._loss_scale)
-            if isinstance(self._loss_scale, NoLossScale):
-                wrapper._follow_policies((self.policy_map.default, *(p for _, p in self.policy_map.overrides)))
-            self.optimizer = wrapper
-            if self._pending_state is not None:
-                self.optimizer.load_scaler_state_dict(self._pending_state)
-                self._pending_state = None
-        return super().connect(model, optimizers, lr_schedulers)
+            _with_updates(TorchOptimizers(), inners, self._policies())
+
+    def _fabric_wrapper(self, optimizer: Any = None) -> TorchLossScaleOptimizer:
+        """Under Fabric: the one wrapper, made at the first backward or step, adopting `optimizer`
+        (the raw one a ``_FabricOptimizer`` steps) the first time it is seen."""
+        wrapper = self.optimizer if self.optimizer is not None else self._wrap([])
+        inner = _unwrap(optimizer)
+        if inner is not None and not any(inner is o for o in wrapper._inners):
+            if isinstance(inner, TorchLossScaleOptimizer):
+                raise TypeError(
+                    "Received a mixedpolicy LossScaleOptimizer in fabric.setup together with "
+                    "mixedpolicy.lightning.Precision, which scales the loss itself: the gradients "
+                    "would be scaled twice. Set up the plain torch optimizer (opt.inner_optimizer); "
+                    "pass the scale settings to Precision(...).")
+            self._with_updates([inner])
+            wrapper._adopt(inner)
+        return wrapper
 
     # -- backward and step --------------------------------------------------------
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
+        if not self._in_trainer:  # Fabric: no Trainer hooks, and it drops what this returns
+            return tensor
         if self.optimizer is not None:
             tensor = self.optimizer.scale_loss(tensor)
         return super().pre_backward(tensor, module)
 
-    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+    def backward(self, tensor: torch.Tensor, model: Any, *args: Any, **kwargs: Any) -> None:
+        if self._in_trainer:
+            return super().backward(tensor, model, *args, **kwargs)
+        self._fabric_wrapper().scale_loss(tensor).backward(*args, **kwargs)
+
+    def post_backward(self, tensor: torch.Tensor, module: Any) -> Any:
+        return super().post_backward(tensor, module) if self._in_trainer else tensor.detach()
+
+    def unscale_gradients(self, optimizer: Any) -> None:
+        """Fabric's ``clip_gradients``: the gradients of `optimizer` unscaled, once a step."""
+        wrapper = self._fabric_wrapper(optimizer) if not self._in_trainer else self.optimizer
+        if wrapper is not None and not wrapper._unscaled:
+            with wrapper.acting_on(_unwrap(optimizer)):
+                wrapper.unscale_()
+
+    def optimizer_step(self, optimizer: Any, model: Any = None, closure: Callable[[], Any] | None = None,
+                       **kwargs: Any) -> Any:
+        if not self._in_trainer:  # Fabric: optimizer.step(closure=None) of a _FabricOptimizer
+            wrapper = self._fabric_wrapper(optimizer)
+            with wrapper.acting_on(_unwrap(optimizer)):
+                return wrapper.step(closure, **kwargs)
         if self.optimizer is None:
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         inner = _unwrap(optimizer)

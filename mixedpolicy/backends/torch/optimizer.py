@@ -33,6 +33,17 @@ from mixedpolicy.scope import global_policy
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, is_pass_through
 
 
+def _check_inner(opt: Any, loss_scale: LossScale) -> None:
+    if isinstance(opt, TorchLossScaleOptimizer):
+        raise TypeError(
+            "Received a mixedpolicy LossScaleOptimizer to wrap; it already scales the loss, "
+            "and wrapping it again would divide the gradients by two scales. Wrap the "
+            "torch optimizer once (use .inner_optimizers to get at the optimizers inside).")
+    for group in opt.param_groups:
+        check_half_master_weights(group, loss_scale)
+    check_capturable(opt)
+
+
 def _global_hooks() -> bool:
     """Are process-wide optimizer step hooks registered (torch.optim.register_optimizer_step_*)?"""
     return bool(_torch_optimizer._global_optimizer_pre_hooks or _torch_optimizer._global_optimizer_post_hooks)
@@ -50,14 +61,7 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
         inners = list(inner) if isinstance(inner, (list, tuple)) else [inner]
         check_closure_optimizers(inners, loss_scale)
         for opt in inners:
-            if isinstance(opt, TorchLossScaleOptimizer):
-                raise TypeError(
-                    "Received a mixedpolicy LossScaleOptimizer to wrap; it already scales the loss, "
-                    "and wrapping it again would divide the gradients by two scales. Wrap the "
-                    "torch optimizer once (use .inner_optimizers to get at the optimizers inside).")
-            for group in opt.param_groups:
-                check_half_master_weights(group, loss_scale)
-            check_capturable(opt)
+            _check_inner(opt, loss_scale)
         self._inners = inners
         self._scale_settings = loss_scale
         self._variable_dtypes: frozenset | None = None  # of the policies a pass-through follows
@@ -76,7 +80,18 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
         for kind in ("step_pre", "step_post", "state_dict_pre", "state_dict_post",
                      "load_state_dict_pre", "load_state_dict_post"):  # torch.optim's hook tables
             setattr(self, f"_optimizer_{kind}_hooks", OrderedDict())
-        self.defaults = inners[0].defaults
+        self.defaults = inners[0].defaults if inners else {}  # (none: Fabric's plugin adopts them)
+
+    def _adopt(self, opt: torch.optim.Optimizer) -> None:
+        """Takes `opt` in beside the optimizers wrapped, with the shared scale and the checks the
+        constructor makes (a trainer that hands over each optimizer only at its first step)."""
+        check_closure_optimizers([*self._inners, opt], self._scale_settings)
+        _check_inner(opt, self._scale_settings)
+        self._inners.append(opt)
+        self._partition = None
+        self._kernels_chosen = False
+        if len(self._inners) == 1:
+            self.defaults = opt.defaults
 
     def __getstate__(self) -> dict:  # torch.optim.Optimizer keeps only defaults/state/groups
         return dict(self.__dict__, _found_flags={}, _clean_flags=set(), _partition=None)  # caches

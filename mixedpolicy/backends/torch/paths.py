@@ -1,8 +1,8 @@
 """The paths a user reads and writes for a torch model's layers: wrappers left out.
 
 ``torch.compile`` (an ``OptimizedModule`` holding ``_orig_mod``), activation
-checkpointing (``checkpoint_wrapper``: ``_checkpoint_wrapped_module``) and FSDP1
-(``_fsdp_wrapped_module``) put a module of their own between a layer and its parent,
+checkpointing (``checkpoint_wrapper``: ``_checkpoint_wrapped_module``), FSDP1
+(``_fsdp_wrapped_module``) and Lightning Fabric (``_FabricModule``: ``_forward_module``) put a module of their own between a layer and its parent,
 so ``named_modules()`` reads ``_orig_mod.head`` or ``layers.0._checkpoint_wrapped_module.attn``
 where the user wrote ``head`` and ``layers.0.attn``. PyTorch's own state-dict helpers
 drop these segments (``clean_tensor_name``); so do `describe`, the `PolicyMap` keys,
@@ -17,7 +17,7 @@ from typing import Iterator
 import torch
 
 #: the attribute under which each wrapper holds the module it wraps
-WRAPPED = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+WRAPPED = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_forward_module")
 
 
 def _wrapped(module: torch.nn.Module) -> torch.nn.Module | None:
@@ -29,7 +29,7 @@ def _wrapped(module: torch.nn.Module) -> torch.nn.Module | None:
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The module a root wrapper (``torch.compile``, a checkpoint or FSDP1 wrapper) runs, or `model`."""
+    """The module a root wrapper (``torch.compile``, a checkpoint, FSDP1 or Fabric wrapper) runs, or `model`."""
     inner = _wrapped(model)
     while inner is not None:
         model, inner = inner, _wrapped(inner)

@@ -32,7 +32,7 @@ _running = threading.local()
 _PLAIN = (torch.Tensor, int, float, bool, str, type(None))
 
 
-def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     """`tree` with its floating tensors in `dtype`. A tensor, or a tuple, list or dict of
     tensors and plain values (a forward's usual arguments and outputs), is cast without
     torch's pytree flatten and unflatten, which cost tens of microseconds on each call."""
@@ -86,7 +86,7 @@ def cast_inputs(model: torch.nn.Module, data: Any) -> Any:
     state = getattr(model, STATE, None)
     if state is None or "forward" not in state or _autocasts(state["policy"]):
         return data
-    return _cast_floating(data, _TORCH_DTYPES[state["policy"].compute_dtype])
+    return cast_floating(data, _TORCH_DTYPES[state["policy"].compute_dtype])
 
 
 class _Region:
@@ -147,14 +147,14 @@ class _Region:
             with torch.autocast(_device_type(args, kwargs, module), dtype=self._compute):
                 out = self._forward(*args, **kwargs)
         else:
-            args, kwargs = _cast_floating(args, self._compute), _cast_floating(kwargs, self._compute)
+            args, kwargs = cast_floating(args, self._compute), cast_floating(kwargs, self._compute)
             device = _device_type(args, kwargs, module)
             if torch.is_autocast_enabled(device):
                 with torch.autocast(device, enabled=False):
                     out = self._forward(*args, **kwargs)
             else:
                 out = self._forward(*args, **kwargs)
-        return _cast_floating(out, self._output) if self._cast_out else out
+        return cast_floating(out, self._output) if self._cast_out else out
 
 
 
