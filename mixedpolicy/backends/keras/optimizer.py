@@ -28,27 +28,13 @@ from keras.src.saving import object_registration as _registry  # the name a clas
 
 from mixedpolicy._adapter import OptimizerAdapter
 from mixedpolicy.backends.keras.reduce import (all_finite, already_summed, check_reduce_policy, finite_on_every_replica,
-                                               reduce_from_config, reduce_to_config, sum_across_replicas)
+                                               is_concrete, reduce_from_config, reduce_to_config, sum_across_replicas)
 from mixedpolicy.backends.keras.updates import KerasUpdates, rounding_to_config
 from mixedpolicy.backends.keras.saving import (SkipCounts, constructor_arguments, load_keras_layout,
                                                prepared_for_checkpoints, save_keras_layout)
 from mixedpolicy.policy import Policy
 from mixedpolicy.scope import global_policy
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale, is_pass_through, summary
-
-
-def _is_concrete(x: Any) -> bool:
-    """Can `x` be read on the host now (eager), rather than being traced into a graph?"""
-    backend = keras.backend.backend()
-    if backend == "jax":
-        import jax
-
-        return not isinstance(x, jax.core.Tracer)
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        return tf.executing_eagerly()
-    return True
 
 
 @keras.saving.register_keras_serializable(package="mixedpolicy")
@@ -173,7 +159,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return finite_on_every_replica(all_finite(grads))
 
     def _unscale(self, grads: Any, trainable_variables: Any) -> list:
-        """Divides by the scale in float32 (float64 for float64 gradients); each keeps its dtype."""
+        """Divides by the scale in float32 (float64 for float64 gradients); each keeps its dtype.
+        A static scale of 1 (what `NoLossScale` becomes) divides nothing: ops saved each step."""
+        if isinstance(self._scale_settings, StaticLossScale) and float(self._scale_settings.loss_scale) == 1.0:
+            return list(grads)
+
         def unscale(g):
             wide = "float64" if keras.backend.standardize_dtype(g.dtype) == "float64" else "float32"
             return ops.cast(ops.divide(ops.cast(g, wide), ops.cast(self.dynamic_scale, wide)), g.dtype)
@@ -215,7 +205,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         old_trainable, old_inner = list(trainable_variables), list(optimizer_variables[own:])
         with keras.StatelessScope(state_mapping=mapping) as scope:
             finite = self.check_finite(grads)
-            concrete = _is_concrete(finite)
+            concrete = is_concrete(finite)
             if concrete and not bool(ops.convert_to_numpy(finite)):
                 new_trainable, new_inner = old_trainable, old_inner
             else:
@@ -241,7 +231,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         def apply_inner():
             self.inner_optimizer.apply(self._unscale(grads, tvs), trainable_variables=trainable_variables)
 
-        if _is_concrete(finite):
+        if is_concrete(finite):
             if bool(ops.convert_to_numpy(finite)):
                 apply_inner()
         else:

@@ -4,7 +4,8 @@ This package's Keras `LossScaleOptimizer` takes a ``reduce_policy``; under a str
 sums the gradients in that policy's reduce dtypes (`mixedpolicy.tensorflow.all_reduce`)
 and leaves out the inner optimizer's own float32 sum. Keras's JAX and torch backends
 reduce in the variable dtype through Keras's own distribution: a reduce dtype other than
-the variables' is refused there.
+the variables' is refused there. The step's finite flag lives here too: counted over the
+gradients (`all_finite`), agreed across replicas, and read on the host where it is concrete.
 """
 
 from __future__ import annotations
@@ -114,6 +115,20 @@ def all_finite(grads: Any) -> Any:
         return flags[0] if flags else ops.convert_to_tensor(True)
     counted = ops.dot(ops.cast(ops.stack(flags), "float32"), ops.ones((len(flags),), "float32"))
     return ops.equal(counted, float(len(flags)))  # exact: a float32 counts up to 2**24
+
+
+def is_concrete(x: Any) -> bool:
+    """Can `x` (the finite flag) be read on the host now (eager), rather than being traced into a graph?"""
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        return not isinstance(x, jax.core.Tracer)
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        return tf.executing_eagerly()
+    return True
 
 
 def finite_on_every_replica(finite: Any) -> Any:
