@@ -225,6 +225,19 @@ _SYNC_COSTLY = {"cuda", "xpu", "mps", "hpu"}
 _WITH_FUSED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)  # fused on those devices too
 
 
+def check_inner(opt: Any, loss_scale: LossScale, wrapper_type: type) -> None:
+    """Refuses, for a wrapper of type `wrapper_type`, an inner optimizer it cannot take: a wrapper
+    already, half-precision master weights under scaling, a capturable one on the wrong device."""
+    if isinstance(opt, wrapper_type):
+        raise TypeError(
+            "Received a mixedpolicy LossScaleOptimizer to wrap; it already scales the loss, "
+            "and wrapping it again would divide the gradients by two scales. Wrap the "
+            "torch optimizer once (use .inner_optimizers to get at the optimizers inside).")
+    for group in opt.param_groups:
+        check_half_master_weights(group, loss_scale)
+    check_capturable(opt)
+
+
 def take_fused_kernels(optimizers: list) -> bool:
     """Calls `take_fused_kernel` on each; returns True (done)."""
     for opt in optimizers:

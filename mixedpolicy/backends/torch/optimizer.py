@@ -14,6 +14,7 @@ optimizers, whose kernel unscales and skips. It moves by ``GradScaler``'s kernel
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from typing import Any
 
@@ -22,7 +23,7 @@ from torch.optim import optimizer as _torch_optimizer
 
 from mixedpolicy._adapter import OptimizerAdapter
 from mixedpolicy.backends.torch.arrays import PARAMETER_POLICY
-from mixedpolicy.backends.torch.checks import (check_capturable, check_half_master_weights, is_own_optimizer,
+from mixedpolicy.backends.torch.checks import (check_inner, is_own_optimizer,
                                                grads_by_device_and_dtype, params_by_device_and_dtype,
                                                take_fused_kernels, unscale_and_check_, unscaled_step_error)
 from mixedpolicy.backends.torch.closure import check_closure_optimizers, closure_step, reevaluates_closure
@@ -31,17 +32,6 @@ from mixedpolicy.backends.torch.updates import TorchUpdates
 from mixedpolicy.backends.torch.state import Checkpoints
 from mixedpolicy.scope import global_policy
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, is_pass_through
-
-
-def _check_inner(opt: Any, loss_scale: LossScale) -> None:
-    if isinstance(opt, TorchLossScaleOptimizer):
-        raise TypeError(
-            "Received a mixedpolicy LossScaleOptimizer to wrap; it already scales the loss, "
-            "and wrapping it again would divide the gradients by two scales. Wrap the "
-            "torch optimizer once (use .inner_optimizers to get at the optimizers inside).")
-    for group in opt.param_groups:
-        check_half_master_weights(group, loss_scale)
-    check_capturable(opt)
 
 
 def _global_hooks() -> bool:
@@ -61,7 +51,7 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
         inners = list(inner) if isinstance(inner, (list, tuple)) else [inner]
         check_closure_optimizers(inners, loss_scale)
         for opt in inners:
-            _check_inner(opt, loss_scale)
+            check_inner(opt, loss_scale, TorchLossScaleOptimizer)
         self._inners = inners
         self._scale_settings = loss_scale
         self._variable_dtypes: frozenset | None = None  # of the policies a pass-through follows
@@ -86,7 +76,7 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
         """Takes `opt` in beside the optimizers wrapped, with the shared scale and the checks the
         constructor makes (a trainer that hands over each optimizer only at its first step)."""
         check_closure_optimizers([*self._inners, opt], self._scale_settings)
-        _check_inner(opt, self._scale_settings)
+        check_inner(opt, self._scale_settings, TorchLossScaleOptimizer)
         self._inners.append(opt)
         self._partition = None
         self._kernels_chosen = False
@@ -315,10 +305,22 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
         return f"LossScaleOptimizer({inner}, {self._scale_settings!r})"
 
 
-# Eager inside a torch.compile'd step: dynamo takes the wrapper for one of torch's Optimizers and lost
-# its bookkeeping across the step's graph break (the step's flag read back as None).
+def _eager_under_dynamo(method: Any) -> Any:
+    """`method` run eagerly inside a torch.compile'd step (dynamo takes the wrapper for one of
+    torch's Optimizers and lost its bookkeeping across the step's graph break); called eagerly,
+    the method itself: torch.compiler.disable's frame handling cost ~2 us a call."""
+    disabled = torch.compiler.disable(method)
+
+    @functools.wraps(method)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # (dynamo reads this as True while it traces)
+            return disabled(self, *args, **kwargs)
+        return method(self, *args, **kwargs)
+    return call
+
+
 for _name in ("scale_loss", "unscale_", "step"):
-    setattr(TorchLossScaleOptimizer, _name, torch.compiler.disable(getattr(TorchLossScaleOptimizer, _name)))
+    setattr(TorchLossScaleOptimizer, _name, _eager_under_dynamo(getattr(TorchLossScaleOptimizer, _name)))
 
 
 class TorchOptimizers(TorchUpdates, OptimizerAdapter):
