@@ -156,6 +156,23 @@ def check_master_weights(where: str, dtype: str | None, policy: Any, fix: str) -
 TypeAt = Callable[[str], "type | None"]
 
 
+def attribute_type_at(model: Any) -> TypeAt:
+    """type_at(dotted path) -> the class of the object at that path inside `model` (a module of
+    Flax NNX, Equinox or ``tf.Module``: attributes, list and dict items), None where it leads nowhere."""
+    def at(path: str) -> type | None:
+        obj = model
+        for part in path.split(".") if path else ():
+            try:
+                obj = getattr(obj, part)
+            except AttributeError:
+                try:
+                    obj = obj[int(part) if part.isdigit() else part]
+                except (TypeError, KeyError, IndexError):
+                    return None
+        return type(obj)
+    return at
+
+
 def layer_chain(path: str, leaf_type: Any = object, *, sep: str = ".", root: bool = True,
                 type_at: TypeAt | None = None) -> list[LayerInfo]:
     """The chain `PolicyMap.resolve` reads for a variable (or gradient leaf) at `path`.

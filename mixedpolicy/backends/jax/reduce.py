@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from mixedpolicy.codecs import (float8_scale, is_float8, pack_codes, table_bits, table_codes, table_quantiles,
                                 table_values, unpack_codes, wire_bytes)
-from mixedpolicy.layer_plan import check_class_keys, reduce_dtypes_at
+from mixedpolicy.layer_plan import attribute_type_at, check_class_keys, reduce_dtypes_at
 
 
 def _gather_invariant() -> Any:
@@ -46,23 +46,6 @@ def _path(keys: tuple) -> str:
     return ".".join(parts)
 
 
-def _type_at(model: Any) -> Any:
-    """type_at(dotted path) -> the class of the object at that path inside `model` (an NNX
-    or Equinox module: attributes, list and dict items), None where the path leads nowhere."""
-    def at(path: str) -> type | None:
-        obj = model
-        for part in path.split(".") if path else ():
-            try:
-                obj = getattr(obj, part)
-            except AttributeError:
-                try:
-                    obj = obj[int(part) if part.isdigit() else part]
-                except (TypeError, KeyError, IndexError):
-                    return None
-        return type(obj)
-    return at
-
-
 def _reduce_dtypes(grads: Any, policy: Any, model: Any = None) -> tuple[list, list, Any]:
     """(leaves, their reduce dtypes, treedef)."""
     if model is None:
@@ -76,7 +59,7 @@ def _reduce_dtypes(grads: Any, policy: Any, model: Any = None) -> tuple[list, li
                             f"{type(leaf).__name__} ({leaf!r:.40}); expected a pytree of arrays (the "
                             f"gradients jax.grad returns).")
     dtypes = reduce_dtypes_at(policy, [_path(keys) for keys, _ in flat], [type(leaf) for leaf in leaves],
-                              type_at=None if model is None else _type_at(model))
+                              type_at=None if model is None else attribute_type_at(model))
     return leaves, dtypes, treedef
 
 

@@ -20,7 +20,8 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
-from mixedpolicy.layer_plan import check_class_keys, reduce_dtypes_at
+from mixedpolicy._dtypes import show
+from mixedpolicy.layer_plan import attribute_type_at, check_class_keys, reduce_dtypes_at
 
 #: The reduce dtypes TensorFlow's collectives carry.
 CARRIED = ("float32", "bfloat16", "float16")
@@ -33,12 +34,38 @@ def variable_path(variable: Any) -> str:
     return getattr(variable, "path", None) or variable.name.split(":")[0]
 
 
-def reduce_dtypes(variables: Sequence[Any], policy: Any) -> list[str]:
-    """The reduce dtype of each variable's gradient under `policy` (see `check_carried`)."""
-    check_class_keys(policy, "tf.distribute", "or give the policy per variable path")
-    dtypes = reduce_dtypes_at(policy, [variable_path(v) for v in variables], sep="/", root=False)
+def reduce_dtypes(variables: Sequence[Any], policy: Any, model: Any = None) -> list[str]:
+    """The reduce dtype of each variable's gradient under `policy` (see `check_carried`); with
+    `model`, each variable resolved at its path in the model, its layers' classes known."""
+    if model is None:
+        check_class_keys(policy, "tf.distribute without model=",
+                         "or pass model= (the tf.Module or Keras model the variables belong to)")
+        dtypes = reduce_dtypes_at(policy, [variable_path(v) for v in variables], sep="/", root=False)
+    else:
+        dtypes = _reduce_dtypes_in(model, variables, policy)
     check_carried(dtypes, "tf.distribute")
     return dtypes
+
+
+def _reduce_dtypes_in(model: Any, variables: Sequence[Any], policy: Any) -> list[str]:
+    """A Keras model: its variables' paths and its layers' classes by path (``"dense/kernel"``,
+    as `describe` shows Keras layers). A ``tf.Module``: each variable's attribute path
+    (``"body.0.w"``, as `describe` shows its modules) and the classes along it."""
+    layers = getattr(model, "_flatten_layers", None)
+    if callable(layers) and all(getattr(v, "path", None) for v in variables):
+        classes = {layer.path: type(layer) for layer in layers(include_self=True)}
+        return reduce_dtypes_at(policy, [variable_path(v) for v in variables], sep="/", root=False,
+                                type_at=classes.get)
+    if not isinstance(model, tf.Module):
+        raise TypeError(f"Received model={show(model)} of type {type(model).__name__}; expected the "
+                        f"tf.Module or Keras model the variables belong to.")
+    paths = {id(v): ".".join(map(str, path)) for path, v in model._flatten(
+        predicate=lambda x: isinstance(x, tf.Variable), with_path=True)}
+    missing = [v.name for v in variables if id(v) not in paths]
+    if missing:
+        raise ValueError(f"Received variables {missing[:5]} that are not in model={type(model).__name__} "
+                         f"(expected the variables of the model given, as its trainable_variables lists them).")
+    return reduce_dtypes_at(policy, [paths[id(v)] for v in variables], type_at=attribute_type_at(model))
 
 
 def check_carried(dtypes: Sequence[str], where: str) -> None:
@@ -53,13 +80,18 @@ def check_carried(dtypes: Sequence[str], where: str) -> None:
             f"which carry every reduce dtype.")
 
 
-def all_reduce(grads: Sequence[Any], variables: Sequence[Any], policy: Any = None) -> list:
+def all_reduce(grads: Sequence[Any], variables: Sequence[Any], policy: Any = None, *, model: Any = None) -> list:
     """The sum over the replicas of each gradient, each travelling in its reduce dtype.
 
     Args:
       grads: the gradients of `variables` (None entries pass through).
       variables: the variables, whose paths resolve a `PolicyMap`.
       policy: a `Policy`, a name or a `PolicyMap`; None uses the global policy.
+      model: the ``tf.Module`` or Keras model the variables belong to: a map's keys then name
+        what `describe` prints for it (a tf.Module's attribute paths, ``"body.0"``), and its
+        layer-class keys reach the layers of that class. Without it, keys name the variables'
+        own paths (a Keras variable's ``path``, a tf.Variable's name) and class keys that
+        decide a reduce dtype are refused.
 
     Returns:
       The summed gradients, each in its own dtype (as Keras's optimizers sum them); with
@@ -84,7 +116,7 @@ def all_reduce(grads: Sequence[Any], variables: Sequence[Any], policy: Any = Non
     if len(grads) != len(variables):
         raise ValueError(f"Received {len(grads)} gradients for {len(variables)} variables; expected "
                          f"one gradient (or None) per variable.")
-    dtypes = reduce_dtypes(variables, global_policy() if policy is None else policy)
+    dtypes = reduce_dtypes(variables, global_policy() if policy is None else policy, model)
     if context.num_replicas_in_sync == 1:  # nothing travels (outside a strategy too)
         return grads
     return sum_in(grads, dtypes, context)
@@ -115,11 +147,12 @@ def sum_in(grads: list, dtypes: Sequence[str], context: Any) -> list:
     return out
 
 
-def bytes_per_step(variables: Sequence[Any], policy: Any = None) -> int:
-    """Bytes one replica sends to reduce the gradients of `variables` once."""
+def bytes_per_step(variables: Sequence[Any], policy: Any = None, *, model: Any = None) -> int:
+    """Bytes one replica sends to reduce the gradients of `variables` once (`model` as for
+    `all_reduce`)."""
     from mixedpolicy.codecs import wire_bytes
     from mixedpolicy.scope import global_policy
 
-    dtypes = reduce_dtypes(variables, global_policy() if policy is None else policy)
+    dtypes = reduce_dtypes(variables, global_policy() if policy is None else policy, model)
     return sum(wire_bytes(int(math.prod(v.shape)), d) for v, d in zip(variables, dtypes)
                if tf.as_dtype(v.dtype).is_floating)

@@ -67,3 +67,49 @@ def test_a_class_key_that_decides_a_reduce_dtype_is_refused_by_name():
     with pytest.raises(ValueError, match=r"layer-class keys \[.*Block'?\] for reducing gradients through "
                                          r"tf.distribute.*by path or glob"):
         mp.tensorflow.bytes_per_step([tf.Variable(tf.ones(2))], policy)
+
+
+def test_a_class_key_reaches_the_layers_of_the_model_given_and_paths_are_describes():
+    """One layer chain for every engine: with model=, a tf.Module's gradients resolve at the
+    paths `describe` prints for it ("body.0"), and a class key sets the reduce dtype of that
+    class's layers, as under DDP and JAX; a variable of another model is refused."""
+    tf = require_module("tensorflow")
+    import mixedpolicy as mp
+
+    class Dense(tf.Module):
+        def __init__(self, a, b):
+            super().__init__()
+            self.w = tf.Variable(tf.ones((a, b)), name="w")
+            self.b = tf.Variable(tf.zeros(b), name="b")
+
+    class Norm(tf.Module):
+        def __init__(self, n):
+            super().__init__()
+            self.scale = tf.Variable(tf.ones(n), name="scale")
+
+    class Net(tf.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = [Dense(4, 8), Norm(8)]
+            self.head = Dense(8, 2)
+
+    net = Net()
+    variables = net.trainable_variables
+    f32 = mp.tensorflow.bytes_per_step(variables, "float32")
+    by_class = mp.PolicyMap("float32", {Dense: mp.Policy("float32", reduce_dtype="bfloat16")})
+    dense_values = 4 * 8 + 8 + 8 * 2 + 2  # both Dense layers' kernels and biases
+    assert mp.tensorflow.bytes_per_step(variables, by_class, model=net) == f32 - 2 * dense_values
+    by_path = mp.PolicyMap("float32", {"head": mp.Policy("float32", reduce_dtype="bfloat16")})
+    assert {row.path for row in mp.describe(net)} >= {"head", "body.0", "body.1"}
+    assert mp.tensorflow.bytes_per_step(variables, by_path, model=net) == f32 - 2 * (8 * 2 + 2)
+    # without the model, the same key names the variables' own names: nothing is called "head"
+    assert mp.tensorflow.bytes_per_step(variables, by_path) == f32
+    with pytest.raises(ValueError, match=r"not in model=Net"):
+        mp.tensorflow.bytes_per_step([tf.Variable(tf.ones(3))], by_class, model=net)
+    with pytest.raises(TypeError, match=r"Received model=.*expected the tf.Module or Keras model"):
+        mp.tensorflow.bytes_per_step(variables, by_class, model=[1, 2])
+    # under a strategy's replica context the same resolution runs (one replica: nothing travels)
+    strategy = tf.distribute.get_strategy()
+    grads = [tf.ones_like(v) for v in variables]
+    out = strategy.run(lambda: mp.tensorflow.all_reduce(grads, variables, by_class, model=net))
+    assert all(tf.reduce_all(a == b) for a, b in zip(out, grads))

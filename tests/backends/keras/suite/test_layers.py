@@ -192,3 +192,17 @@ def test_describe_on_the_command_line_builds_a_users_keras_model_under_the_polic
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
     assert rows and all(row[2:6] == ["bfloat16"] * 4 for row in rows), rows
     assert keras.config.dtype_policy().name == "float32"  # the global policy is put back
+
+
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="tf.distribute reduces on TensorFlow only")
+def test_a_class_key_sets_the_reduce_dtype_of_a_keras_models_layers_under_tf_distribute():
+    # with model=, the layers' classes are known by path: a class key reaches them as in apply_policy
+    inner = keras.Sequential([keras.layers.Dense(3)], name="inner")
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, keras.layers.LayerNormalization()(inner(inputs)))
+    variables = model.trainable_variables
+    f32 = mp.tensorflow.bytes_per_step(variables, "float32")
+    by_class = mp.PolicyMap("float32", {keras.layers.Dense: mp.Policy("float32", reduce_dtype="bfloat16")})
+    assert mp.tensorflow.bytes_per_step(variables, by_class, model=model) == f32 - 2 * (4 * 3 + 3)
+    with pytest.raises(ValueError, match=r"layer-class keys .*Dense.*pass model="):
+        mp.tensorflow.bytes_per_step(variables, by_class)
