@@ -118,17 +118,22 @@ def has_nvidia_gpu() -> bool:
     return any(os.path.exists(p) for p in ("/dev/nvidia0", "/dev/nvidiactl"))
 
 
-def _check_out(out: str) -> None:
-    """Refuses an --out that is a file or cannot be written, before anything is written."""
+def check_out(out: str) -> None:
+    """Refuses an --out that is a file or cannot be made or written, before any run (then makes it)."""
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"Received --out {out!r}, which is a file; expected a folder (new or "
-                         f"existing) for results.json, report.md and the plots.")
+                         f"existing) for what the command writes (results, report, plots).")
     parent = out
     while not os.path.exists(parent):
         parent = os.path.dirname(os.path.abspath(parent))
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ValueError(f"Received --out {out!r}, but {parent!r} cannot be written; choose a "
                          f"folder you can write to.")
+    try:  # made now, the last check: a folder the system refuses (/proc, a full disk) is said here
+        os.makedirs(out, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"Received --out {out!r}, which cannot be made ({err.strerror}); choose a "
+                         f"folder you can write to.") from None
 
 
 def _check_replicas(args: argparse.Namespace, frameworks: tuple, model: str) -> tuple:
@@ -225,7 +230,6 @@ def main(argv: list[str] | None = None) -> int:
         args.batch_size = 64 if args.batch_size is None else args.batch_size
         compiles = resolve_compile(args.compile)
         _check_positive(args)
-        _check_out(args.out)
         split = _load_digits(args.seed) if args.data == "digits" and not (user and user.own_data) else None
         if split is not None and args.batch_size * max(args.replicas, 1) > len(split[0]):
             raise ValueError(f"Received --batch-size {args.batch_size} on {max(args.replicas, 1)} "
@@ -242,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.replicas and any(mp_float8(p) or memory_policy(p) for p in policies):
             raise ValueError("Received fp8 policies or update recipes with --replicas; the replica "
                              "comparison runs the float and mixed policies. Drop them there.")
+        check_out(args.out)
     except ValueError as err:
         print(f"mixedpolicy bench: error: {err}", file=sys.stderr)
         return 2

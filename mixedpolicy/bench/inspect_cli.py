@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         args.framework = _framework(args)
+        from mixedpolicy.bench.cli import check_out
+
+        check_out(args.out)
     except ValueError as err:
         print(f"mixedpolicy inspect: error: {err}", file=sys.stderr)
         return 2
@@ -104,7 +107,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {path}: {why}")
     else:
         print("every layer fits float16 at that scale: no override needed")
-    os.makedirs(args.out, exist_ok=True)
     name = args.model.rpartition(":")[2] if models.is_user(args.model) else args.model
     png = os.path.join(args.out, f"inspect_{name}_{args.framework}.png")
     try:
