@@ -10,6 +10,7 @@ float32), and writes the histogram figure. A Keras framework runs in a process o
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import subprocess
 import sys
@@ -67,6 +68,11 @@ def main(argv: list[str] | None = None) -> int:
               f"expected whole numbers >= 1.", file=sys.stderr)
         return 2
     try:
+        if not (math.isfinite(args.loss_scale) and args.loss_scale > 0):
+            raise ValueError(f"Received --loss-scale {args.loss_scale}; expected a finite number > 0 "
+                             f"(the scale to check besides 1, e.g. 32768).")
+        if not 0 <= args.seed < 2**31:
+            raise ValueError(f"Received --seed {args.seed}; expected a whole number from 0 to 2**31 - 1.")
         args.framework = _framework(args)
         from mixedpolicy.bench.cli import check_out
 
