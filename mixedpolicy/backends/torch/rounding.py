@@ -2,7 +2,9 @@
 draw their bits from, and the rounding of a flat float32 buffer with it.
 
 On a GPU the hash and the rounding of a chunk run as one kernel that ``torch.compile`` writes
-(`round_flat_`); elsewhere, and where no compiler is at hand, as a few int32 ops per chunk. Both
+(`round_flat_`); elsewhere, and where no compiler is at hand, as a few int32 ops per chunk: on a
+CPU numpy's uint32 ops on the tensors' own memory (torch's CPU integer kernels cost two to three
+times as much a pass there, with one thread), torch's where its threads share a large chunk. All
 compute the same bits: the hash is integer arithmetic, exact in any order.
 """
 
@@ -22,6 +24,7 @@ log = logging.getLogger("mixedpolicy")
 _MASK, _GOLDEN, _M1, _M2, _VARIABLE, _SEED = 0xFFFFFFFF, 0x9E3779B1, 0x85EBCA6B, 0xC2B2AE35, 668265261, 0x5EED
 _SLICED = {"cpu"}  # devices where a parameter's terms are added slice by slice (small ops are cheap)
 _CHUNK = 1 << 24  # elements hashed at once: bounds the int32 temporaries (and keeps indices < 2**31)
+_NUMPY_UP_TO = 1 << 20  # a CPU chunk hashed by numpy (single-threaded) when torch has several threads
 
 
 def _int32(value: int) -> int:
@@ -66,6 +69,9 @@ def _bits_by_chunk(sizes: list, indices: list, step: Any, device: Any = None, se
     sliced = where.type in _SLICED
     for total, chunk_sizes, terms, on_device in _chunks(tuple(sizes), tuple(indices), str(where), seed, _CHUNK,
                                                         sliced):
+        if _by_numpy(where, step, total):
+            yield torch.from_numpy(_hash_numpy(total, terms, _int32(int(step) * _GOLDEN)).view("int32")), chunk_sizes
+            continue
         h = torch.arange(total, dtype=torch.int32, device=where).mul_(_int32(_GOLDEN))
         tmp = torch.empty_like(h)  # one scratch tensor for both finalisers
         for stage in (0, 1):  # the element's hash input, then the finalised value plus the start
@@ -79,6 +85,34 @@ def _bits_by_chunk(sizes: list, indices: list, step: Any, device: Any = None, se
                 h.add_(shift.add(step_term).repeat_interleave(counts, output_size=total))
             _mix_(h, tmp)
         yield h.bitwise_and_(0xFFFF), chunk_sizes
+
+
+def _by_numpy(where: Any, step: Any, total: int) -> bool:
+    """Hash this chunk with numpy? On a CPU, for a Python step, eagerly (not while dynamo traces),
+    where torch's kernels run on one thread or the chunk is small enough for one to do it."""
+    import torch
+
+    return (where.type == "cpu" and not torch.is_tensor(step) and not torch.compiler.is_compiling()
+            and (torch.get_num_threads() == 1 or total <= _NUMPY_UP_TO))
+
+
+def _hash_numpy(total: int, terms: tuple, step_term: int) -> Any:
+    """`_bits_by_chunk`'s bits of one chunk in numpy uint32 arithmetic, which wraps as the hash's
+    does and shifts logically (no masks): the same bits, fewer and cheaper passes on a CPU."""
+    import numpy as np
+
+    h = np.arange(total, dtype=np.uint32)
+    h *= np.uint32(_GOLDEN)
+    tmp = np.empty_like(h)
+    for stage in (0, 1):
+        for offset, size, term in zip(*terms[stage]):
+            h[offset:offset + size] += np.uint32((term + step_term) & _MASK)
+        for shift, _, factor in _FINALISER:  # murmur3's finaliser
+            h ^= np.right_shift(h, shift, out=tmp)
+            if factor is not None:
+                h *= np.uint32(factor & _MASK)
+    h &= np.uint32(0xFFFF)
+    return h
 
 
 @functools.lru_cache(maxsize=16)

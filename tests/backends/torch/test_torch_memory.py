@@ -80,8 +80,8 @@ def _reference_bits16(size, step, index, seed=0x5EED):
     return (mix((h + start) & mask) & np.uint64(0xFFFF)).astype(np.int64)
 
 
-@pytest.mark.parametrize("sliced", [True, False], ids=["slices", "one-repeat"])
-def test_the_bits_of_all_parameters_at_once_are_each_parameters_own(monkeypatch, sliced):
+@pytest.mark.parametrize("way", ["numpy", "slices", "one-repeat"])
+def test_the_bits_of_all_parameters_at_once_are_each_parameters_own(monkeypatch, way):
     """The torch rule hashes a step's parameters together in int32 (products wrapping as the
     masked definition's do), in chunks: each parameter's bits are still the hash of its own
     element positions, index and step, across chunk boundaries and for a parameter larger than
@@ -91,7 +91,10 @@ def test_the_bits_of_all_parameters_at_once_are_each_parameters_own(monkeypatch,
     from mixedpolicy.backends.torch import rounding as updates
 
     monkeypatch.setattr(updates, "_CHUNK", 1000)
-    monkeypatch.setattr(updates, "_SLICED", {"cpu"} if sliced else set())  # the CPU's way, or the GPU's
+    # a CPU's way (numpy's uint32, or torch's int32 slice by slice), or the GPU's (one repeat)
+    monkeypatch.setattr(updates, "_SLICED", {"cpu"} if way != "one-repeat" else set())
+    if way != "numpy":
+        monkeypatch.setattr(updates, "_by_numpy", lambda *args: False)
     sizes, indices = [700, 200, 2500, 1, 99], [0, 1, 2, 3, 7]
     got = updates.random_bits16_all(sizes, indices, 123456789, None, 0x5EED)
     on_device = updates.random_bits16_all(sizes, indices, torch.tensor(123456789), None, 0x5EED)  # Keras's step variable
