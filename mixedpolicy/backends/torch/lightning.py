@@ -72,7 +72,9 @@ class PolicyPrecision:
     weights, gradients are unscaled before clipping, a step whose gradients are not all
     finite is skipped and counted under every policy, and the scale with its counters is
     saved in and restored from the Trainer's checkpoint. Return plain torch optimizers from
-    ``configure_optimizers``: the plugin wraps them.
+    ``configure_optimizers``: the plugin wraps them. In Lightning Fabric
+    (``Fabric(plugins=[...])``) it does the same for a hand-written loop: set up plain optimizers,
+    and put the plugin in the state ``fabric.save`` writes to keep the scale.
 
     Args:
       policy: a `Policy`, its name (Lightning's ``"16-mixed"``, ``"bf16-mixed"`` too) or a
