@@ -88,12 +88,13 @@ def _bits_by_chunk(sizes: list, indices: list, step: Any, device: Any = None, se
 
 
 def _by_numpy(where: Any, step: Any, total: int) -> bool:
-    """Hash this chunk with numpy? On a CPU, for a Python step, eagerly (not while dynamo traces),
-    where torch's kernels run on one thread or the chunk is small enough for one to do it."""
+    """Hash this chunk with numpy? On a CPU, for a Python step or one on the CPU (read there for
+    nothing: Keras's iterations), eagerly (not while dynamo traces), where torch's kernels run
+    on one thread or the chunk is small enough for one to do it."""
     import torch
 
-    return (where.type == "cpu" and not torch.is_tensor(step) and not torch.compiler.is_compiling()
-            and (torch.get_num_threads() == 1 or total <= _NUMPY_UP_TO))
+    return (where.type == "cpu" and (not torch.is_tensor(step) or step.device.type == "cpu")
+            and not torch.compiler.is_compiling() and (torch.get_num_threads() == 1 or total <= _NUMPY_UP_TO))
 
 
 def _hash_numpy(total: int, terms: tuple, step_term: int) -> Any:
