@@ -143,3 +143,18 @@ def test_a_loss_scale_optimizer_set_up_with_the_plugin_is_refused_with_the_fix()
     fabric.backward(torch.nn.functional.cross_entropy(model(x), y))
     with pytest.raises(TypeError, match="scaled twice.*plain torch optimizer"):
         opt.step()
+
+
+def test_the_unified_lightning_packages_fabric_takes_the_plugin_too():
+    unified = pytest.importorskip("lightning.fabric")
+    plugin = mpl.Precision("16-mixed", initial_scale=2.0**16)
+    fabric = unified.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model = _model()
+    model, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for i, (x, y) in enumerate(_batches(4)):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        fabric.backward(loss * math.inf if i == 1 else loss)
+        opt.step()
+        opt.zero_grad()
+    assert plugin.optimizer.num_skipped_steps == 1 and plugin.scaler.get_scale() == 2.0**15
+    assert torch.isfinite(_weights(model)).all()
