@@ -108,6 +108,7 @@ class PolicyPrecision:
         self._pending_state: dict | None = None
         self._module: torch.nn.Module | None = None  # the LightningModule, once converted
         self._in_trainer = False  # a Trainer connected its optimizers; else Fabric runs the plugin
+        self._unscaled_inner: Any = None  # under Fabric, the optimizer clip_gradients unscaled
 
     @property
     def loss_scaling(self) -> str:
@@ -233,16 +234,34 @@ class PolicyPrecision:
     def unscale_gradients(self, optimizer: Any) -> None:
         """Fabric's ``clip_gradients``: the gradients of `optimizer` unscaled, once a step."""
         wrapper = self._fabric_wrapper(optimizer) if not self._in_trainer else self.optimizer
-        if wrapper is not None and not wrapper._unscaled:
+        if wrapper is not None and not self._unscaled_other(wrapper, optimizer, "fabric.clip_gradients"):
             with wrapper.acting_on(_unwrap(optimizer)):
                 wrapper.unscale_()
+            self._unscaled_inner = _unwrap(optimizer)
+
+    def _unscaled_other(self, wrapper: TorchLossScaleOptimizer, optimizer: Any, what: str) -> bool:
+        """Are `optimizer`'s gradients unscaled already? Refuses the case where another optimizer's
+        are (one scale unscales one optimizer's gradients between steps)."""
+        if not wrapper._unscaled:
+            return False
+        if self._unscaled_inner is not None and self._unscaled_inner is not _unwrap(optimizer):
+            raise RuntimeError(
+                f"Received {what} for a {type(_unwrap(optimizer)).__name__} while the unscaled gradients "
+                f"of a {type(self._unscaled_inner).__name__} wait for its step: the plugin's one scale "
+                f"unscales one optimizer's gradients at a time. Clip and step each optimizer before "
+                f"clipping the next.")
+        return True
 
     def optimizer_step(self, optimizer: Any, model: Any = None, closure: Callable[[], Any] | None = None,
                        **kwargs: Any) -> Any:
         if not self._in_trainer:  # Fabric: optimizer.step(closure=None) of a _FabricOptimizer
             wrapper = self._fabric_wrapper(optimizer)
-            with wrapper.acting_on(_unwrap(optimizer)):
-                return wrapper.step(closure, **kwargs)
+            self._unscaled_other(wrapper, optimizer, "step()")
+            try:
+                with wrapper.acting_on(_unwrap(optimizer)):
+                    return wrapper.step(closure, **kwargs)
+            finally:
+                self._unscaled_inner = None
         if self.optimizer is None:
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         inner = _unwrap(optimizer)

@@ -158,3 +158,26 @@ def test_the_unified_lightning_packages_fabric_takes_the_plugin_too():
         opt.zero_grad()
     assert plugin.optimizer.num_skipped_steps == 1 and plugin.scaler.get_scale() == 2.0**15
     assert torch.isfinite(_weights(model)).all()
+
+
+def test_one_optimizers_unscaled_gradients_are_never_stepped_or_clipped_as_anothers():
+    # one scale, one optimizer's gradients unscaled at a time: clipping the generator's while the
+    # discriminator's wait for their step, or stepping the generator then, is refused (it would
+    # clip or apply the generator's gradients 32768x too large)
+    plugin = mpl.Precision("16-mixed")
+    fabric = fabric_pkg.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    gen, disc = _model(), _model()
+    gen, opt_g = fabric.setup(gen, torch.optim.SGD(gen.parameters(), lr=0.05))
+    disc, opt_d = fabric.setup(disc, torch.optim.SGD(disc.parameters(), lr=0.05))
+    x, y = _batches(1)[0]
+    fabric.backward(torch.nn.functional.cross_entropy(disc(x), y) + torch.nn.functional.cross_entropy(gen(x), y))
+    fabric.clip_gradients(disc, opt_d, max_norm=1.0)
+    fabric.clip_gradients(disc, opt_d, max_norm=1.0)  # the same optimizer again: unscaled once
+    for wrong in (lambda: fabric.clip_gradients(gen, opt_g, max_norm=1.0), opt_g.step):
+        with pytest.raises(RuntimeError, match="Clip and step each optimizer before clipping the next"):
+            wrong()
+    before = _weights(gen)
+    opt_d.step()
+    fabric.clip_gradients(gen, opt_g, max_norm=1.0)  # now the generator's turn
+    opt_g.step()
+    assert plugin.optimizer.num_skipped_steps == 0 and not torch.equal(_weights(gen), before)
