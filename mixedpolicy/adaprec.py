@@ -139,6 +139,10 @@ class AdaPrec:
                  divergence: float | None = 1.5,
                  snapshot: Callable[[Any], Any] = lambda state: state,
                  restore: Callable[[Any], Any] = lambda saved: saved):
+        if isinstance(candidates, (str, bytes)) or not hasattr(candidates, "__iter__"):
+            raise TypeError(f"Received candidates={candidates!r:.60} of type {type(candidates).__name__}; "
+                            f"expected an iterable of reduce choices, e.g. ('float32', 'float8_e5m2', "
+                            f"'table-1') (a single string would be taken letter by letter).")
         self.candidates = list(candidates)
         if not self.candidates:
             raise ValueError("Received no candidates; expected at least one reduce choice, "

@@ -33,6 +33,7 @@ A `Policy`'s ``reduce_dtype`` names the codec; the engines (DDP communication ho
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any
 
 import numpy as np
@@ -69,6 +70,12 @@ def wire_bytes(numel: int, reduce_dtype: str) -> int:
     Raises:
       ValueError: `reduce_dtype` is not one a policy can reduce in.
     """
+    try:
+        if isinstance(numel, bool) or operator.index(numel) < 0:
+            raise TypeError
+    except TypeError:
+        raise TypeError(f"Received numel={numel!r:.60} of type {type(numel).__name__}; expected the "
+                        f"tensor's number of elements, a whole number >= 0 (tensor.numel()).") from None
     bits = table_bits(reduce_dtype)
     if bits is not None:
         return -(-numel * bits // 8) + 4 * 2 ** (bits - 1)

@@ -134,3 +134,25 @@ def test_an_array_is_no_dtype_even_where_numpy_would_read_it_as_one():
         with pytest.raises(TypeError, match=r"an array of type .* shape .*pass its \.dtype"):
             mp.Policy(compute_dtype=value)
     assert mp.Policy(jnp.zeros(2, jnp.float16).dtype) == mp.Policy(np.float16) == mp.Policy("float16")
+
+
+def test_counts_candidates_and_models_that_are_not_what_they_name_are_refused():
+    # wire_bytes took any number (a float gave a float, None a TypeError of its own arithmetic);
+    # AdaPrec("float32") took the string letter by letter; a pytree with no arrays reached jax.grad
+    from mixedpolicy.codecs import wire_bytes
+
+    for bad in (-1, 1.5, True, None, "3"):
+        with pytest.raises(TypeError, match=r"Received numel=.*whole number >= 0"):
+            wire_bytes(bad, "float32")
+    assert wire_bytes(10, "bfloat16") == 20
+    for bad in ("float32", None, 3):
+        with pytest.raises(TypeError, match=r"Received candidates=.*iterable of reduce choices"):
+            mp.AdaPrec(bad, bytes_per_step=lambda choice: 1)
+    jax = require_module("jax")
+    for bad in (None, {"a": "text"}, [object()]):
+        with pytest.raises(TypeError, match=r"no floating array among its leaves"):
+            mp.inspect_gradients(bad, lambda params, batch: 0.0, [1])
+    torch = require_module("torch")
+    with pytest.raises(TypeError, match=r"expected a pytree of arrays"):
+        mp.jax.bytes_per_step({"w": torch.zeros(2)})
+    assert mp.jax.bytes_per_step({"w": jax.numpy.zeros(2)}, "float32") == 8

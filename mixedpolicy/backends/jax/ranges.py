@@ -91,6 +91,12 @@ def _collect(params: Any, grads_per_batch: list, scales: tuple) -> dict:
 
 
 def pytree_stats(params: Any, loss_fn: Any, batches: list, scales: tuple) -> dict:
+    leaves = jax.tree_util.tree_leaves(params)
+    if not any(isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.floating) for x in leaves):
+        kinds = sorted({type(x).__name__ for x in leaves})
+        raise TypeError(f"Received a model of type {type(params).__name__} with no floating array "
+                        f"among its leaves ({', '.join(kinds) or 'none'}); expected a torch.nn.Module, a "
+                        f"Flax NNX module, a Keras 3 model or a JAX pytree of parameters (arrays).")
     grad = jax.grad(loss_fn)
     return _collect(params, [grad(params, batch) for batch in batches], scales)
 

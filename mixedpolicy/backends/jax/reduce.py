@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mixedpolicy.codecs import (float8_scale, is_float8, pack_codes, table_bits, table_codes, table_quantiles,
                                 table_values, unpack_codes, wire_bytes)
@@ -54,7 +55,7 @@ def _reduce_dtypes(grads: Any, policy: Any, model: Any = None) -> tuple[list, li
     flat, treedef = jax.tree_util.tree_flatten_with_path(grads)
     leaves = [leaf for _, leaf in flat]
     for keys, leaf in flat:
-        if not (hasattr(leaf, "dtype") and hasattr(leaf, "shape")):
+        if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)):
             raise TypeError(f"Received gradients whose leaf {_path(keys) or '(the root)'!r} is a "
                             f"{type(leaf).__name__} ({leaf!r:.40}); expected a pytree of arrays (the "
                             f"gradients jax.grad returns).")
