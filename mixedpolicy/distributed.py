@@ -44,4 +44,23 @@ def register(model: Any, policy: Any = None, *, error_feedback: bool = False) ->
     return register_ddp(model, policy, error_feedback=error_feedback)
 
 
-__all__ = ["register", "wire_bytes"]
+def bytes_per_step(model: Any, policy: Any = None) -> int:
+    """Bytes one rank sends to reduce the gradients of `model` (a ``torch.nn.Module`` or its
+    ``DistributedDataParallel`` wrapper) once, each parameter in the reduce dtype `register`
+    would give it (`policy`, else the policies `apply_policy` put on its modules, else the
+    global policy): what to expect of a policy before training, as `mixedpolicy.jax.bytes_per_step`
+    and `mixedpolicy.tensorflow.bytes_per_step` say it for their engines.
+
+    Raises:
+      TypeError: `model` is not a torch module.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(model, torch.nn.Module):
+        raise TypeError(f"Received {type(model).__module__}.{type(model).__qualname__}; expected a "
+                        f"torch.nn.Module or its DistributedDataParallel wrapper.")
+    from mixedpolicy.backends.torch.reduce import bytes_per_step as ddp_bytes
+
+    return ddp_bytes(model, policy)
+
+
+__all__ = ["bytes_per_step", "register", "wire_bytes"]

@@ -156,3 +156,5 @@ def test_counts_candidates_and_models_that_are_not_what_they_name_are_refused():
     with pytest.raises(TypeError, match=r"expected a pytree of arrays"):
         mp.jax.bytes_per_step({"w": torch.zeros(2)})
     assert mp.jax.bytes_per_step({"w": jax.numpy.zeros(2)}, "float32") == 8
+    with pytest.raises(TypeError, match=r"Received .*expected a torch.nn.Module"):
+        mp.torch.bytes_per_step({"w": torch.zeros(2)})

@@ -3,6 +3,8 @@
 import numpy as np
 import pytest
 
+from conftest import require_module
+
 from mixedpolicy import _registry
 from mixedpolicy._adapter import ArrayOps, ModelAdapter, OptimizerAdapter
 
@@ -267,3 +269,51 @@ def test_tensorflows_compiled_check_grows_with_the_leaves_not_their_square():
 
     small, large = ands(20), ands(80)
     assert large <= 8 * small + 100, (small, large)  # squared growth: 16x
+
+
+def test_a_class_key_sets_the_reduce_dtype_of_its_layers_on_every_engine():
+    """One layer chain for every engine: the same model (dense 4->8, a norm, dense 8->2) on
+    DDP's, JAX's and tf.distribute's front doors, and a PolicyMap whose class key (each
+    framework's dense class) sends the dense layers' gradients in bfloat16: 58 values two bytes
+    lighter everywhere, the norm's 16 in float32. (Keras under tf.distribute: the Keras suite.)"""
+    import mixedpolicy as mp
+
+    dense_values = 4 * 8 + 8 + 8 * 2 + 2
+    cases = []
+    torch = require_module("torch")
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+    cases.append(("torch", torch.nn.Linear, lambda policy: mp.torch.bytes_per_step(net, policy)))
+    nnx = require_module("flax.nnx", "jax")
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.layers = nnx.List([nnx.Linear(4, 8, rngs=rngs), nnx.LayerNorm(8, rngs=rngs), nnx.Linear(8, 2, rngs=rngs)])
+
+    jnet = Net(nnx.Rngs(0))
+    cases.append(("jax", nnx.Linear,
+                  lambda policy: mp.jax.bytes_per_step(nnx.state(jnet, nnx.Param), policy, model=jnet)))
+    tf = require_module("tensorflow")
+
+    class Dense(tf.Module):
+        def __init__(self, a, b):
+            super().__init__()
+            self.w, self.b = tf.Variable(tf.ones((a, b))), tf.Variable(tf.zeros(b))
+
+    class Norm(tf.Module):
+        def __init__(self, n):
+            super().__init__()
+            self.scale, self.offset = tf.Variable(tf.ones(n)), tf.Variable(tf.zeros(n))
+
+    class TfNet(tf.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = [Dense(4, 8), Norm(8), Dense(8, 2)]
+
+    tnet = TfNet()
+    cases.append(("tensorflow", Dense,
+                  lambda policy: mp.tensorflow.bytes_per_step(tnet.trainable_variables, policy, model=tnet)))
+    for engine, dense, count in cases:
+        by_class = mp.PolicyMap("float32", {dense: mp.Policy("float32", reduce_dtype="bfloat16")})
+        f32 = count("float32")
+        assert f32 == 4 * (dense_values + 16), engine
+        assert count(by_class) == f32 - 2 * dense_values, engine

@@ -130,6 +130,24 @@ def register(ddp_model: Any, policy: Any = None, *, error_feedback: bool = False
     return state
 
 
+def bytes_per_step(model: Any, policy: Any = None) -> int:
+    """Bytes one rank sends to reduce `model`'s gradients once under DDP with this `policy`
+    (each parameter that takes a gradient, in its reduce dtype, resolved as `register` resolves
+    it; a DDP model's own module). Counted per parameter: DDP's buckets carry an 8-bit float's
+    scale and a table codec's table once per bucket, so the hook's ``bytes_sent`` is a little
+    lower for those."""
+    from mixedpolicy.codecs import wire_bytes
+
+    if isinstance(model, DistributedDataParallel):
+        model = model.module
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"Received {type(model).__name__}; expected a torch.nn.Module (or its "
+                        f"DistributedDataParallel wrapper), whose gradients DDP would reduce.")
+    dtypes = _per_parameter(model, policy)
+    return sum(wire_bytes(p.numel(), dtypes[name]) for name, p in model.named_parameters()
+               if p.requires_grad and p.is_floating_point())
+
+
 def apply_to_ddp(ddp_model: Any, apply: Any, remove: Any) -> Any:
     """`apply` (the policy) on the wrapped module, then its reduce dtypes into DDP's hook
     (`remove` undoes `apply` where the policy cannot stay).

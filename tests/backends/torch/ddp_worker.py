@@ -60,6 +60,7 @@ def run(rank, world, port):
     f32, state, _ = _grads(rank, "float32")
     assert _equal(f32, plain), "float32 reduce differs from plain DDP"
     figures["float32"] = state.bytes_sent
+    assert mp.torch.bytes_per_step(_model(), "float32") == state.bytes_sent  # counted before training
     # bfloat16 / float16: bit for bit torch's own compress hooks
     for name, hook in (("bfloat16", default_hooks.bf16_compress_hook), ("float16", default_hooks.fp16_compress_hook)):
         ours, state, _ = _grads(rank, mp.Policy("mixed_float16", reduce_dtype=name))
@@ -67,6 +68,7 @@ def run(rank, world, port):
         assert _equal(ours, theirs), f"{name} reduce differs from torch's {name} compress hook"
         assert not _equal(ours, plain)
         figures[name] = state.bytes_sent
+        assert mp.torch.bytes_per_step(_model(), mp.Policy("mixed_float16", reduce_dtype=name)) == state.bytes_sent
     # 8-bit: close to the float32 mean, summed in float32
     for name in ("float8_e5m2", "float8_e4m3fn"):
         ours, state, _ = _grads(rank, mp.Policy("float32", reduce_dtype=name))
