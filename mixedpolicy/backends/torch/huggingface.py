@@ -169,6 +169,10 @@ class PolicyAccelerator:
     def prepare_model(self, model: Any, *args: Any, **kwargs: Any) -> Any:
         if not getattr(model, "_is_accelerate_prepared", False):
             model = _with_policy(model, self.policy_map)
+            # the model's half-precision outputs in float32, as Accelerate's own mixed precision
+            # gives them: a loss computed outside the model runs in float32
+            if isinstance(model, torch.nn.Module) and _outputs_in_float32 not in model._forward_hooks.values():
+                model.register_forward_hook(_outputs_in_float32)
         return super().prepare_model(model, *args, **kwargs)
 
     def prepare_optimizer(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
@@ -199,6 +203,12 @@ class PolicyAccelerator:
                 opt = opt.optimizer  # Accelerate's AcceleratedOptimizer around the wrapper
             if isinstance(opt, TorchLossScaleOptimizer) and isinstance(self.scaler, GradScalerView):
                 self.scaler.unscale_(opt)
+
+
+def _outputs_in_float32(module: Any, args: Any, output: Any) -> Any:
+    from accelerate.utils import convert_to_fp32
+
+    return convert_to_fp32(output)
 
 
 def _subclass(name: str, ours: type, theirs: type) -> type:

@@ -197,6 +197,25 @@ def test_an_accelerate_loop_under_a_policy_trains_as_accelerates_bf16_and_skips_
     assert ours[2][POISON] == ours[2][POISON - 1] and native[2][POISON] < native[2][POISON - 1]
 
 
+def test_a_prepared_models_outputs_come_back_in_float32_as_under_accelerates_own(fresh_accelerate):
+    # a loss computed outside the model then runs in float32, as under Accelerate's fp16/bf16
+    import mixedpolicy as mp
+    from mixedpolicy.huggingface import Accelerator
+
+    models = {}
+    for name, make in (("ours", lambda: Accelerator(cpu=True, policy="mixed_float16", overrides={"1": "float32"})),
+                       ("accelerate's", lambda: fresh_accelerate.Accelerator(cpu=True, mixed_precision="bf16"))):
+        fresh_accelerate.state.AcceleratorState._reset_state(True)
+        torch.manual_seed(0)
+        models[name] = make().prepare(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8),
+                                                          torch.nn.Linear(8, 2)))
+    assert {name: m(torch.randn(3, 4)).dtype for name, m in models.items()} == {
+        "ours": torch.float32, "accelerate's": torch.float32}
+    # inside, the layers still compute as describe says
+    computes = {r.path: r.compute_dtype for r in mp.describe(models["ours"])}
+    assert computes["0"] == computes["2"] == "float16" and computes["1"] == "float32"
+
+
 def test_an_accelerate_loop_under_mixed_float16_clips_true_gradients_and_resumes_its_scale(fresh_accelerate, tmp_path):
     from mixedpolicy.huggingface import Accelerator
 
