@@ -96,12 +96,17 @@ def _names_nothing(policy_map: Any) -> bool:
 
 def _with_policy(model: Any, policy_map: Any) -> Any:
     """`model` under `policy_map` (its default the global policy); given neither a policy nor
-    overrides, a model that carries one already (``mp.apply_policy`` before) keeps it."""
+    overrides, a model that carries one already (``mp.apply_policy`` before) keeps it. Its
+    outputs come back in float32 (see below)."""
     from mixedpolicy.api import apply_policy, describe
 
-    if _names_nothing(policy_map) and any(row.source != NOT_APPLIED for row in describe(model)):
-        return model
-    return apply_policy(model, policy_map)
+    if not (_names_nothing(policy_map) and any(row.source != NOT_APPLIED for row in describe(model))):
+        model = apply_policy(model, policy_map)
+    # the model's half-precision outputs in float32, as Accelerate's own mixed precision gives
+    # them to the Trainer and to a loop: a loss computed outside the model runs in float32
+    if isinstance(model, torch.nn.Module) and _outputs_in_float32 not in model._forward_hooks.values():
+        model.register_forward_hook(_outputs_in_float32)
+    return model
 
 
 def _wrapped(optimizer: Any, policy_map: Any, scale_settings: dict) -> TorchLossScaleOptimizer:
@@ -169,10 +174,6 @@ class PolicyAccelerator:
     def prepare_model(self, model: Any, *args: Any, **kwargs: Any) -> Any:
         if not getattr(model, "_is_accelerate_prepared", False):
             model = _with_policy(model, self.policy_map)
-            # the model's half-precision outputs in float32, as Accelerate's own mixed precision
-            # gives them: a loss computed outside the model runs in float32
-            if isinstance(model, torch.nn.Module) and _outputs_in_float32 not in model._forward_hooks.values():
-                model.register_forward_hook(_outputs_in_float32)
         return super().prepare_model(model, *args, **kwargs)
 
     def prepare_optimizer(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:

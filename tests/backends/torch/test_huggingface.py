@@ -69,6 +69,9 @@ def test_the_trainer_under_a_policy_matches_its_own_mixed_precision(tmp_path, po
     a, b = _losses(ours), _losses(theirs)
     assert len(a) == len(b) == 6
     torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=2e-2, atol=2e-2)
+    # the logits the Trainer's evaluation reads come back in float32 under both
+    batch = {"input_ids": _data()[0]["input_ids"][None]}
+    assert ours.model(**batch).logits.dtype == theirs.model(**batch).logits.dtype == torch.float32
 
 
 @pytest.mark.parametrize("arguments", [dict(torch_compile=True, torch_compile_backend="eager"),
