@@ -68,7 +68,7 @@ def _weights(model):
 
 @pytest.mark.parametrize("clip", [None, 0.5], ids=["plain", "clipped"])
 def test_16_mixed_under_fabric_matches_fabrics_own_plugin(clip):
-    *_, theirs_model, _, theirs_losses, theirs_scales = (None, *_run(_own_16_mixed(), clip=clip))
+    _, theirs_model, _, theirs_losses, theirs_scales = _run(_own_16_mixed(), clip=clip)
     plugin = mpl.Precision("16-mixed", initial_scale=2.0**16)  # GradScaler's start
     fabric, model, _, losses, scales = _run(plugin, clip=clip)
     assert scales == theirs_scales and scales[POISON] == scales[0] / 2
