@@ -239,6 +239,30 @@ def canonical_reduce_dtype(value: object, *, what: str = "reduce_dtype") -> str:
                          f"reduced in. Expected one of {valid}.") from None
 
 
+#: At most this many elements are checked for inf and NaN by one reduction (`finite_groups`).
+FINITE_GROUP_ELEMENTS = 1 << 22
+
+
+def finite_groups(arrays: Any, size: Any) -> list:
+    """`arrays` in groups that one finiteness reduction checks together (over their values
+    concatenated): one dtype to a group, at most `FINITE_GROUP_ELEMENTS` elements (a larger array,
+    or one whose ``size(x)`` is None, unknown until run time, alone), in their order within a
+    dtype. A compiler runs each array's reduction as kernels of their own (XLA:CPU three), whose
+    fixed cost was a third of a small model's step; a group's is one fused pass, and its copy
+    stays small."""
+    groups: list = []
+    open_group: dict = {}
+    for x in arrays:
+        group, total = open_group.get(x.dtype, (None, 0))
+        n = size(x)
+        if group is None or n is None or total + n > FINITE_GROUP_ELEMENTS:
+            group, total = [], 0
+            groups.append(group)
+        group.append(x)
+        open_group[x.dtype] = (group, total + n if n is not None else FINITE_GROUP_ELEMENTS)
+    return groups
+
+
 def host_leaves_finite(leaves: Any, own: Any = None) -> bool:
     """Are the host-side floating leaves among `leaves` (Python floats, numpy floating arrays and
     scalars, ml_dtypes' bfloat16 among them) free of inf and NaN, each checked in its own dtype

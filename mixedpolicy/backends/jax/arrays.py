@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mixedpolicy._adapter import ArrayOps
-from mixedpolicy._dtypes import FLOATING_DTYPES, host_leaves_finite
+from mixedpolicy._dtypes import FLOATING_DTYPES, finite_groups, host_leaves_finite
 
 _JNP_DTYPES = {name: jnp.dtype(name) for name in FLOATING_DTYPES}
 _JNP_DTYPES.update(bool=jnp.dtype("bool"), int32=jnp.dtype("int32"), int64=jnp.dtype("int64"))
@@ -83,7 +83,11 @@ def all_finite(tree: Any) -> Any:
     leaves = jax.tree_util.tree_leaves(tree)
     if not host_leaves_finite(leaves, lambda x: isinstance(x, jax.Array)):
         return jnp.asarray(False)
-    flags = [jnp.isfinite(x).all() for x in leaves if isinstance(x, jax.Array) and dtype_name(x.dtype) is not None]
+    arrays = [x for x in leaves if isinstance(x, jax.Array) and dtype_name(x.dtype) is not None]
+    # the values are concatenated, not their flags: XLA splits a reduction over concatenated
+    # flags back into one per leaf (three kernels each on a CPU)
+    flags = [jnp.isfinite(jnp.concatenate([x.ravel() for x in group])).all()
+             for group in finite_groups(arrays, lambda x: x.size)]
     if len(flags) < 2:
         return flags[0] if flags else jnp.asarray(True)
     # counted by a dot product: XLA rewrites `stack(flags).all()` into a chain of ands and copies

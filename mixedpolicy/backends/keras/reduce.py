@@ -11,11 +11,13 @@ gradients (`all_finite`), agreed across replicas, and read on the host where it 
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, Iterator
 
 import keras
 from keras import ops
 
+from mixedpolicy._dtypes import finite_groups
 from mixedpolicy.policy import Policy, as_policy
 from mixedpolicy.layer_plan import check_class_keys
 from mixedpolicy.policy_map import PolicyMap
@@ -105,12 +107,21 @@ def already_summed(optimizer: Any, summed: bool) -> Iterator[None]:
         optimizer.__dict__.pop("_all_reduce_sum_gradients", None)
 
 
+def _static_size(x: Any) -> int | None:
+    """The number of elements of `x`, None where its shape is not known until run time."""
+    shape = tuple(x.shape)
+    return None if any(d is None for d in shape) else math.prod(shape)
+
+
 def all_finite(grads: Any) -> Any:
     """A boolean scalar tensor: are all the gradients (None skipped) free of inf and NaN?
+    Checked a group of gradients at a time (`finite_groups`), over their values concatenated.
     Counted by a dot product, not ``all`` of the stacked flags as Keras's own check: XLA copies
     that chain of ands into every fusion that reads the flag, a compile time quadratic in the
     number of weights."""
-    flags = [ops.all(ops.isfinite(g)) for g in grads if g is not None]
+    present = [g for g in grads if g is not None]
+    flags = [ops.all(ops.isfinite(ops.concatenate([ops.reshape(g, (-1,)) for g in group])))
+             for group in finite_groups(present, _static_size)]
     if len(flags) < 2:
         return flags[0] if flags else ops.convert_to_tensor(True)
     counted = ops.dot(ops.cast(ops.stack(flags), "float32"), ops.ones((len(flags),), "float32"))

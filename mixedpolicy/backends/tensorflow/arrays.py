@@ -7,7 +7,7 @@ from typing import Any, Callable, Iterable
 import tensorflow as tf
 
 from mixedpolicy._adapter import ArrayOps
-from mixedpolicy._dtypes import FLOATING_DTYPES, host_leaves_finite
+from mixedpolicy._dtypes import FLOATING_DTYPES, finite_groups, host_leaves_finite
 
 TF_DTYPES = {name: tf.as_dtype(name) for name in FLOATING_DTYPES}
 TF_DTYPES.update(bool=tf.bool, int32=tf.int32, int64=tf.int64)
@@ -47,7 +47,9 @@ class TensorFlowArrays(ArrayOps):
         leaves = tf.nest.flatten(tree)
         if not host_leaves_finite(leaves, _is_tensor):  # a Python float or numpy array among the tensors
             return tf.constant(False)
-        flags = [tf.reduce_all(tf.math.is_finite(x)) for x in leaves if _is_tensor(x) and x.dtype.is_floating]
+        tensors = [x for x in leaves if _is_tensor(x) and x.dtype.is_floating]
+        flags = [tf.reduce_all(tf.math.is_finite(tf.concat([tf.reshape(x, [-1]) for x in group], 0)))
+                 for group in finite_groups(tensors, lambda x: x.shape.num_elements())]
         if len(flags) < 2:
             return flags[0] if flags else tf.constant(True)
         # counted by a dot product (as on JAX): XLA copies `reduce_all` of the stacked flags, a
