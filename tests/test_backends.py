@@ -250,6 +250,32 @@ def test_all_finite_over_many_leaves_finds_the_one_that_is_not(backend):
             assert not bool(mp.all_finite(poisoned)), (bad, where)
 
 
+def test_all_finite_over_groups_of_mixed_dtypes_and_sizes(backend, monkeypatch):
+    """The check reads a group of leaves at a time (one dtype, a bounded number of elements):
+    a non-finite value is found in any dtype, in a leaf bigger than a group, in an empty leaf's
+    neighbour; the groups keep each dtype's order and start anew past the bound."""
+    import mixedpolicy as mp
+    from mixedpolicy import _dtypes
+
+    monkeypatch.setattr(_dtypes, "FINITE_GROUP_ELEMENTS", 8)
+    half = backend.half_dtype()
+    leaves = [backend.asarray(np.ones(n), dtype) for n, dtype in
+              ((3, "float32"), (2, half), (0, "float32"), (12, "float32"), (4, half), (5, "float32"))]
+    assert bool(mp.all_finite(leaves))
+    for i, leaf in enumerate(leaves):
+        if leaf.shape[0] == 0:
+            continue
+        for bad in (np.inf, np.nan):
+            values = np.ones(leaf.shape[0])
+            values[-1] = bad
+            poisoned = list(leaves)
+            poisoned[i] = backend.asarray(values, backend.floating_dtype(leaf))
+            assert not bool(mp.all_finite(poisoned)), (i, bad)
+    sizes = [[len(x) for x in group] for group in _dtypes.finite_groups(leaves, len)]
+    assert sizes == [[3, 0], [2, 4], [12], [5]]
+    assert [len(g) for g in _dtypes.finite_groups([np.ones(3)] * 3, lambda x: None)] == [1, 1, 1]
+
+
 def test_tensorflows_compiled_check_grows_with_the_leaves_not_their_square():
     """Under tf.function(jit_compile=True) the jmp-style check and select over n leaves: XLA
     copied the stacked flags' chain of ands into each select (n squared ands: 600 leaves took
