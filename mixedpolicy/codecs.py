@@ -68,6 +68,7 @@ def wire_bytes(numel: int, reduce_dtype: str) -> int:
     """Bytes one replica sends for a tensor of `numel` elements in `reduce_dtype`.
 
     Raises:
+      TypeError: `numel` is not a whole number >= 0, or `reduce_dtype` not a string.
       ValueError: `reduce_dtype` is not one a policy can reduce in.
     """
     try:
@@ -76,11 +77,13 @@ def wire_bytes(numel: int, reduce_dtype: str) -> int:
     except TypeError:
         raise TypeError(f"Received numel={numel!r:.60} of type {type(numel).__name__}; expected the "
                         f"tensor's number of elements, a whole number >= 0 (tensor.numel()).") from None
+    if not isinstance(reduce_dtype, str) or reduce_dtype not in (*ITEMSIZE, *TABLE_CODECS):
+        raise (ValueError if isinstance(reduce_dtype, str) else TypeError)(
+            f"Received reduce_dtype={reduce_dtype!r:.60} of type {type(reduce_dtype).__name__}; "
+            f"expected one of {list(REDUCE_DTYPES)}.")
     bits = table_bits(reduce_dtype)
     if bits is not None:
         return -(-numel * bits // 8) + 4 * 2 ** (bits - 1)
-    if reduce_dtype not in ITEMSIZE:
-        raise ValueError(f"Received reduce_dtype={reduce_dtype!r}; expected one of {list(REDUCE_DTYPES)}.")
     return numel * ITEMSIZE[reduce_dtype] + (SCALE_BYTES if is_float8(reduce_dtype) else 0)
 
 

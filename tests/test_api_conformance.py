@@ -145,6 +145,11 @@ def test_counts_candidates_and_models_that_are_not_what_they_name_are_refused():
         with pytest.raises(TypeError, match=r"Received numel=.*whole number >= 0"):
             wire_bytes(bad, "float32")
     assert wire_bytes(10, "bfloat16") == 20
+    for bad in ([], None, 16):  # a list raised "unhashable type: 'list'"
+        with pytest.raises(TypeError, match=r"Received reduce_dtype=.* of type .*expected one of"):
+            wire_bytes(10, bad)
+    with pytest.raises(ValueError, match=r"Received reduce_dtype='int8'.*expected one of"):
+        wire_bytes(10, "int8")
     for bad in ("float32", None, 3):
         with pytest.raises(TypeError, match=r"Received candidates=.*iterable of reduce choices"):
             mp.AdaPrec(bad, bytes_per_step=lambda choice: 1)
@@ -158,3 +163,31 @@ def test_counts_candidates_and_models_that_are_not_what_they_name_are_refused():
     assert mp.jax.bytes_per_step({"w": jax.numpy.zeros(2)}, "float32") == 8
     with pytest.raises(TypeError, match=r"Received .*expected a torch.nn.Module"):
         mp.torch.bytes_per_step({"w": torch.zeros(2)})
+
+
+def test_optax_wrappers_refuse_what_is_no_gradient_loss_or_state_dtype():
+    # a string among the gradients reached the unscale's arithmetic ("can't multiply sequence");
+    # a string loss reached jnp.asarray; state_storage took any dtype numpy could read, and no
+    # optimizer at all failed on its missing .init
+    jnp = require_module("jax.numpy", "jax")
+    optax = require_module("optax")
+    params = {"w": jnp.ones(3, jnp.bfloat16), "b": jnp.ones(2)}
+    opt = mp.LossScaleOptimizer(optax.adam(1e-3), policy="mixed_float16")
+    state = opt.init(params)
+    for bad, where in (({"w": "x", "b": jnp.ones(2)}, r"\['w'\]"), ("nonsense", "the root"),
+                       ({"w": object(), "b": jnp.ones(2)}, r"\['w'\]")):
+        with pytest.raises(TypeError, match=rf"Received gradients with a leaf of type .* at {where}; expected"):
+            opt.update(bad, state, params)
+    for loss in ("1.0", None, object(), [1.0]):
+        with pytest.raises(TypeError, match="Received a loss of type .*expected the scalar loss"):
+            opt.scale_loss(loss, state)
+    assert float(opt.scale_loss(jnp.bfloat16(2), state)) == 2 * 2.0 ** 15
+    for dtype in ("int8", "nonsense", ""):
+        with pytest.raises(ValueError, match=r"Received dtype=.*expected the dtype the moments"):
+            mp.jax.state_storage(optax.adam(1e-3), dtype)
+    for dtype in (None, 0, 1.5, True):
+        with pytest.raises(TypeError, match=r"Received dtype=.*expected the dtype the moments"):
+            mp.jax.state_storage(optax.adam(1e-3), dtype)
+    with pytest.raises(TypeError, match=r"Received str .*expected an optax GradientTransformation"):
+        mp.jax.state_storage("adam", "bfloat16")
+    assert mp.jax.state_storage(optax.adam(1e-3), jnp.bfloat16).init(params)[0].mu["b"].dtype == jnp.bfloat16

@@ -34,6 +34,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from mixedpolicy._adapter import OptimizerAdapter
@@ -122,6 +123,9 @@ class LossScaleTransformation(optax.GradientTransformationExtraArgs):
           ValueError: `state` is that of an ``optax.MultiSteps`` around this wrapper (see
             the message: accumulate inside the wrapper instead).
         """
+        if not _is_number(loss) or jnp.issubdtype(getattr(loss, "dtype", jnp.float32), jnp.complexfloating):
+            raise TypeError(f"Received a loss of type {type(loss).__name__} ({loss!r:.60}); expected the "
+                            f"scalar loss, a JAX array (or a number) of a floating dtype.")
         state = _own_state(state, self.update.loss_scale)
         if isinstance(self.update.loss_scale, NoLossScale):
             return loss
@@ -158,6 +162,26 @@ class LossScaleTransformation(optax.GradientTransformationExtraArgs):
         if changed is not None:
             _log.warning("Adopted an optimizer state saved under another update recipe: %s.", changed)
         return adopted_scale(state, self.update.make_state(inner_state), self.update.loss_scale)
+
+
+def _is_number(x: Any) -> bool:
+    """An array (a tracer too) or a number that JAX computes with (not a bool, string or object)."""
+    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+        return bool(jnp.issubdtype(x.dtype, jnp.number))
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _check_gradients(grads: Any) -> Any:
+    """The first leaf of `grads` (None if it has none), after checking every leaf is a number."""
+    leaves = jax.tree_util.tree_leaves(grads)
+    if not all(map(_is_number, leaves)):
+        path, leaf = next((path, leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(grads)[0]
+                          if not _is_number(leaf))
+        raise TypeError(
+            f"Received gradients with a leaf of type {type(leaf).__name__} ({leaf!r:.40}) at "
+            f"{jax.tree_util.keystr(path) or 'the root'}; expected a pytree of arrays, such as "
+            f"jax.grad(loss_fn)(params) returns.")
+    return leaves[0] if leaves else None
 
 
 def _refuse_float8_state(grads: Any) -> None:
@@ -219,7 +243,7 @@ def loss_scale_transformation(inner: Any, config: LossScale, axis_name: Any = No
 
     def update(grads: Any, state: Any, params: Any = None, **extra_args: Any):
         _check_state(state, config)
-        first = _first_leaf(grads)
+        first = _check_gradients(grads)
         if first is not None and _handed_on.get(id(first)) is first:
             raise TypeError(
                 "Received as gradients the updates of another mixedpolicy LossScaleOptimizer "

@@ -30,6 +30,8 @@ import numpy as np
 import optax
 
 from mixedpolicy import quantized_state
+from mixedpolicy._dtypes import FLOATING_DTYPES
+from mixedpolicy.backends.jax.arrays import dtype_name
 
 _HALF = (jnp.bfloat16, jnp.float16)
 
@@ -137,7 +139,16 @@ def state_storage(inner: Any, dtype: str) -> optax.GradientTransformation:
     """`inner` with its moments stored in `dtype`: the update reads them as stored and the new
     ones are rounded to `dtype` when they are stored, which is what optax's own ``mu_dtype`` (Adam's
     first moment) and ``accumulator_dtype`` (``trace``) do, here for every moment."""
-    target = jnp.dtype(dtype)
+    if not isinstance(inner, optax.GradientTransformation):
+        raise TypeError(f"Received {type(inner).__name__} ({inner!r:.60}) as the optimizer; expected an "
+                        f"optax GradientTransformation, e.g. mp.jax.state_storage(optax.adam(1e-3), 'bfloat16').")
+    name = dtype_name(dtype) if not isinstance(dtype, (bool, int, float)) else None
+    if name is None:
+        raise (ValueError if isinstance(dtype, str) else TypeError)(
+            f"Received dtype={dtype!r:.60} of type {type(dtype).__name__}; expected the dtype the moments "
+            f"are stored in, one of {list(FLOATING_DTYPES)} (8-bit state: a policy's "
+            f"optimizer_state_dtype='int8').")
+    target = jnp.dtype(name)
     inner = optax.with_extra_args_support(inner)
 
     def store(state: Any) -> Any:
