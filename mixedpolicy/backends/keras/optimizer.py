@@ -27,8 +27,9 @@ from keras import ops
 from keras.src.saving import object_registration as _registry  # the name a class saves under
 
 from mixedpolicy._adapter import OptimizerAdapter
-from mixedpolicy.backends.keras.reduce import (all_finite, already_summed, check_reduce_policy, finite_on_every_replica,
-                                               is_concrete, reduce_from_config, reduce_to_config, sum_across_replicas)
+from mixedpolicy.backends.keras.reduce import (all_finite, already_summed, check_gradients, check_loss,
+                                               check_reduce_policy, finite_on_every_replica, is_concrete,
+                                               reduce_from_config, reduce_to_config, sum_across_replicas)
 from mixedpolicy.backends.keras.updates import KerasUpdates, rounding_to_config
 from mixedpolicy.backends.keras.saving import (SkipCounts, constructor_arguments, load_keras_layout,
                                                prepared_for_checkpoints, save_keras_layout)
@@ -149,6 +150,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def scale_loss(self, loss: Any) -> Any:
         """Returns ``loss * loss_scale`` in float32; differentiate this (a pass-through: `loss`)."""
+        check_loss(loss)
         if self._pass_through:
             return loss
         scale = self.dynamic_scale if self.built else self.initial_scale
@@ -183,6 +185,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def apply(self, grads: Any, trainable_variables: Any = None) -> None:
         variables = trainable_variables if trainable_variables is not None else self._trainable_variables
+        check_gradients(grads, variables)
         grads, summed = sum_across_replicas(grads, variables, self._reduce_policy)
         with already_summed(self.inner_optimizer, summed):
             if not self._pass_through:

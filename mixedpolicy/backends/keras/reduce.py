@@ -17,7 +17,7 @@ from typing import Any, Iterator
 import keras
 from keras import ops
 
-from mixedpolicy._dtypes import finite_groups
+from mixedpolicy._dtypes import finite_groups, show
 from mixedpolicy.policy import Policy, as_policy
 from mixedpolicy.layer_plan import check_class_keys
 from mixedpolicy.policy_map import PolicyMap
@@ -105,6 +105,31 @@ def already_summed(optimizer: Any, summed: bool) -> Iterator[None]:
         yield
     finally:
         optimizer.__dict__.pop("_all_reduce_sum_gradients", None)
+
+
+def _is_tensor_like(x: Any) -> bool:
+    return hasattr(x, "dtype") and hasattr(x, "shape") and not isinstance(x, (str, bytes))
+
+
+def check_loss(loss: Any) -> None:
+    """Refuses a loss that is no tensor or number (a string, a dict...) with what was received."""
+    if _is_tensor_like(loss) or (isinstance(loss, (int, float)) and not isinstance(loss, bool)):
+        return
+    raise TypeError(f"Received a loss of type {type(loss).__name__} ({loss!r:.60}); expected the scalar "
+                    f"loss tensor of this step (or a number).")
+
+
+def check_gradients(grads: Any, variables: Any) -> None:
+    """Refuses gradients that are not one tensor (or None) per variable, before any is used."""
+    if isinstance(grads, (list, tuple)) and all(g is None or _is_tensor_like(g) for g in grads):
+        if variables is None or len(grads) == len(variables):
+            return
+        raise ValueError(f"Received {len(grads)} gradients for {len(variables)} trainable variables; "
+                         f"expected one gradient (or None) per variable, in the variables' order.")
+    odd = grads if not isinstance(grads, (list, tuple)) else next(g for g in grads if not _is_tensor_like(g))
+    raise TypeError(f"Received gradients {show(grads, 60)} holding {type(odd).__name__}; expected a list "
+                    f"of gradient tensors (None for a variable without one), one per trainable variable, "
+                    f"as tape.gradient(loss, model.trainable_variables) returns.")
 
 
 def _static_size(x: Any) -> int | None:

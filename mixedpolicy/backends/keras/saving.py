@@ -222,6 +222,11 @@ def constructor_arguments(config: dict, custom_objects: Any = None) -> tuple[Any
 
     from mixedpolicy.loss_scale import NoLossScale, StaticLossScale
 
+    if not isinstance(config, dict) or "inner_optimizer" not in config:
+        raise (ValueError if isinstance(config, dict) else TypeError)(
+            f"Received {type(config).__name__} {config!r:.80} as a LossScaleOptimizer's config; expected "
+            f"the dict its get_config() returns, with the wrapped optimizer's config under "
+            f"'inner_optimizer'.")
     config = dict(config)
     inner = keras.saving.deserialize_keras_object(config.pop("inner_optimizer"), custom_objects=custom_objects)
     rounding = config.pop("update_rounding", None)

@@ -348,3 +348,27 @@ def test_the_finite_check_counts_every_gradient_once_and_finds_the_one_that_is_n
         poisoned[31] = keras.ops.convert_to_tensor(np.full((3, 2), bad, np.float32))
         assert not bool(all_finite(poisoned)) and not bool(all_finite([None, poisoned[31]]))
     assert bool(all_finite([keras.ops.ones((2,), "float16") * 60000]))  # large but finite
+
+
+def test_a_loss_gradients_or_config_that_are_not_what_they_name_are_refused():
+    # a string loss reached the backend's float() ("could not convert string"), a gradient list of
+    # ints an AttributeError on .dtype, a config without the inner optimizer a KeyError
+    import pytest
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    opt = mp.LossScaleOptimizer(keras.optimizers.SGD(0.1), policy="mixed_float16")
+    for loss in ("nonsense", {}, object(), None):
+        with pytest.raises(TypeError, match="Received a loss of type .*expected the scalar loss"):
+            opt.scale_loss(loss)
+    before = [np.array(v) for v in model.trainable_variables]
+    for grads in (None, 1.5, "nonsense", (1, 2), [object(), None]):
+        with pytest.raises(TypeError, match="Received gradients .*expected a list of gradient tensors"):
+            opt.apply(grads, model.trainable_variables)
+    with pytest.raises(ValueError, match="Received 1 gradients for 2 trainable variables"):
+        opt.apply([np.ones((4, 3), "float32")], model.trainable_variables)
+    assert all(np.array_equal(a, np.array(v)) for a, v in zip(before, model.trainable_variables))
+    for config in (None, "nonsense", {}, {"initial_scale": 2.0}):
+        with pytest.raises((TypeError, ValueError), match="LossScaleOptimizer's config.*'inner_optimizer'"):
+            type(opt).from_config(config)
+    opt.apply([np.ones((4, 3), "float32") * 2.0 ** 15, None], model.trainable_variables)  # None: no gradient
+    assert not np.array_equal(before[0], np.array(model.trainable_variables[0]))
