@@ -108,7 +108,7 @@ class PolicyPrecision:
         self._pending_state: dict | None = None
         self._module: torch.nn.Module | None = None  # the LightningModule, once converted
         self._in_trainer = False  # a Trainer connected its optimizers; else Fabric runs the plugin
-        self._unscaled_inner: Any = None  # under Fabric, the optimizer clip_gradients unscaled
+        self._unscaled: list = []  # under Fabric: (optimizer, found-inf flag) clipped, before their steps
 
     @property
     def loss_scaling(self) -> str:
@@ -232,36 +232,33 @@ class PolicyPrecision:
         return super().post_backward(tensor, module) if self._in_trainer else tensor.detach()
 
     def unscale_gradients(self, optimizer: Any) -> None:
-        """Fabric's ``clip_gradients``: the gradients of `optimizer` unscaled, once a step."""
-        wrapper = self._fabric_wrapper(optimizer) if not self._in_trainer else self.optimizer
-        if wrapper is not None and not self._unscaled_other(wrapper, optimizer, "fabric.clip_gradients"):
-            with wrapper.acting_on(_unwrap(optimizer)):
-                wrapper.unscale_()
-            self._unscaled_inner = _unwrap(optimizer)
-
-    def _unscaled_other(self, wrapper: TorchLossScaleOptimizer, optimizer: Any, what: str) -> bool:
-        """Are `optimizer`'s gradients unscaled already? Refuses the case where another optimizer's
-        are (one scale unscales one optimizer's gradients between steps)."""
-        if not wrapper._unscaled:
-            return False
-        if self._unscaled_inner is not None and self._unscaled_inner is not _unwrap(optimizer):
-            raise RuntimeError(
-                f"Received {what} for a {type(_unwrap(optimizer)).__name__} while the unscaled gradients "
-                f"of a {type(self._unscaled_inner).__name__} wait for its step: the plugin's one scale "
-                f"unscales one optimizer's gradients at a time. Clip and step each optimizer before "
-                f"clipping the next.")
-        return True
+        """Fabric's ``clip_gradients``: the gradients of `optimizer` unscaled, once a step. Under
+        Fabric several optimizers' may wait unscaled for their steps, each with its own found-inf
+        flag (GradScaler's ``update()`` after the first step unscales the others' a second time)."""
+        wrapper, inner = self._fabric_wrapper(optimizer) if not self._in_trainer else self.optimizer, _unwrap(optimizer)
+        if wrapper is None or any(o is inner for o, _ in self._unscaled) or (self._in_trainer and wrapper._unscaled):
+            return
+        with wrapper.acting_on(inner):
+            wrapper.unscale_()
+            if not self._in_trainer:  # its flag kept aside, for its step
+                found = wrapper._found_inf
+                self._unscaled.append((inner, None if found is None else found.clone()))
+                wrapper._unscaled, wrapper._found_inf = False, None
+                wrapper._clean_flags.clear()  # the device's flag holds this answer: zeroed next time
 
     def optimizer_step(self, optimizer: Any, model: Any = None, closure: Callable[[], Any] | None = None,
                        **kwargs: Any) -> Any:
         if not self._in_trainer:  # Fabric: optimizer.step(closure=None) of a _FabricOptimizer
-            wrapper = self._fabric_wrapper(optimizer)
-            self._unscaled_other(wrapper, optimizer, "step()")
-            try:
-                with wrapper.acting_on(_unwrap(optimizer)):
+            wrapper, inner = self._fabric_wrapper(optimizer), _unwrap(optimizer)
+            waiting = next((i for i, (o, _) in enumerate(self._unscaled) if o is inner), None)
+            with wrapper.acting_on(inner):
+                if waiting is not None:  # clipped: unscaled already, with its own flag
+                    wrapper._unscaled, wrapper._found_inf = True, self._unscaled.pop(waiting)[1]
+                try:
                     return wrapper.step(closure, **kwargs)
-            finally:
-                self._unscaled_inner = None
+                finally:
+                    if waiting is not None:  # the device's flag may hold another's answer
+                        wrapper._clean_flags.clear()
         if self.optimizer is None:
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         inner = _unwrap(optimizer)
