@@ -243,7 +243,7 @@ def canonical_reduce_dtype(value: object, *, what: str = "reduce_dtype") -> str:
 FINITE_GROUP_ELEMENTS = 1 << 22
 
 
-def finite_groups(arrays: Any, size: Any) -> list:
+def finite_groups(arrays: Any, size: Any, key: Any = None) -> list:
     """`arrays` in groups that one finiteness reduction checks together (over their values
     concatenated): one dtype to a group, at most `FINITE_GROUP_ELEMENTS` elements (a larger array,
     or one whose ``size(x)`` is None, unknown until run time, alone), in their order within a
@@ -253,13 +253,14 @@ def finite_groups(arrays: Any, size: Any) -> list:
     groups: list = []
     open_group: dict = {}
     for x in arrays:
-        group, total = open_group.get(x.dtype, (None, 0))
+        kind = x.dtype if key is None else key(x)
+        group, total = open_group.get(kind, (None, 0))
         n = size(x)
         if group is None or n is None or total + n > FINITE_GROUP_ELEMENTS:
             group, total = [], 0
             groups.append(group)
         group.append(x)
-        open_group[x.dtype] = (group, total + n if n is not None else FINITE_GROUP_ELEMENTS)
+        open_group[kind] = (group, total + n if n is not None else FINITE_GROUP_ELEMENTS)
     return groups
 
 

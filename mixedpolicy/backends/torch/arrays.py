@@ -8,7 +8,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from mixedpolicy._adapter import ArrayOps
-from mixedpolicy._dtypes import FLOATING_DTYPES, host_leaves_finite
+from mixedpolicy._dtypes import FLOATING_DTYPES, finite_groups, host_leaves_finite
 
 TORCH_DTYPES = {name: getattr(torch, name) for name in FLOATING_DTYPES}
 TORCH_DTYPES.update(bool=torch.bool, int32=torch.int32, int64=torch.int64)
@@ -16,6 +16,11 @@ NAMES = {v: k for k, v in TORCH_DTYPES.items() if k in FLOATING_DTYPES}
 #: the attribute of a parameter that holds the policy apply_policy gave its module (read by
 #: LossScaleOptimizer to choose its scaling, and by DDP's reduce hook for the reduce dtype)
 PARAMETER_POLICY = "_mixedpolicy_policy"
+
+
+def _group_of(x: torch.Tensor) -> Any:
+    """What tensors checked together share: a device and a dtype (a sparse tensor goes alone)."""
+    return (x.device, x.dtype) if x.layout == torch.strided else id(x)
 
 
 class TorchArrays(ArrayOps):
@@ -46,10 +51,17 @@ class TorchArrays(ArrayOps):
 
     def all_finite(self, tree: Any) -> Any:
         leaves = pytree.tree_leaves(tree)
-        flags = [torch.isfinite(x).all() for x in leaves if isinstance(x, torch.Tensor) and x.is_floating_point()]
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor) and x.is_floating_point()]
+        device = tensors[0].device if tensors else None
         if not host_leaves_finite(leaves, torch.is_tensor):  # a Python float or numpy array among the tensors
-            return torch.tensor(False, device=flags[0].device if flags else None)
-        return torch.stack(flags).all() if flags else torch.tensor(True)
+            return torch.tensor(False, device=device)
+        # a group of tensors (one device, one dtype) at a time, as on JAX: three ops a group, not two a tensor
+        with torch.no_grad():
+            flags = [torch.isfinite(torch.cat([x.reshape(-1) for x in group]) if len(group) > 1 else group[0]).all()
+                     for group in finite_groups(tensors, torch.Tensor.numel, _group_of)]
+        if len(flags) < 2:
+            return flags[0] if flags else torch.tensor(True)
+        return torch.stack([f.to(device, non_blocking=True) for f in flags]).all()
 
     def where(self, cond: Any, a: Any, b: Any) -> Any:
         return torch.where(cond, a, b)
