@@ -184,6 +184,18 @@ def _check_gradients(grads: Any) -> Any:
     return leaves[0] if leaves else None
 
 
+def _check_axis(axis_name: Any) -> None:
+    """Refuses an `axis_name` that names no axis this update is mapped over (JAX's NameError
+    says only "unbound axis name"), whatever the wrapper scales."""
+    try:
+        jax.lax.psum(1, axis_name)  # the axis size, known while tracing: no collective
+    except NameError:
+        raise ValueError(
+            f"Received axis_name={axis_name!r}, but this update does not run inside a mapped axis of "
+            f"that name (jax.pmap, shard_map or vmap with axis_name={axis_name!r}). Pass axis_name only "
+            f"where the step is mapped over it, or leave it out (sharding under jax.jit needs none).") from None
+
+
 def _refuse_float8_state(grads: Any) -> None:
     """An optimizer must not train a delayed fp8 layer's scales: their "gradients" are values.
     Each structure of gradients is looked at once (eager steps too, at the cost of a lookup)."""
@@ -251,6 +263,8 @@ def loss_scale_transformation(inner: Any, config: LossScale, axis_name: Any = No
                 "second scale would make them 32768x too small. Use one LossScaleOptimizer around "
                 "the whole chain: mp.LossScaleOptimizer(optax.chain(...)).")
         _refuse_float8_state(grads)
+        if axis_name is not None:
+            _check_axis(axis_name)
         if is_pass_through(config):  # the inner update, nothing added
             updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
             return updates, PassThroughState(inner_state)

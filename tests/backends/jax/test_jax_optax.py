@@ -262,6 +262,18 @@ def test_clear_errors():
         mp.LossScaleOptimizer(optax.sgd(0.1), learning_rate=0.1)
     with pytest.raises(TypeError, match="axis_name=3"):
         mp.LossScaleOptimizer(optax.sgd(0.1), axis_name=3)
+    # an axis the update is not mapped over: refused under every scale setting, the pass-through
+    # too (JAX's own NameError said "unbound axis name"; the pass-through never looked)
+    params = params_tree()
+    for settings in ({"policy": "float32"}, {"policy": "mixed_float16"},
+                     {"loss_scale": mp.NoLossScale(skip_nonfinite=False)}):
+        mapped = mp.LossScaleOptimizer(optax.sgd(0.1), axis_name="batch", **settings)
+        with pytest.raises(ValueError, match="axis_name='batch', but this update does not run inside"):
+            mapped.update(params, mapped.init(params), params)
+        state = mapped.init(params)
+        updates = jax.vmap(lambda g: mapped.update(g, state, params)[0], axis_name="batch")(
+            jax.tree_util.tree_map(lambda x: jnp.stack([x, x]), params))
+        assert jax.tree_util.tree_structure(updates) == jax.tree_util.tree_structure(params)
     opt = mp.LossScaleOptimizer(optax.sgd(0.1))
     with pytest.raises(TypeError, match="already scales the loss"):
         mp.LossScaleOptimizer(opt)
