@@ -164,7 +164,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """Divides by the scale in float32 (float64 for float64 gradients); each keeps its dtype.
         A static scale of 1 (what `NoLossScale` becomes) divides nothing: ops saved each step."""
         if isinstance(self._scale_settings, StaticLossScale) and float(self._scale_settings.loss_scale) == 1.0:
-            return list(grads)
+            # numpy gradients become tensors, as a division would make them (the torch backend's
+            # optimizers take nothing else)
+            return [g if g is None or ops.is_tensor(g) else ops.convert_to_tensor(g) for g in grads]
 
         def unscale(g):
             wide = "float64" if keras.backend.standardize_dtype(g.dtype) == "float64" else "float32"

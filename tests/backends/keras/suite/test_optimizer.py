@@ -372,3 +372,15 @@ def test_a_loss_gradients_or_config_that_are_not_what_they_name_are_refused():
             type(opt).from_config(config)
     opt.apply([np.ones((4, 3), "float32") * 2.0 ** 15, None], model.trainable_variables)  # None: no gradient
     assert not np.array_equal(before[0], np.array(model.trainable_variables[0]))
+
+
+def test_numpy_gradients_apply_under_every_policy_as_under_keras_own_wrapper():
+    # under a scale of 1 nothing was divided, so numpy gradients reached Keras's torch optimizers,
+    # which take tensors only (Keras's own LossScaleOptimizer converts them in its unscale)
+    for policy in ("float32", "mixed_bfloat16", "mixed_float16"):
+        v = keras.Variable(np.ones(2, "float32"))
+        opt = mp.LossScaleOptimizer(keras.optimizers.SGD(0.5), policy=policy)
+        opt.apply([np.array([np.inf, 1.0], "float32")], [v])  # skipped (a float16 scale halves)
+        opt.apply([np.full(2, opt.loss_scale, "float32")], [v])  # a gradient of 1 once unscaled
+        np.testing.assert_allclose(np.array(v), [0.5, 0.5])
+        assert opt.num_skipped_steps == 1
