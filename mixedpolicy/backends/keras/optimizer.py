@@ -186,6 +186,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._skips.assign(ops.stack([ops.add(self._skips[0], skipped), skipped]))
 
     def apply(self, grads: Any, trainable_variables: Any = None) -> None:
+        if trainable_variables is None and not self.built:
+            raise ValueError("Received gradients without trainable_variables, and this optimizer is not built "
+                             "yet: pass them on the first call, opt.apply(grads, model.trainable_variables).")
         variables = trainable_variables if trainable_variables is not None else self._trainable_variables
         check_gradients(grads, variables)
         grads, summed = sum_across_replicas(grads, variables, self._reduce_policy)

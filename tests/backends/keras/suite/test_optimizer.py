@@ -364,6 +364,8 @@ def test_a_loss_gradients_or_config_that_are_not_what_they_name_are_refused():
     for grads in (None, 1.5, "nonsense", (1, 2), [object(), None]):
         with pytest.raises(TypeError, match="Received gradients .*expected a list of gradient tensors"):
             opt.apply(grads, model.trainable_variables)
+    with pytest.raises(ValueError, match="without trainable_variables, and this optimizer is not built"):
+        opt.apply([np.ones((4, 3), "float32"), None])
     with pytest.raises(ValueError, match="Received 1 gradients for 2 trainable variables"):
         opt.apply([np.ones((4, 3), "float32")], model.trainable_variables)
     assert all(np.array_equal(a, np.array(v)) for a, v in zip(before, model.trainable_variables))
