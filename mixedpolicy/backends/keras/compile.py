@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import warnings
 from typing import Any, Callable
 
 import keras
@@ -29,6 +30,14 @@ def compile_with_loss_scale(model: Any, scaled: bool = True, reduce_policy: Any 
             from mixedpolicy.backends.keras.optimizer import KerasOptimizers
 
             optimizer = _with_updates(KerasOptimizers(), optimizer, (updates,))  # refused with the fix
+        followed = getattr(optimizer, "__dict__", {}).get("_followed_policies")
+        if scaled and followed and not any(p.needs_loss_scaling for p in followed) and not optimizer.built:
+            warnings.warn(
+                f"Received a LossScaleOptimizer that scales nothing (it followed "
+                f"{', '.join(sorted({p.name for p in followed}))} when it was made) for a model whose policy "
+                f"computes in float16: its float16 gradients may underflow to zero unscaled. Make it with "
+                f"the model's policy, mp.LossScaleOptimizer(opt, policy=...), or pass the plain optimizer "
+                f"to compile, which wraps it with a dynamic scale.", UserWarning, stacklevel=2)
         if kwargs.get("auto_scale_loss", True) and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             scale = {} if scaled else {"loss_scale": NoLossScale(skip_nonfinite=False)}
             optimizer = LossScaleOptimizer(optimizer, name="loss_scale_optimizer", reduce_policy=reduce_policy,

@@ -164,8 +164,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """Divides by the scale in float32 (float64 for float64 gradients); each keeps its dtype.
         A static scale of 1 (what `NoLossScale` becomes) divides nothing: ops saved each step."""
         if isinstance(self._scale_settings, StaticLossScale) and float(self._scale_settings.loss_scale) == 1.0:
-            # numpy gradients become tensors, as a division would make them (the torch backend's
-            # optimizers take nothing else)
+            # numpy gradients become tensors, as a division makes them (Keras's torch optimizers need them)
             return [g if g is None or ops.is_tensor(g) else ops.convert_to_tensor(g) for g in grads]
 
         def unscale(g):
@@ -187,8 +186,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def apply(self, grads: Any, trainable_variables: Any = None) -> None:
         if trainable_variables is None and not self.built:
-            raise ValueError("Received gradients without trainable_variables, and this optimizer is not built "
-                             "yet: pass them on the first call, opt.apply(grads, model.trainable_variables).")
+            raise ValueError("Received gradients without trainable_variables, and this optimizer is not built yet: "
+                             "pass them on the first call, opt.apply(grads, model.trainable_variables).")
         variables = trainable_variables if trainable_variables is not None else self._trainable_variables
         check_gradients(grads, variables)
         grads, summed = sum_across_replicas(grads, variables, self._reduce_policy)
@@ -324,6 +323,9 @@ class KerasOptimizers(KerasUpdates, OptimizerAdapter):
 
     def is_optimizer(self, obj: Any) -> bool:
         return isinstance(obj, keras.optimizers.Optimizer)
+
+    def follow_policies(self, wrapper: Any, policies: tuple) -> None:
+        wrapper.__dict__["_followed_policies"] = policies  # what compile reads (untracked by Keras)
 
     def wrap_optimizer(self, optimizer: Any, loss_scale: Any, axis_name: Any = None, **options: Any) -> Any:
         if axis_name is not None:

@@ -386,3 +386,23 @@ def test_numpy_gradients_apply_under_every_policy_as_under_keras_own_wrapper():
         opt.apply([np.full(2, opt.loss_scale, "float32")], [v])  # a gradient of 1 once unscaled
         np.testing.assert_allclose(np.array(v), [0.5, 0.5])
         assert opt.num_skipped_steps == 1
+
+
+def test_compile_warns_of_a_wrapper_that_followed_a_policy_without_scaling_for_a_float16_model():
+    # made under the float32 global policy, the wrapper scales nothing; compiled with a model that
+    # apply_policy put under mixed_float16, its float16 gradients would underflow unscaled, silently
+    import warnings
+
+    def compiled(model_policy, **settings):
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        mp.apply_policy(model, model_policy)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.compile(optimizer=mp.LossScaleOptimizer(keras.optimizers.Adam(), **settings), loss="mse")
+        return [str(w.message) for w in caught if "scales nothing" in str(w.message)]
+
+    (message,) = compiled("mixed_float16")
+    assert "followed float32" in message and "policy=" in message
+    assert compiled("mixed_float16", policy="mixed_float16") == []  # it scales
+    assert compiled("mixed_float16", loss_scale=mp.NoLossScale()) == []  # chosen, not followed
+    assert compiled("mixed_bfloat16") == []  # nothing to scale
