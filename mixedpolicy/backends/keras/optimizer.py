@@ -29,7 +29,7 @@ from keras.src.saving import object_registration as _registry  # the name a clas
 from mixedpolicy._adapter import OptimizerAdapter
 from mixedpolicy.backends.keras.reduce import (all_finite, already_summed, check_gradients, check_loss,
                                                check_reduce_policy, finite_on_every_replica, is_concrete,
-                                               reduce_from_config, reduce_to_config, sum_across_replicas)
+                                               reduce_to_config, sum_across_replicas)
 from mixedpolicy.backends.keras.updates import KerasUpdates, rounding_to_config
 from mixedpolicy.backends.keras.saving import (SkipCounts, constructor_arguments, load_keras_layout,
                                                prepared_for_checkpoints, save_keras_layout)
@@ -203,6 +203,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if not self.built:
             raise ValueError(f"To call `stateless_apply`, {type(self).__name__} must be built: "
                              f"call optimizer.build(trainable_variables) first.")
+        check_gradients(grads, trainable_variables)  # as `apply` checks them
         own = len(self._variables)
         if self._pass_through:  # the inner step, nothing added
             new_trainable, new_inner = self.inner_optimizer.stateless_apply(
@@ -290,8 +291,6 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def from_config(cls, config: dict, custom_objects: Any = None) -> "LossScaleOptimizer":
         """Reads this class's configs and Keras's own (its current and its older layout)."""
         inner, config, loss_scale = constructor_arguments(config, custom_objects)
-        if "reduce_policy" in config:
-            config["reduce_policy"] = reduce_from_config(config["reduce_policy"])
         return cls(inner, **config) if loss_scale is None else cls(inner, loss_scale=loss_scale, **config)
 
 

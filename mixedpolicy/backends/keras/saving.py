@@ -239,6 +239,10 @@ def constructor_arguments(config: dict, custom_objects: Any = None) -> tuple[Any
         from mixedpolicy.backends.keras.state import install as install_state
 
         install_state(inner, state_dtype)
+    if "reduce_policy" in config:  # saved as a policy's config
+        from mixedpolicy.backends.keras.reduce import reduce_from_config
+
+        config["reduce_policy"] = reduce_from_config(config["reduce_policy"])
     if config.pop("pass_through", False):
         for key in ("initial_scale", "dynamic_growth_steps"):
             config.pop(key, None)

@@ -374,6 +374,9 @@ def test_a_loss_gradients_or_config_that_are_not_what_they_name_are_refused():
             type(opt).from_config(config)
     opt.apply([np.ones((4, 3), "float32") * 2.0 ** 15, None], model.trainable_variables)  # None: no gradient
     assert not np.array_equal(before[0], np.array(model.trainable_variables[0]))
+    values = [v.value for v in model.trainable_variables]
+    with pytest.raises(TypeError, match="Received gradients .*expected a list of gradient tensors"):
+        opt.stateless_apply([v.value for v in opt.variables], ["x", None], values)  # as apply refuses it
 
 
 def test_numpy_gradients_apply_under_every_policy_as_under_keras_own_wrapper():
