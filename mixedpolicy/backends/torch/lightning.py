@@ -235,7 +235,8 @@ class PolicyPrecision:
         """Fabric's ``clip_gradients``: the gradients of `optimizer` unscaled, once a step. Under
         Fabric several optimizers' may wait unscaled for their steps, each with its own found-inf
         flag (GradScaler's ``update()`` after the first step unscales the others' a second time)."""
-        wrapper, inner = self._fabric_wrapper(optimizer) if not self._in_trainer else self.optimizer, _unwrap(optimizer)
+        wrapper = self.optimizer if self._in_trainer else self._fabric_wrapper(optimizer)
+        inner = _unwrap(optimizer)
         if wrapper is None or any(o is inner for o, _ in self._unscaled) or (self._in_trainer and wrapper._unscaled):
             return
         with wrapper.acting_on(inner):
