@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
             accuracy = "-" if record["accuracy"] is None else f"{record['accuracy']:.3f}"
             shown.done(i, name, f"{record['step_time_s']['median'] * 1e3:.2f} ms/step, accuracy {accuracy}, "
                                 f"overhead {record['overhead_vs_native']:.3f} ({time.perf_counter() - t0:.0f} s)")
-    results = {"environment": {**report.environment(args, frameworks), "load_average_at_start": load_at_start,
+    results = {"environment": {**report.environment(args, frameworks, runs), "load_average_at_start": load_at_start,
                                "model_config": cfg}, "runs": runs}
     paths = report.write(results, args.out, with_plots)
     print()

@@ -8,7 +8,7 @@ import json
 import os
 import platform
 import statistics
-from typing import Any
+from typing import Any, Sequence
 
 from mixedpolicy.bench.ratios import NOISE, a_over_a, noisy, ratio
 from mixedpolicy.bench.spec import loss_figure, run_label as label
@@ -64,7 +64,10 @@ def load_average() -> list | None:
         return None
 
 
-def environment(args: Any, frameworks: list[str]) -> dict:
+def environment(args: Any, frameworks: list[str], runs: Sequence[dict] = ()) -> dict:
+    """What the runs ran on and with; a user's factory that brought its own batches sets the
+    batch size and the data (never --batch-size's default or digits, which it did not use)."""
+    own = [r for r in runs if r.get("own_data")]
     versions = {}
     for name in _PACKAGES:
         try:
@@ -79,10 +82,13 @@ def environment(args: Any, frameworks: list[str]) -> dict:
         "tf32": "off (pinned in every run but the tf32 baseline's, Keras's included: torch "
                 "allow_tf32=False for matmuls and cuDNN, JAX matmul precision 'highest' off the CPU, "
                 "TF enable_tensor_float_32_execution(False))",
-        "frameworks": frameworks, "model": args.model, "batch_size": args.batch_size,
+        "frameworks": frameworks, "model": args.model,
+        "batch_size": own[0]["batch_size"] if own else args.batch_size,
         "steps": args.steps, "repeats": args.repeats, "warmup": args.warmup, "seed": args.seed,
         "min_block_time_s": args.min_block_time,
-        "data": ("scikit-learn digits, 75/25 split (random_state=seed)" if args.data == "digits" else
+        "data": ("the factory's own batches, cycled in order (accuracy: its targets hit by the logits' argmax, "
+                 "where they are class indices)" if own else
+                 "scikit-learn digits, 75/25 split (random_state=seed)" if args.data == "digits" else
                  "synthetic: seeded random inputs and labels in the model's shape (speed and memory "
                  "only; no accuracy)"),
         "compile": args.compile,

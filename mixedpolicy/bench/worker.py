@@ -218,7 +218,7 @@ def run(spec: RunSpec) -> dict:
     tokens = models.input_shape(spec.model, models.config(spec.model, spec.device, spec.dataset))[0]
     return {
         "framework": spec.framework, "policy": spec.policy, "model": spec.model,
-        "data": spec.dataset, "compile": spec.compile,
+        "data": spec.dataset if own is None else "own batches", "compile": spec.compile,
         "batch_size": batch_size, "own_data": own is not None, "steps": spec.steps, "repeats": spec.repeats,
         "timed_steps_per_block": n,
         "step_time_s": {"median": median, "min": min(t_ours), "max": max(t_ours)},

@@ -770,6 +770,10 @@ def test_a_user_model_with_its_own_batches_and_loss(tmp_path, factory, framework
     size = {"hf_gpt2": 8, "nnx_regression": 16, "keras_hub_classifier": 8, "timm_resnet": 8}[factory]
     assert all(r["own_data"] and r["batch_size"] == size and np.isfinite(r["final_loss"]) for r in runs)
     assert not (out / "digits_split.npz").exists()
+    # the report says what was fed: the factory's batches and their size, never digits or --batch-size's default
+    assert results["environment"]["batch_size"] == size and all(r["data"] == "own batches" for r in runs)
+    text = (out / "report.md").read_text()
+    assert f", batch {size}," in text and "Data: the factory's own batches" in text and "digits" not in text
     if factory == "nnx_regression":
         assert all(r["accuracy"] is None for r in runs)  # float targets: no classes to hit
     else:

@@ -316,3 +316,31 @@ def test_a_model_that_carries_a_policy_keeps_it_when_none_is_given(fresh_acceler
     trainer.train()
     assert {r.path: r.compute_dtype for r in mp.describe(trainer.model)}["lm_head"] == "float32"
     assert trainer.loss_scale_optimizer.loss_scaling.startswith("dynamic")
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_trainer_under_mixed_float16_skips_and_scales_as_its_own_fp16(tmp_path):
+    # on a GPU the Trainer's fp16=True is autocast with Accelerate's GradScaler: a step made
+    # infinite is skipped by both, the scale halves alike, the schedule waits alike. (With the
+    # Trainer's default fused AdamW, Accelerate cannot see GradScaler's skip, since the fused
+    # kernel is always called, and its schedule moves on; ours waits either way: the non-fused
+    # AdamW here, where Accelerate sees the skip too.)
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    args = dict(use_cpu=False, max_grad_norm=1.0, optim="adamw_torch")
+    theirs = _poisoned(transformers.Trainer)(model=_model(), args=_args(tmp_path, fp16=True, **args),
+                                             train_dataset=_data())
+    theirs.train()
+    ours = _poisoned(Trainer)(model=_model(), args=_args(tmp_path, **args), train_dataset=_data(),
+                              policy="16-mixed", scale_settings={"initial_scale": 2.0**16})
+    ours.train()
+    opt = ours.loss_scale_optimizer
+    assert opt.num_skipped_steps == 1 and next(ours.model.parameters()).is_cuda
+    assert float(opt.loss_scale) == theirs.accelerator.scaler.get_scale() == 2.0**15
+    a, b = _losses(ours), _losses(theirs)
+    assert len(a) == len(b) == 6
+    finite = [i for i in range(6) if i != POISON]
+    torch.testing.assert_close(torch.tensor(a)[finite], torch.tensor(b)[finite], rtol=2e-2, atol=2e-2)
+    lrs = [[h["learning_rate"] for h in t.state.log_history if "learning_rate" in h] for t in (ours, theirs)]
+    assert lrs[0] == lrs[1] and lrs[0][POISON] == lrs[0][POISON + 1]
+    assert all(torch.isfinite(p).all() for p in ours.model.parameters())

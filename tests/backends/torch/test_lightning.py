@@ -76,10 +76,10 @@ class Record(pl.Callback):
             module.scales.append(float(scaler.get_scale()))
 
 
-def _fit(module, steps=8, **trainer_kw):
+def _fit(module, steps=8, accelerator="cpu", **trainer_kw):
     trainer_kw.setdefault("callbacks", [])
     trainer_kw["callbacks"] = [*trainer_kw["callbacks"], Record()]
-    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+    trainer = pl.Trainer(max_steps=steps, accelerator=accelerator, devices=1, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, **trainer_kw)
     trainer.fit(module, _data(steps))
     return trainer
@@ -314,3 +314,27 @@ def test_a_forward_after_a_manual_step_in_the_same_training_step_sees_the_new_we
     assert len(ours.after) == len(theirs.after) == 3
     for a, b in zip(ours.after, theirs.after):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual"])
+def test_on_cuda_both_mixed_strings_match_lightnings_own_trainer(manual):
+    # on a GPU, Trainer(precision="16-mixed") is Lightning's MixedPrecision with its own
+    # GradScaler: the same losses, scales and skipped step as the plugin; bf16-mixed: the same
+    # losses, and the infinite step skipped where Lightning's applies it
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    theirs, ours = Net(manual), Net(manual)
+    _fit(theirs, accelerator="gpu", precision="16-mixed")
+    trainer = _fit(ours, accelerator="gpu", plugins=[mpl.Precision("16-mixed", initial_scale=2.0**16)])
+    assert ours.scales == theirs.scales and ours.scales[POISON] == ours.scales[0] / 2
+    assert trainer.precision_plugin.optimizer.num_skipped_steps == 1
+    torch.testing.assert_close(torch.tensor(ours.losses), torch.tensor(theirs.losses), rtol=2e-2, atol=2e-2)
+    assert trainer.strategy.root_device.type == "cuda" and torch.isfinite(_weights(ours)).all()
+    theirs, ours = Net(manual), Net(manual)
+    _fit(theirs, accelerator="gpu", precision="bf16-mixed")
+    trainer = _fit(ours, accelerator="gpu", plugins=[mpl.Precision("bf16-mixed")])
+    torch.testing.assert_close(torch.tensor(ours.losses[:POISON]), torch.tensor(theirs.losses[:POISON]),
+                               rtol=3e-2, atol=3e-2)
+    assert not torch.isfinite(_weights(theirs)).all()
+    assert torch.isfinite(_weights(ours)).all() and trainer.precision_plugin.optimizer.num_skipped_steps == 1
