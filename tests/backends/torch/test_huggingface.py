@@ -323,8 +323,8 @@ def test_on_cuda_the_trainer_under_mixed_float16_skips_and_scales_as_its_own_fp1
     # on a GPU the Trainer's fp16=True is autocast with Accelerate's GradScaler: a step made
     # infinite is skipped by both, the scale halves alike, the schedule waits alike. (With the
     # Trainer's default fused AdamW, Accelerate cannot see GradScaler's skip, since the fused
-    # kernel is always called, and its schedule moves on; ours waits either way: the non-fused
-    # AdamW here, where Accelerate sees the skip too.)
+    # kernel is always called, and its schedule moves on: accelerate issue #4242, seen on an
+    # H100 on 2026-11-27; ours waits either way. The non-fused AdamW here, where it sees the skip.)
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     args = dict(use_cpu=False, max_grad_norm=1.0, optim="adamw_torch")
