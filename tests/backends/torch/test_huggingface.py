@@ -344,3 +344,21 @@ def test_on_cuda_the_trainer_under_mixed_float16_skips_and_scales_as_its_own_fp1
     lrs = [[h["learning_rate"] for h in t.state.log_history if "learning_rate" in h] for t in (ours, theirs)]
     assert lrs[0] == lrs[1] and lrs[0][POISON] == lrs[0][POISON + 1]
     assert all(torch.isfinite(p).all() for p in ours.model.parameters())
+
+
+def test_resume_from_checkpoint_brings_the_scale_and_skips_back_bit_for_bit(tmp_path):
+    # the Trainer's own checkpoint (optimizer.pt, scaler.pt) carries the wrapper's scale and
+    # counters: a run resumed half way ends where the uninterrupted run ends
+    def run(resume=None):
+        args = _args(tmp_path, max_steps=8, save_strategy="steps", save_steps=4)
+        trainer = _poisoned(Trainer)(model=_model(), args=args, train_dataset=_data(), policy="mixed_float16",
+                                     scale_settings={"dynamic_growth_steps": 3})
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+    whole = run()
+    resumed = run(str(tmp_path / "checkpoint-4"))
+    for trainer in (whole, resumed):
+        opt = trainer.loss_scale_optimizer
+        assert (opt.num_skipped_steps, float(opt.loss_scale)) == (1, 2.0**15)  # halved at the skip, grown once
+    for a, b in zip(whole.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b)
