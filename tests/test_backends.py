@@ -265,7 +265,7 @@ def test_all_finite_over_groups_of_mixed_dtypes_and_sizes(backend, monkeypatch):
     for i, leaf in enumerate(leaves):
         if leaf.shape[0] == 0:
             continue
-        for bad in (np.inf, np.nan):
+        for bad in (np.inf, -np.inf, np.nan):
             values = np.ones(leaf.shape[0])
             values[-1] = bad
             poisoned = list(leaves)
@@ -274,6 +274,27 @@ def test_all_finite_over_groups_of_mixed_dtypes_and_sizes(backend, monkeypatch):
     sizes = [[len(x) for x in group] for group in _dtypes.finite_groups(leaves, len)]
     assert sizes == [[3, 0], [2, 4], [12], [5]]
     assert [len(g) for g in _dtypes.finite_groups([np.ones(3)] * 3, lambda x: None)] == [1, 1, 1]
+
+
+def test_torch_check_reads_sparse_gradients_and_every_kind_of_non_finite_value():
+    """An embedding's sparse gradient is read through its stored values (torch's isfinite has no
+    sparse kernel: all_finite raised NotImplementedError); -inf, which only the smallest value
+    shows, is found as inf and NaN are."""
+    from conftest import require_module
+
+    torch = require_module("torch")
+    import mixedpolicy as mp
+
+    where = torch.tensor([[0, 1], [1, 0]])
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        sparse = torch.sparse_coo_tensor(where, torch.tensor([1.0, bad]), (2, 2))
+        assert not bool(mp.all_finite([torch.ones(3), sparse]))
+        assert not bool(mp.all_finite([torch.ones(3, dtype=torch.bfloat16), torch.tensor([bad])]))
+    assert bool(mp.all_finite([torch.sparse_coo_tensor(where, torch.ones(2), (2, 2)), torch.ones(2, 2).to_sparse_csr(),
+                               torch.zeros(2, 2).to_sparse(), torch.ones(0)]))
+    embedding = torch.nn.Embedding(10, 4, sparse=True)
+    embedding(torch.tensor([1, 2])).sum().backward()
+    assert embedding.weight.grad.is_sparse and bool(mp.all_finite([embedding.weight.grad]))
 
 
 def test_tensorflows_compiled_check_grows_with_the_leaves_not_their_square():

