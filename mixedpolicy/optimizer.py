@@ -57,6 +57,57 @@ def _with_updates(adapter: Any, inner: Any, policies: tuple) -> Any:
     return adapter.with_updates(inner, asked[0]) if asked else inner
 
 
+#: the scale settings LossScaleOptimizer takes (the trainers' plugins take them too)
+SCALE_SETTINGS = ("initial_scale", "dynamic_growth_steps", "growth_factor", "backoff_factor", "min_scale",
+                  "max_scale")
+
+
+def scale_from_settings(settings: Mapping[str, Any], loss_scale: Any = None, policy: Any = None) -> LossScale | None:
+    """The loss scale that `LossScaleOptimizer`'s scale settings (`SCALE_SETTINGS`, None ones
+    left out) and `loss_scale` describe, checked; None where neither is given (the policy
+    decides). Where a trainer's plugin takes the settings, it calls this before anything changes.
+
+    Raises:
+      TypeError: `loss_scale` is no `LossScale`, or came with settings or a policy.
+      ValueError: a setting is out of range.
+    """
+    given = {k: v for k, v in settings.items() if v is not None}
+    if loss_scale is not None:
+        if not isinstance(loss_scale, LossScale):
+            raise TypeError(f"Received loss_scale of type {type(loss_scale).__name__}; expected "
+                            f"a DynamicLossScale, StaticLossScale or NoLossScale.")
+        if given or policy is not None:
+            named = sorted([*given, *(["policy"] if policy is not None else [])])
+            raise TypeError(f"Received loss_scale={loss_scale!r} together with {named}; the "
+                            f"loss_scale given is used as it is. Pass one or the other.")
+        return loss_scale
+    if not given:
+        return None
+    if "initial_scale" in given:  # named as the caller named it, before DynamicLossScale's own checks
+        check_scale(given["initial_scale"], "initial_scale")
+    return DynamicLossScale(**{"loss_scale" if k == "initial_scale" else k: v for k, v in given.items()})
+
+
+def check_trainer_scale_settings(settings: Any, where: str) -> dict:
+    """A trainer's ``scale_settings`` dict (`SCALE_SETTINGS`, ``loss_scale``, ``skip_nonfinite``),
+    checked as `LossScaleOptimizer` would check them at the first step, but up front."""
+    if settings is None:
+        return {}
+    if not isinstance(settings, Mapping):
+        raise TypeError(f"Received {where} of type {type(settings).__name__}; expected a dict such as "
+                        f"{{'initial_scale': 2**16}}.")
+    known = (*SCALE_SETTINGS, "loss_scale", "skip_nonfinite")
+    unknown = sorted(str(k) for k in settings if k not in known)
+    if unknown:
+        raise TypeError(f"Received {where} with {unknown}; expected only {', '.join(known)} (what "
+                        f"LossScaleOptimizer takes besides its policy). Settings such as learning_rate "
+                        f"belong to the optimizer.")
+    if not isinstance(settings.get("skip_nonfinite", True), bool):
+        raise TypeError(f"Received skip_nonfinite={settings['skip_nonfinite']!r:.60}; expected True or False.")
+    scale_from_settings({k: settings.get(k) for k in SCALE_SETTINGS}, settings.get("loss_scale"))
+    return dict(settings)
+
+
 class LossScaleOptimizer(abc.ABC):
     """Wraps an optimizer of any supported framework with loss scaling that follows the policy.
 
@@ -134,23 +185,10 @@ class LossScaleOptimizer(abc.ABC):
                 f"loss_scale, policy, skip_nonfinite and axis_name.")
         if not isinstance(skip_nonfinite, bool):
             raise TypeError(f"Received skip_nonfinite={skip_nonfinite!r:.60}; expected True or False.")
-        settings: dict[str, Any] = {name: value for name, value in (
-            ("loss_scale", initial_scale), ("dynamic_growth_steps", dynamic_growth_steps),
-            ("growth_factor", growth_factor), ("backoff_factor", backoff_factor),
-            ("min_scale", min_scale), ("max_scale", max_scale)) if value is not None}
-        if loss_scale is not None:
-            if not isinstance(loss_scale, LossScale):
-                raise TypeError(f"Received loss_scale of type {type(loss_scale).__name__}; expected "
-                                f"a DynamicLossScale, StaticLossScale or NoLossScale.")
-            if settings or policy is not None:
-                given = sorted(["initial_scale" if k == "loss_scale" else k for k in settings]
-                               + (["policy"] if policy is not None else []))
-                raise TypeError(f"Received loss_scale={loss_scale!r} together with {given}; the "
-                                f"loss_scale given is used as it is. Pass one or the other.")
-        if loss_scale is None and settings:  # checked before dispatch: a bad setting is named first
-            if "loss_scale" in settings:
-                check_scale(initial_scale, "initial_scale")
-            loss_scale = DynamicLossScale(**settings)
+        # checked before dispatch: a bad setting is named first
+        loss_scale = scale_from_settings(dict(
+            initial_scale=initial_scale, dynamic_growth_steps=dynamic_growth_steps, growth_factor=growth_factor,
+            backoff_factor=backoff_factor, min_scale=min_scale, max_scale=max_scale), loss_scale, policy)
         if adapter is None:
             raise _no_adapter(inner, "optimizer")
         followed: tuple = ()

@@ -347,4 +347,4 @@ def as_policy_map(policy: Any = None, overrides: Mapping[Any, Any] | None = None
             raise TypeError("Received a PolicyMap and separate overrides; put the overrides "
                             "into the PolicyMap, or pass a plain policy with overrides=.")
         return policy
-    return PolicyMap(policy, overrides)
+    return PolicyMap(None if policy is None else as_policy(policy, what="policy"), overrides)

@@ -131,10 +131,9 @@ def _refuse_native_precision(received: str, where: str, default: Any) -> None:
 
 
 def _scale_settings(scale_settings: Any) -> dict:
-    if scale_settings is not None and not isinstance(scale_settings, dict):
-        raise TypeError(f"Received scale_settings of type {type(scale_settings).__name__}; "
-                        f"expected a dict such as {{'initial_scale': 2**16}}.")
-    return dict(scale_settings or {})
+    from mixedpolicy.optimizer import check_trainer_scale_settings
+
+    return check_trainer_scale_settings(scale_settings, "scale_settings")
 
 
 class PolicyAccelerator:

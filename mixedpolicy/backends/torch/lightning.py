@@ -43,20 +43,19 @@ _built: dict = {}
 
 
 def _loss_scale_for(policy_map: PolicyMap, settings: dict, loss_scale: LossScale | None) -> LossScale:
-    """A bounded dynamic scale where a policy computes in float16 over float32 variables;
-    otherwise no scaling, non-finite steps skipped (a pure float16 policy trains float16
-    weights, which a scale cannot help: as Lightning's "16-true", no scaler)."""
-    if loss_scale is not None:
-        if settings:
-            raise TypeError(f"Received loss_scale={loss_scale!r} together with {sorted(settings)}; "
-                            f"the loss_scale given is used as it is. Pass one or the other.")
-        return loss_scale
+    """The scale `settings` or `loss_scale` describe; else a bounded dynamic scale where a policy
+    computes in float16 over float32 variables; otherwise no scaling, non-finite steps skipped
+    (a pure float16 policy trains float16 weights, which a scale cannot help: as Lightning's
+    "16-true", no scaler)."""
+    from mixedpolicy.optimizer import scale_from_settings
+
+    chosen = scale_from_settings(settings, loss_scale)
+    if chosen is not None:
+        return chosen
     policies = (policy_map.default, *(p for _, p in policy_map.overrides))
     mixed16 = any(p is not None and p.compute_dtype == "float16" and p.variable_dtype != "float16"
                   for p in policies)
-    if mixed16 or settings:
-        return DynamicLossScale(**settings)
-    return NoLossScale()
+    return DynamicLossScale() if mixed16 else NoLossScale()
 
 
 def _unwrap(optimizer: Any) -> Any:
@@ -95,12 +94,9 @@ class PolicyPrecision:
         self.policy_map = as_policy_map(policy, overrides)
         if self.policy_map.default is None:  # the global policy now, as a script would read it
             self.policy_map = self.policy_map.with_default(global_policy())
-        settings = {k: v for k, v in (("loss_scale", initial_scale), ("dynamic_growth_steps", dynamic_growth_steps),
-                                      ("growth_factor", growth_factor), ("backoff_factor", backoff_factor),
-                                      ("min_scale", min_scale), ("max_scale", max_scale)) if v is not None}
-        if loss_scale is not None and not isinstance(loss_scale, LossScale):
-            raise TypeError(f"Received loss_scale of type {type(loss_scale).__name__}; expected a "
-                            f"DynamicLossScale, StaticLossScale or NoLossScale.")
+        settings = dict(initial_scale=initial_scale, dynamic_growth_steps=dynamic_growth_steps,
+                        growth_factor=growth_factor, backoff_factor=backoff_factor, min_scale=min_scale,
+                        max_scale=max_scale)
         self._loss_scale = _loss_scale_for(self.policy_map, settings, loss_scale)
         default = self.policy_map.default
         self.precision = _LIGHTNING_NAMES.get((default.variable_dtype, default.compute_dtype), default.name)

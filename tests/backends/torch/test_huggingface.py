@@ -113,6 +113,17 @@ def test_bad_arguments_are_refused_with_the_fix(tmp_path):
         Trainer(model=_model(), args=_args(tmp_path), train_dataset=_data(), policy="bf16")
     with pytest.raises(TypeError, match="scale_settings of type"):
         Trainer(model=_model(), args=_args(tmp_path), train_dataset=_data(), scale_settings=2.0)
+    # the settings are checked when the Trainer is made, not at the first step of train()
+    model = _model()
+    with pytest.raises(TypeError, match=r"scale_settings with \['initial_scal'\]; expected only initial_scale"):
+        Trainer(model=model, args=_args(tmp_path), train_dataset=_data(), scale_settings={"initial_scal": 2.0})
+    with pytest.raises(ValueError, match="initial_scale=-1.0"):
+        Trainer(model=model, args=_args(tmp_path), train_dataset=_data(), scale_settings={"initial_scale": -1})
+    with pytest.raises(TypeError, match="skip_nonfinite='no'"):
+        Trainer(model=model, args=_args(tmp_path), train_dataset=_data(), scale_settings={"skip_nonfinite": "no"})
+    with pytest.raises(TypeError, match="Received policy=3 of type int"):
+        Trainer(model=model, args=_args(tmp_path), train_dataset=_data(), policy=3)
+    assert {row.source for row in mp.describe(model)} == {"no policy applied"}  # the model untouched
 
 
 def test_without_a_policy_the_global_one_decides(tmp_path):

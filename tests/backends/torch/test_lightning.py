@@ -192,8 +192,10 @@ def test_bad_input_to_the_plugin_is_refused_with_the_fix():
         mpl.Precision("bf16")
     with pytest.raises(TypeError, match="loss_scale of type"):
         mpl.Precision("16-mixed", loss_scale=2.0)
-    with pytest.raises(TypeError, match="together with"):
+    with pytest.raises(TypeError, match=r"together with \['initial_scale'\]"):
         mpl.Precision("16-mixed", loss_scale=mp.StaticLossScale(8.0), initial_scale=4.0)
+    with pytest.raises(TypeError, match="Received initial_scale='big'"):  # named as given
+        mpl.Precision("16-mixed", initial_scale="big")
     with pytest.raises(ValueError, match="every_n_steps=0"):
         mpl.LossScaleCallback(every_n_steps=0)
     assert mpl.Precision(32).precision == "32-true" and mpl.Precision("bf16-true").precision == "bf16-true"
