@@ -150,9 +150,11 @@ def resolve_policies(value: str) -> list[str]:
             continue
         try:
             policy = mp.Policy(item)
-        except (ValueError, TypeError):
-            names.append(item)  # refused below, with the valid names
-            continue
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"Received --policies {item!r}, which names no policy: {err} The bench "
+                             f"runs {', '.join(valid)} (any spelling mixedpolicy reads, such as "
+                             f"'16-mixed' or 'p=f32,c=bf16'), fp8 policies and update recipes over "
+                             f"them (see mixedpolicy bench --help).") from None
         if policy.float8_recipe is not None and policy.source.name in POLICIES:
             names.append(policy.name)  # fp8 over a mixed or float32 source: run where it has a path
             valid += (policy.name,)

@@ -28,7 +28,8 @@ FIELDS = {"framework", "policy", "model", "batch_size", "steps", "step_time_s", 
 
 @pytest.mark.parametrize("args, message", [
     (["--frameworks", "mxnet"], r"--frameworks 'mxnet', which is not valid; expected any of: torch, jax"),
-    (["--policies", "mixed_float8"], r"'mixed_float8'.*expected any of: float32, mixed_bfloat16"),
+    (["--policies", "mixed_float8"], r"'mixed_float8', which names no policy: .*The bench runs float32, mixed_bfloat16"),
+    (["--policies", "p=f32,c=f99"], r"'p=f32,c=f99', which names no policy: Received compute .*'f99'"),
     (["--model", "gpt"], r"--model 'gpt'; expected one of: mlp, cnn, transformer, resnet, resnet50, gpt2"),
     (["--steps", "0"], r"--steps 0; expected a whole number >= 1"),
     (["--device", "tpu"], r"--device 'tpu'"),
