@@ -69,6 +69,14 @@ class PolicyTable(tuple):
     _HEADER = ("path", "type", "variable", "compute", "output", "reduce", "source")
 
     def __new__(cls, rows: Iterable[LayerPolicy] = ()) -> "PolicyTable":
+        if isinstance(rows, (str, bytes)) or not hasattr(rows, "__iter__"):
+            raise TypeError(f"Received rows of type {type(rows).__name__}; expected LayerPolicy rows, "
+                            f"as describe(model) returns them.")
+        rows = tuple(rows)
+        for row in rows:
+            if not isinstance(row, LayerPolicy):
+                raise TypeError(f"Received a row of type {type(row).__name__} in a PolicyTable; expected "
+                                f"LayerPolicy rows, as describe(model) returns them.")
         return super().__new__(cls, rows)
 
     def _rows(self, path: str) -> tuple[tuple, list[tuple]]:

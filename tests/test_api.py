@@ -85,3 +85,13 @@ def test_policy_cast_helpers():
     assert p.cast_to_output(tree)["a"].dtype == np.float16
     assert p.cast_to_param(p.cast_to_compute(tree))["a"].dtype == np.float32
     assert p.cast_to_compute(tree)["i"].dtype == np.int64
+
+
+def test_a_policy_table_takes_layer_policy_rows_only():
+    import mixedpolicy as mp
+
+    row = mp.LayerPolicy("fc", "Linear", mp.Policy("mixed_bfloat16"), "global policy")
+    assert len(mp.PolicyTable([row])) == 1 and len(mp.PolicyTable()) == 0
+    for rows, says in ((None, "rows of type NoneType"), ("fc", "rows of type str"), ([row, 3], "a row of type int")):
+        with pytest.raises(TypeError, match=says):
+            mp.PolicyTable(rows)
