@@ -49,18 +49,37 @@ FLOAT8_MAX = {"float8_e5m2": 57344.0, "float8_e4m3fn": 448.0}
 SCALE_BYTES = 4
 
 
+def _reduce_dtype(reduce_dtype: Any, among: tuple = REDUCE_DTYPES) -> str:
+    """`reduce_dtype` if it is one of `among`; else a TypeError (not a string) or ValueError."""
+    if not isinstance(reduce_dtype, str) or reduce_dtype not in among:
+        raise (ValueError if isinstance(reduce_dtype, str) else TypeError)(
+            f"Received reduce_dtype={reduce_dtype!r:.60} of type {type(reduce_dtype).__name__}; "
+            f"expected one of {list(among)}.")
+    return reduce_dtype
+
+
+def _bits(bits: Any) -> int:
+    """`bits` if it is a table-N codec's N (1, 2, 4 or 8); else a TypeError or ValueError."""
+    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or bits not in (1, 2, 4, 8):
+        raise (ValueError if isinstance(bits, (int, np.integer)) and not isinstance(bits, bool) else TypeError)(
+            f"Received bits={bits!r:.60} of type {type(bits).__name__}; expected 1, 2, 4 or 8 (the N of "
+            f"a table-N codec: N bits a value, packed whole into bytes).")
+    return int(bits)
+
+
 def is_float8(reduce_dtype: str) -> bool:
-    return reduce_dtype in FLOAT8_DTYPES
+    """Is `reduce_dtype` one of the 8-bit float formats (sent with a scale)?"""
+    return _reduce_dtype(reduce_dtype) in FLOAT8_DTYPES
 
 
 def table_bits(reduce_dtype: str) -> int | None:
     """N of a ``table-N`` codec, else None."""
-    return int(reduce_dtype.split("-")[1]) if reduce_dtype in TABLE_CODECS else None
+    return int(reduce_dtype.split("-")[1]) if _reduce_dtype(reduce_dtype) in TABLE_CODECS else None
 
 
 def table_quantiles(bits: int) -> np.ndarray:
     """The percentiles (0-100) whose |values| make a table-N codec's table, ascending."""
-    levels = 2 ** (bits - 1)
+    levels = 2 ** (_bits(bits) - 1)
     return 99.0 * np.arange(1, levels + 1) / levels
 
 
@@ -77,10 +96,7 @@ def wire_bytes(numel: int, reduce_dtype: str) -> int:
     except TypeError:
         raise TypeError(f"Received numel={numel!r:.60} of type {type(numel).__name__}; expected the "
                         f"tensor's number of elements, a whole number >= 0 (tensor.numel()).") from None
-    if not isinstance(reduce_dtype, str) or reduce_dtype not in (*ITEMSIZE, *TABLE_CODECS):
-        raise (ValueError if isinstance(reduce_dtype, str) else TypeError)(
-            f"Received reduce_dtype={reduce_dtype!r:.60} of type {type(reduce_dtype).__name__}; "
-            f"expected one of {list(REDUCE_DTYPES)}.")
+    _reduce_dtype(reduce_dtype)
     bits = table_bits(reduce_dtype)
     if bits is not None:
         return -(-numel * bits // 8) + 4 * 2 ** (bits - 1)
@@ -91,6 +107,7 @@ def float8_scale_exponent(amax: float, reduce_dtype: str) -> int:
     """The power of two e such that ``amax * 2**e`` is at most the format's maximum and
     more than half of it (within float32's powers of two); 0 for a tensor of zeros (or one that is not finite: it is sent
     as it is, and the receivers see its inf/NaN, so every replica skips the step)."""
+    _reduce_dtype(reduce_dtype, FLOAT8_DTYPES)
     if not (amax > 0 and math.isfinite(amax)):
         return 0
     # within float32's normal powers of two, so the scale itself is finite and exact
@@ -115,6 +132,7 @@ def decode_float8(q: np.ndarray, scale: Any) -> np.ndarray:
 
 def encode_table(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
     """The reference table-N encoder: (the codes packed 8/N to a uint8, the float32 table)."""
+    bits = _bits(bits)
     x = np.asarray(x, np.float32).reshape(-1)
     a = np.abs(x)
     if not np.all(np.isfinite(x)):
@@ -129,17 +147,18 @@ def encode_table(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
 
 def decode_table(packed: np.ndarray, table: np.ndarray, bits: int, numel: int) -> np.ndarray:
     """The reference table-N decoder: the float32 values."""
-    return table_values(np, unpack(np.asarray(packed, np.uint8), bits, numel), np.asarray(table, np.float32), bits)
+    return table_values(np, unpack(np.asarray(packed, np.uint8), bits, numel), np.asarray(table, np.float32),
+                        _bits(bits))
 
 
 def pack(codes: np.ndarray, bits: int) -> np.ndarray:
     """N-bit codes (uint8) packed 8/N to a byte, the first code in the lowest bits."""
-    return pack_codes(np, np.asarray(codes, np.uint8).reshape(-1), bits)
+    return pack_codes(np, np.asarray(codes, np.uint8).reshape(-1), _bits(bits))
 
 
 def unpack(packed: np.ndarray, bits: int, numel: int) -> np.ndarray:
     """The first `numel` N-bit codes of `pack`'s bytes."""
-    return unpack_codes(np, np.asarray(packed, np.uint8), bits, numel)
+    return unpack_codes(np, np.asarray(packed, np.uint8), _bits(bits), numel)
 
 
 # The table-N kernels, written once for numpy, jax.numpy and torch as `xp` (the backends' reduce

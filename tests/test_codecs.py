@@ -55,6 +55,21 @@ def test_wire_bytes_are_4_2_1_plus_the_scale():
         codecs.wire_bytes(n, "int8")
 
 
+@pytest.mark.parametrize("call, error, says", [
+    (lambda: codecs.is_float8(np.ones(3)), TypeError, "reduce_dtype=array"),
+    (lambda: codecs.table_bits("table-3"), ValueError, "reduce_dtype='table-3'.*'table-4'"),
+    (lambda: codecs.table_quantiles(None), TypeError, "bits=None of type NoneType; expected 1, 2, 4 or 8"),
+    (lambda: codecs.table_quantiles(3), ValueError, "bits=3 of type int"),
+    (lambda: codecs.encode_table(np.ones(4), True), TypeError, "bits=True"),
+    (lambda: codecs.pack(np.zeros(4, np.uint8), 16), ValueError, "bits=16"),
+    (lambda: codecs.float8_scale_exponent(1.0, "bfloat16"), ValueError, "'float8_e5m2', 'float8_e4m3fn'"),
+])
+def test_the_reference_codecs_refuse_what_names_no_codec(call, error, says):
+    with pytest.raises(error, match=says):
+        call()
+    assert codecs.is_float8("float8_e5m2") and not codecs.is_float8("float32") and codecs.table_bits("table-4") == 4
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.floats(-2.0**127, 2.0**127, allow_nan=False, width=32), min_size=1, max_size=64),
        st.sampled_from(["float8_e5m2", "float8_e4m3fn"]))
