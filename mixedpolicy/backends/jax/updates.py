@@ -83,9 +83,12 @@ def stochastic_round_bfloat16(x: Any, bits16: Any) -> Any:
 def update_rounding(rounding: str, seed: int = _SEED) -> optax.GradientTransformation:
     """The optax transformation that rounds each update into half-precision weights as
     `rounding` says (``"stochastic"`` or ``"kahan"``); it needs the parameters in ``update``."""
-    if rounding not in ("stochastic", "kahan"):
-        raise ValueError(f"Received rounding={rounding!r}; expected 'stochastic' or 'kahan' "
-                         f"(nearest is what optax.apply_updates does by itself).")
+    if not isinstance(rounding, str) or rounding not in ("stochastic", "kahan"):
+        raise (ValueError if isinstance(rounding, str) else TypeError)(
+            f"Received rounding={rounding!r:.60} of type {type(rounding).__name__}; expected 'stochastic' "
+            f"or 'kahan' (nearest is what optax.apply_updates does by itself).")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(f"Received seed={seed!r:.60} of type {type(seed).__name__}; expected a whole number.")
 
     def init(params: Any) -> RoundingState:
         params = jax.tree_util.tree_map(_value, params)

@@ -128,6 +128,10 @@ def test_the_rounding_transformation_needs_params_and_a_rounding_it_makes():
         tx.update(params, tx.init(params))
     with pytest.raises(ValueError, match="expected 'stochastic' or 'kahan'"):
         update_rounding("nearest")
+    with pytest.raises(TypeError, match="rounding=None of type NoneType"):
+        update_rounding(None)
+    with pytest.raises(TypeError, match="seed='x' of type str; expected a whole number"):
+        update_rounding("stochastic", seed="x")
 
 
 def test_a_state_dtype_stores_every_moment_in_it_as_optax_stores_one():
