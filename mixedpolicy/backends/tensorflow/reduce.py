@@ -108,11 +108,11 @@ def all_reduce(grads: Sequence[Any], variables: Sequence[Any], policy: Any = Non
         raise RuntimeError("mp.tensorflow.all_reduce was called in a cross-replica context; call it "
                            "inside strategy.run(...), where each replica has its gradients.")
     try:
-        grads, variables = list(grads), list(variables)
+        grads = list(grads)
     except TypeError:
-        raise TypeError(f"Received grads of type {type(grads).__name__} and variables of type "
-                        f"{type(variables).__name__}; expected two lists, the gradients (as "
-                        f"tape.gradient returns them) and their variables.") from None
+        raise TypeError(f"Received grads of type {type(grads).__name__}; expected a list, the gradients "
+                        f"as tape.gradient returns them.") from None
+    variables = _variables(variables)
     if len(grads) != len(variables):
         raise ValueError(f"Received {len(grads)} gradients for {len(variables)} variables; expected "
                          f"one gradient (or None) per variable.")
@@ -147,12 +147,26 @@ def sum_in(grads: list, dtypes: Sequence[str], context: Any) -> list:
     return out
 
 
+def _variables(variables: Any) -> list:
+    """`variables` as a list, each a variable (a tf.Variable or a Keras variable); else a TypeError."""
+    if isinstance(variables, (str, bytes)) or not hasattr(variables, "__iter__"):
+        raise TypeError(f"Received variables={show(variables)} of type {type(variables).__name__}; expected "
+                        f"a list of variables, as model.trainable_variables gives it.")
+    variables = list(variables)
+    for v in variables:
+        if not (hasattr(v, "shape") and hasattr(v, "dtype") and (hasattr(v, "path") or hasattr(v, "name"))):
+            raise TypeError(f"Received {show(v)} of type {type(v).__name__} among the variables; expected "
+                            f"tf.Variable or Keras variables, as model.trainable_variables gives them.")
+    return variables
+
+
 def bytes_per_step(variables: Sequence[Any], policy: Any = None, *, model: Any = None) -> int:
     """Bytes one replica sends to reduce the gradients of `variables` once (`model` as for
     `all_reduce`)."""
     from mixedpolicy.codecs import wire_bytes
     from mixedpolicy.scope import global_policy
 
+    variables = _variables(variables)
     dtypes = reduce_dtypes(variables, global_policy() if policy is None else policy, model)
     return sum(wire_bytes(int(math.prod(v.shape)), d) for v, d in zip(variables, dtypes)
                if tf.as_dtype(v.dtype).is_floating)

@@ -24,7 +24,14 @@ for bad in (1.5, None):  # what is not two lists is refused with what was expect
         mp.tensorflow.all_reduce(bad, [tf.Variable(1.0)])
         raise AssertionError(f"all_reduce took grads={bad!r}")
     except TypeError as err:
-        assert "expected two lists" in str(err), err
+        assert "expected a list, the gradients" in str(err), err
+    for call in (lambda: mp.tensorflow.all_reduce([1.0], bad), lambda: mp.tensorflow.bytes_per_step(bad),
+                 lambda: mp.tensorflow.bytes_per_step(["w"])):
+        try:
+            call()
+            raise AssertionError(f"took variables={bad!r}")
+        except TypeError as err:
+            assert "as model.trainable_variables gives" in str(err), err
 
 strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 rng = np.random.default_rng(0)
