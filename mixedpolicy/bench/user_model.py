@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
 import os
 import itertools
 import sys
@@ -161,6 +162,17 @@ def logits_of(outputs: Any) -> Any:
                          f"(cross entropy on class targets) can read (an array, .logits, ['logits'] or a "
                          f"tuple's first item); give the factory's dict a 'loss': loss(outputs, targets).")
     return found
+
+
+def tokens(inputs: Any) -> int | None:
+    """Tokens in a batch whose inputs are one array of integer ids, (batch, length) or more
+    dimensions (a language model's); None for any other inputs."""
+    found = list(leaves(inputs))
+    if len(found) != 1:
+        return None
+    dtype, shape = getattr(found[0], "dtype", None), getattr(found[0], "shape", None)
+    kind = getattr(dtype, "kind", None) or ("i" if "int" in str(dtype) else None)
+    return int(math.prod(shape)) if kind in ("i", "u") and shape is not None and len(shape) >= 2 else None
 
 
 def batch_size(inputs: Any) -> int:

@@ -215,7 +215,12 @@ def run(spec: RunSpec) -> dict:
     peak = ours.peak_memory_bytes()
     if peak is None:  # on the CPU: the process's peak resident memory (both trainers)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    tokens = models.input_shape(spec.model, models.config(spec.model, spec.device, spec.dataset))[0]
+    if own is None:
+        tokens = models.input_shape(spec.model, models.config(spec.model, spec.device, spec.dataset))[0] \
+            if spec.model == "gpt2" else None
+        tokens = None if tokens is None else batch_size * tokens
+    else:  # a user's batches of token ids (a language model's): their tokens a step
+        tokens = user_model.tokens(own[0][0])
     return {
         "framework": spec.framework, "policy": spec.policy, "model": spec.model,
         "data": spec.dataset if own is None else "own batches", "compile": spec.compile,
@@ -225,7 +230,7 @@ def run(spec: RunSpec) -> dict:
         "native_step_time_s": {"median": statistics.median(t_native), "min": min(t_native),
                                "max": max(t_native)},
         "throughput_samples_per_s": batch_size / median,
-        **({"throughput_tokens_per_s": batch_size * tokens / median} if spec.model == "gpt2" else {}),
+        **({"throughput_tokens_per_s": tokens / median} if tokens else {}),
         "peak_memory_bytes": int(peak),
         **quality,
         "native_recipe": native.recipe,

@@ -773,6 +773,8 @@ def test_a_user_model_with_its_own_batches_and_loss(tmp_path, factory, framework
     assert not (out / "digits_split.npz").exists()
     # the report says what was fed: the factory's batches and their size, never digits or --batch-size's default
     assert results["environment"]["batch_size"] == size and all(r["data"] == "own batches" for r in runs)
+    # a language model's batches of token ids: tokens a second, as for the built-in gpt2
+    assert all(("throughput_tokens_per_s" in r) == (factory == "hf_gpt2") for r in runs)
     text = (out / "report.md").read_text()
     assert f", batch {size}," in text and "Data: the factory's own batches" in text and "digits" not in text
     if factory == "nnx_regression":
