@@ -76,6 +76,29 @@ def test_stochastic_rounding_on_cuda_is_one_compiled_kernel_with_the_cpus_bits(m
         assert torch.equal(on_gpu.cpu(), on_cpu)
 
 
+def test_all_finite_on_cuda_reads_every_dtype_without_a_host_sync():
+    """mp.all_finite's one pass a group (the smallest and largest value) on CUDA tensors of
+    each floating dtype: the flag stays on the device, and inf, -inf and NaN are each found."""
+    torch = _cuda()
+    tensors = [torch.ones(n, device="cuda", dtype=d) for n, d in
+               ((300, torch.float32), (5, torch.bfloat16), (70, torch.float16), (0, torch.float32))]
+    cases = [tensors]
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        for i in range(3):
+            poisoned = list(tensors)
+            poisoned[i] = tensors[i].clone()
+            poisoned[i][-1] = bad
+            cases.append(poisoned)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        flags = [mp.all_finite(case) for case in cases]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(f.is_cuda for f in flags)
+    assert [bool(f) for f in flags] == [True] + [False] * 9
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_gradscaler_state_moves_both_ways(device):
     torch = require_module("torch")
