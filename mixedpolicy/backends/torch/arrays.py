@@ -24,10 +24,11 @@ def _group_of(x: torch.Tensor) -> Any:
 
 
 def _group_finite(group: list) -> torch.Tensor:
-    """Are all values of `group` (one device and dtype, none empty) finite? Read as the smallest
-    and the largest value, one pass (inf and NaN carry through both, as no sum that could
-    overflow would): on a CPU a quarter of the time of ``isfinite(...).all()``, which makes a
-    full-size mask in four kernels (100 against 25 us for 26k float32 values, one thread)."""
+    """Are all values of `group` (one device and dtype, none empty) finite? Read off the smallest
+    and the largest value, found in one pass (NaN shows in both, inf and -inf in one; unlike a
+    sum's, no overflow of finite values reads as inf): on a CPU about a third of the time of
+    ``isfinite(...).all()``, which makes a full-size mask in four kernels (26k float32 values,
+    one thread: 25 against 65-87 us)."""
     first = group[0]
     if first.layout != torch.strided:  # a sparse tensor, alone in its group: its stored values
         values = (first.coalesce() if first.layout == torch.sparse_coo else first).values().reshape(-1)
