@@ -215,12 +215,11 @@ def run(spec: RunSpec) -> dict:
     peak = ours.peak_memory_bytes()
     if peak is None:  # on the CPU: the process's peak resident memory (both trainers)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    if own is None:
-        tokens = models.input_shape(spec.model, models.config(spec.model, spec.device, spec.dataset))[0] \
-            if spec.model == "gpt2" else None
-        tokens = None if tokens is None else batch_size * tokens
-    else:  # a user's batches of token ids (a language model's): their tokens a step
+    tokens = None  # a step's tokens, where the inputs are token ids
+    if own is not None:  # a user's batches (of token ids, a language model's: counted)
         tokens = user_model.tokens(own[0][0])
+    elif spec.model == "gpt2":
+        tokens = batch_size * models.input_shape(spec.model, models.config(spec.model, spec.device, spec.dataset))[0]
     return {
         "framework": spec.framework, "policy": spec.policy, "model": spec.model,
         "data": spec.dataset if own is None else "own batches", "compile": spec.compile,
