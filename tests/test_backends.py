@@ -274,6 +274,25 @@ def test_all_finite_over_groups_of_mixed_dtypes_and_sizes(backend, monkeypatch):
     sizes = [[len(x) for x in group] for group in _dtypes.finite_groups(leaves, len)]
     assert sizes == [[3, 0], [2, 4], [12], [5]]
     assert [len(g) for g in _dtypes.finite_groups([np.ones(3)] * 3, lambda x: None)] == [1, 1, 1]
+    # an array past FINITE_ALONE_ELEMENTS is read in place, alone; the small ones group around it
+    monkeypatch.setattr(_dtypes, "FINITE_ALONE_ELEMENTS", 4)
+    assert [[len(x) for x in group] for group in _dtypes.finite_groups(leaves, len)] == [[3, 0], [2, 4], [12], [5]]
+    mixed = [np.ones(n) for n in (2, 5, 1, 6, 3)]
+    assert [[len(x) for x in g] for g in _dtypes.finite_groups(mixed, len)] == [[2, 1, 3], [5], [6]]
+
+
+def test_finite_values_at_the_top_of_the_range_read_as_finite(backend):
+    """The check never adds the values themselves: many float32 values near its largest, whose
+    sum overflows to inf, are finite; a half-precision leaf at its largest value too."""
+    import mixedpolicy as mp
+
+    half = backend.half_dtype()
+    top = {"float16": 65504.0, "bfloat16": 3.3e38}[half]
+    leaves = [backend.asarray(np.full(4096, 3.0e38), "float32"), backend.asarray(np.full(300, top), half),
+              backend.asarray(np.full(7, -3.0e38), "float32")]
+    assert bool(mp.all_finite(leaves))
+    leaves[1] = backend.asarray(np.r_[np.full(299, top), np.inf], half)
+    assert not bool(mp.all_finite(leaves))
 
 
 def test_torch_check_reads_sparse_gradients_and_every_kind_of_non_finite_value():

@@ -84,17 +84,25 @@ def all_finite(tree: Any) -> Any:
     if not host_leaves_finite(leaves, lambda x: isinstance(x, jax.Array)):
         return jnp.asarray(False)
     arrays = [x for x in leaves if isinstance(x, jax.Array) and dtype_name(x.dtype) is not None]
-    # the values are concatenated, not their flags: XLA splits a reduction over concatenated
-    # flags back into one per leaf (three kernels each on a CPU)
-    flags = [jnp.isfinite(jnp.concatenate([x.ravel() for x in group])).all()
-             for group in finite_groups(arrays, lambda x: x.size)]
-    if len(flags) < 2:
-        return flags[0] if flags else jnp.asarray(True)
-    # counted by a dot product: XLA rewrites `stack(flags).all()` into a chain of ands and copies
-    # that chain into every fusion that reads the flag (each select of the step's updates and
+    if not arrays:
+        return jnp.asarray(True)
+    # One sum a group of x * 0: 0 where every value is finite, NaN where one is inf or NaN (a
+    # float product with zero is not folded away; its sum cannot overflow). Summed, it vectorizes
+    # where isfinite(...).all() reduces a mask: 11 against 16 ms over 31M float32 values on one
+    # CPU core. Half and 8-bit floats are widened to float32 first (exactly), float64 kept.
+    sums = [jnp.sum(_widened(jnp.concatenate([x.ravel() for x in group]) if len(group) > 1 else group[0]) * 0)
+            for group in finite_groups(arrays, lambda x: x.size)]
+    if len(sums) == 1:
+        return jnp.isfinite(sums[0])
+    # added up by a dot product: XLA rewrites a reduction over stacked scalars into a chain that
+    # it copies into every fusion reading the flag (each select of the step's updates and
     # state), so compiling took time quadratic in the leaves (600 leaves: a minute on a CPU)
-    finite = jnp.dot(jnp.stack(flags).astype(jnp.float32), jnp.ones(len(flags), jnp.float32))
-    return finite == len(flags)  # exact: a float32 counts whole numbers up to 2**24
+    total = jnp.dot(jnp.stack([s.astype(jnp.float32) for s in sums]), jnp.ones(len(sums), jnp.float32))
+    return jnp.isfinite(total)
+
+
+def _widened(x: Any) -> Any:
+    return x.astype(jnp.float32) if x.dtype.itemsize < 4 else x
 
 
 class JaxArrays(ArrayOps):

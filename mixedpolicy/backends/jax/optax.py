@@ -221,6 +221,32 @@ def _scale_state(config: LossScale, state: LossScaleState) -> LossScale:
     return config
 
 
+#: Gradients of at least this many elements skip through a ``jax.lax.cond`` (`_update_if`).
+COND_ELEMENTS = 1 << 20
+
+
+def _update_if(finite: Any, update: Any, grads: Any, inner_state: Any) -> Any:
+    """``update(grads, inner_state)`` where `finite`, else zero updates and `inner_state` as it was.
+
+    Traced (under ``jax.jit``, ``pmap``...) over gradients of `COND_ELEMENTS` or more, a
+    ``jax.lax.cond`` whose skipped branch passes the state through. Selecting each updated leaf
+    with ``jnp.where`` (optax's ``apply_if_finite``) made XLA copy the state where the caller
+    donates it: AdamW over 5M float32 values on one CPU core, donated, 5.3x the bare update's
+    time against the cond's 2.1x (check included); not donated, 1.33x against 1.60x. Below that
+    size, and called eagerly (where a ``cond`` traces and compiles both branches at every call),
+    the selects: the bench MLP's step is 1.03x the bare one's with them, 1.10x with a ``cond``."""
+    traced = isinstance(finite, jax.core.Tracer)
+    if traced and sum(x.size for x in jax.tree_util.tree_leaves(grads)) >= COND_ELEMENTS:
+        def skip(g: Any, s: Any) -> Any:
+            shapes = jax.eval_shape(update, g, s)[0]
+            return jax.tree_util.tree_map(jnp.zeros_like, shapes), s  # its sharding and mapped axes too
+
+        return jax.lax.cond(finite, update, skip, grads, inner_state)
+    updates, new_state = update(grads, inner_state)
+    updates = jax.tree_util.tree_map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), updates)
+    return updates, jax.tree_util.tree_map(lambda new, old: jnp.where(finite, new, old), new_state, inner_state)
+
+
 def loss_scale_transformation(inner: Any, config: LossScale, axis_name: Any = None) -> LossScaleTransformation:
     """Wraps an optax transformation with `config` (see the module docstring)."""
     if isinstance(inner, LossScaleTransformation):
@@ -273,10 +299,8 @@ def loss_scale_transformation(inner: Any, config: LossScale, axis_name: Any = No
         finite = all_finite(grads)
         if axis_name is not None:
             finite = jax.lax.psum((~finite).astype(jnp.int32), axis_name) == 0
-        updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
-        updates = jax.tree_util.tree_map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), updates)
-        inner_state = jax.tree_util.tree_map(lambda new, old: jnp.where(finite, new, old),
-                                             inner_state, state.inner_state)
+        updates, inner_state = _update_if(finite, lambda g, s: inner.update(g, s, params, **extra_args),
+                                          grads, state.inner_state)
         scale = scale.adjust(finite)
         skipped = (~finite).astype(jnp.int32)
         counter = jnp.asarray(getattr(scale, "counter", state.counter), jnp.int32)

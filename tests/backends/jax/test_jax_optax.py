@@ -16,6 +16,7 @@ optax = require_module("optax", "jax")
 jmp = require_module("jmp", "jax")
 
 import mixedpolicy as mp  # noqa: E402
+from mixedpolicy.backends.jax import optax as optax_adapter  # noqa: E402
 from mixedpolicy.backends.jax.optax import LossScaleState  # noqa: E402
 
 
@@ -24,6 +25,16 @@ def _where_loss_scaling_is_on():
     """These tests are about scaling: they run under a float16 global policy, where
     LossScaleOptimizer(opt) scales (tests/test_loss_scale_follows_policy.py: the rest)."""
     mp.set_global_policy("mixed_float16")  # the root conftest restores it
+
+
+@pytest.fixture(params=["selects", "cond"])
+def skip_by(request, monkeypatch):
+    """Both ways a traced step skips: a select per leaf (small gradients), a ``jax.lax.cond``
+    (gradients of `COND_ELEMENTS` or more; here any)."""
+    if request.param == "cond":
+        monkeypatch.setattr(optax_adapter, "COND_ELEMENTS", 0)
+    return request.param
+
 
 X = np.random.default_rng(0).normal(size=(16, 6)).astype(np.float32)
 Y = np.random.default_rng(1).normal(size=(16, 3)).astype(np.float32)
@@ -115,7 +126,7 @@ def test_trajectory_and_params_match_jmp_and_optax_step_for_step(inner, jitted):
         assert int(state.num_skipped_steps) == sum(poison)
 
 
-def test_a_skipped_step_leaves_params_inner_state_and_its_count_alone():
+def test_a_skipped_step_leaves_params_inner_state_and_its_count_alone(skip_by):
     with adam():
         opt = mp.LossScaleOptimizer(optax.adam(1e-2))
         step = make_step(opt)
@@ -159,7 +170,7 @@ def test_gradient_accumulation_inside_the_wrapper_and_a_chain_around_it():
             around.inner_opt.scale_loss(loss_fn(params_tree(), False), around.init(params_tree()))
 
 
-def test_200_overflows_leave_the_weights_and_the_scale_at_its_floor():
+def test_200_overflows_leave_the_weights_and_the_scale_at_its_floor(skip_by):
     opt = mp.LossScaleOptimizer(optax.sgd(0.1))
     step = make_step(opt)
     params, state = params_tree(), opt.init(params_tree())
@@ -183,7 +194,7 @@ def test_the_scale_is_bounded_above():
     assert float(state.loss_scale) == 2.0**24
 
 
-def test_a_jitted_step_makes_no_host_round_trip():
+def test_a_jitted_step_makes_no_host_round_trip(skip_by):
     opt = mp.LossScaleOptimizer(optax.sgd(0.1, momentum=0.9))
     step = make_step(opt)
     params, state = jax.device_put((params_tree(), opt.init(params_tree())))
@@ -304,7 +315,9 @@ _REPLICAS = textwrap.dedent("""
 
     # Replica 1 overflows, replica 0 does not: both must skip and keep equal scales.
     poison = jnp.asarray([False, True])
-    for name in ("pmap", "shard_map"):
+    for name, cond_elements in (("pmap", None), ("shard_map", None), ("pmap", 0), ("shard_map", 0)):
+        if cond_elements is not None:  # the skip through a lax.cond (large gradients), not selects
+            mp.backends.jax.optax.COND_ELEMENTS = cond_elements
         opt = mp.LossScaleOptimizer(optax.sgd(0.1), axis_name="r", policy="mixed_float16")
         state = opt.init(params)
         rep = lambda t: jax.tree_util.tree_map(lambda a: jnp.stack([a, a]), t)
@@ -325,7 +338,7 @@ _REPLICAS = textwrap.dedent("""
         alone = mp.LossScaleOptimizer(optax.sgd(0.1), policy="mixed_float16")
         q, t = jax.pmap(functools.partial(local_step, alone))(rep(params), rep(alone.init(params)), x, poison)
         assert np.asarray(t.last_step_skipped).tolist() == [False, True]
-        print(name, "ok")
+        print(name, cond_elements, "ok")
 """)
 
 
@@ -334,7 +347,8 @@ def test_replicas_skip_together_under_pmap_and_shard_map():
     result = subprocess.run([sys.executable, "-c", _REPLICAS], capture_output=True, text=True,
                             env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "pmap ok" in result.stdout and "shard_map ok" in result.stdout
+    assert result.stdout.split() == ["pmap", "None", "ok", "shard_map", "None", "ok", "pmap", "0", "ok",
+                                     "shard_map", "0", "ok"], result.stdout
 
 
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
@@ -358,3 +372,46 @@ def test_the_compiled_check_grows_with_the_leaves_not_their_square(policy):
     grads = [jnp.full((4, 4), jnp.nan) if i == 37 else jnp.ones((4, 4)) for i in range(40)]
     updates, state = jax.jit(tx.update)(grads, state, params)
     assert int(state.num_skipped_steps) == 1 and all(float(jnp.abs(u).max()) == 0 for u in updates)
+
+
+def test_a_donated_adamw_state_skips_through_the_cond_as_through_the_selects():
+    """Gradients of `COND_ELEMENTS` or more skip through a ``jax.lax.cond`` (selects made XLA copy
+    a donated state: 5x the bare update's time on a CPU). A jitted AdamW step with its
+    parameters and state donated: the finite steps compute what the selects do, a non-finite
+    one leaves them as they were, over gradients of either size."""
+    def run(n, cond_elements, poisons):
+        optax_adapter.COND_ELEMENTS = cond_elements
+        with adam():
+            tx = mp.LossScaleOptimizer(optax.adamw(1e-2), policy="mixed_float16")
+            params = {"w": jnp.linspace(-1.0, 1.0, n, dtype=jnp.float32), "b": jnp.zeros(3, jnp.float32)}
+
+            def step(p, s, poison):
+                grads = jax.grad(lambda q: tx.scale_loss(
+                    (jnp.sum(q["w"] ** 2) + jnp.sum(q["b"])) * jnp.where(poison, jnp.inf, 1.0), s))(p)
+                updates, s = tx.update(grads, s, p)
+                return optax.apply_updates(p, updates), s
+
+            step = jax.jit(step, donate_argnums=(0, 1))
+            state, seen = tx.init(params), []
+            for poison in poisons:
+                params, state = step(params, state, poison)
+                seen.append(jax.tree_util.tree_map(np.asarray, (params, state)))
+        return seen
+
+    default = optax_adapter.COND_ELEMENTS
+    try:
+        poisons = [False, True, False, True, True, False]
+        for n in (5, 3000):
+            by_cond, by_selects = run(n, 0, poisons), run(n, 10**9, poisons)
+            for i, (a, b) in enumerate(zip(by_cond, by_selects)):
+                for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+                    np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
+                if poisons[i]:  # skipped: the step before's parameters and AdamW state
+                    before = jax.tree_util.tree_leaves((by_cond[i - 1][0], by_cond[i - 1][1].inner_state))
+                    after = jax.tree_util.tree_leaves((a[0], a[1].inner_state))
+                    for x, y in zip(before, after):
+                        np.testing.assert_array_equal(x, y)
+            assert int(by_cond[-1][1].num_skipped_steps) == 3
+            assert float(by_cond[-1][1].loss_scale) == 2.0**15 / 8
+    finally:
+        optax_adapter.COND_ELEMENTS = default
