@@ -232,9 +232,11 @@ def _update_if(finite: Any, update: Any, grads: Any, inner_state: Any) -> Any:
     ``jax.lax.cond`` whose skipped branch passes the state through. Selecting each updated leaf
     with ``jnp.where`` (optax's ``apply_if_finite``) made XLA copy the state where the caller
     donates it: AdamW over 5M float32 values on one CPU core, donated, 5.3x the bare update's
-    time against the cond's 2.1x (check included); not donated, 1.33x against 1.60x. Below that
-    size, and called eagerly (where a ``cond`` traces and compiles both branches at every call),
-    the selects: the bench MLP's step is 1.03x the bare one's with them, 1.10x with a ``cond``."""
+    time against the cond's 2.1x (check included); not donated, 1.33x against 1.60x. A wrapper
+    cannot tell whether its caller donates: the cond has the smaller worst case (and was the
+    cheaper on an H100; docs/benchmarks.md). Below that size, and called eagerly (where a
+    ``cond`` traces and compiles both branches at every call), the selects: the bench MLP's
+    step is 1.03x the bare one's with them, 1.10x with a ``cond``."""
     traced = isinstance(finite, jax.core.Tracer)
     if traced and sum(x.size for x in jax.tree_util.tree_leaves(grads)) >= COND_ELEMENTS:
         def skip(g: Any, s: Any) -> Any:
