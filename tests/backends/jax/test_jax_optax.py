@@ -415,3 +415,53 @@ def test_a_donated_adamw_state_skips_through_the_cond_as_through_the_selects():
             assert float(by_cond[-1][1].loss_scale) == 2.0**15 / 8
     finally:
         optax_adapter.COND_ELEMENTS = default
+
+
+_TRANSFORMATIONS = {
+    "adamw_bfloat16_moments": lambda: optax.adamw(1e-2, mu_dtype=jnp.bfloat16),
+    "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adam)(learning_rate=1e-2),
+    "multi_steps": lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2),
+    "clipped_momentum": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1e-2, momentum=0.9)),
+    "masked": lambda: optax.masked(optax.adam(1e-2), {"w": True, "b": False}),
+    "multi_transform": lambda: optax.multi_transform({"a": optax.adam(1e-2), "s": optax.sgd(1e-2)},
+                                                     {"w": "a", "b": "s"}),
+    "reduce_on_plateau": lambda: optax.chain(optax.adam(1e-2), optax.contrib.reduce_on_plateau()),
+    "adafactor": lambda: optax.adafactor(1e-2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_TRANSFORMATIONS))
+def test_optax_transformations_skip_through_the_cond_as_through_the_selects(name, monkeypatch):
+    """The inner transformations users chain (schedules injected, accumulation, masks, partitions,
+    a plateau that reads the loss, factored moments) step through the ``cond`` as through the
+    selects, and a skipped step leaves their state and the parameters as they were."""
+    params = {"w": jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float32).reshape(4, 3), "b": jnp.zeros(3, jnp.float32)}
+    poisons = (False, True, False, False)
+
+    def run(cond_elements):
+        monkeypatch.setattr(optax_adapter, "COND_ELEMENTS", cond_elements)
+        tx = mp.LossScaleOptimizer(_TRANSFORMATIONS[name](), policy="mixed_float16")
+
+        @jax.jit
+        def step(p, s, poison):
+            loss = lambda q: (jnp.sum(q["w"] ** 2) + jnp.sum(q["b"])) * jnp.where(poison, jnp.inf, 1.0)
+            grads = jax.grad(lambda q: tx.scale_loss(loss(q), s))(p)
+            updates, s = tx.update(grads, s, p, value=jnp.sum(p["w"] ** 2))
+            return optax.apply_updates(p, updates), s
+
+        p, s, seen = params, tx.init(params), []
+        for poison in poisons:
+            p, s = step(p, s, poison)
+            seen.append((p, s))
+        return seen
+
+    with adam():
+        by_cond, by_selects = run(0), run(10**9)
+    for (p, s), (q, t) in zip(by_cond, by_selects):
+        for x, y in zip(jax.tree_util.tree_leaves((p, s)), jax.tree_util.tree_leaves((q, t))):
+            np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=1e-5, atol=1e-6)
+    before = jax.tree_util.tree_leaves((by_cond[0][0], by_cond[0][1].inner_state))
+    after = jax.tree_util.tree_leaves((by_cond[1][0], by_cond[1][1].inner_state))
+    for x, y in zip(before, after):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert int(by_cond[-1][1].num_skipped_steps) == 1
