@@ -238,7 +238,7 @@ def _update_if(finite: Any, update: Any, grads: Any, inner_state: Any) -> Any:
     ``cond`` traces and compiles both branches at every call), the selects: the bench MLP's
     step is 1.03x the bare one's with them, 1.10x with a ``cond``."""
     traced = isinstance(finite, jax.core.Tracer)
-    if traced and sum(x.size for x in jax.tree_util.tree_leaves(grads)) >= COND_ELEMENTS:
+    if traced and sum(np.size(x) for x in jax.tree_util.tree_leaves(grads)) >= COND_ELEMENTS:
         def skip(g: Any, s: Any) -> Any:
             shapes = jax.eval_shape(update, g, s)[0]
             return jax.tree_util.tree_map(jnp.zeros_like, shapes), s  # its sharding and mapped axes too
