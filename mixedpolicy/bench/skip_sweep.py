@@ -106,7 +106,7 @@ def measure(d: int, donate: bool, repeats: int = 7, calls: int = 10) -> dict:
         row[f"{name}_s"] = statistics.median(r[name] for r in rounds)
         if name != "bare":
             ratios = sorted(r[name] / r["bare"] for r in rounds)
-            q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+            q = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else [ratios[0]] * 3
             row[f"{name}/bare"] = [statistics.median(ratios), q[0], q[2]]
     return row
 
