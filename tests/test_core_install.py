@@ -55,10 +55,12 @@ def test_pip_install_without_frameworks_then_with_the_torch_extra_alone(tmp_path
         py,
         "import importlib.util, torch, mixedpolicy as mp",
         "assert [m for m in ('jax','tensorflow','keras','sklearn') if importlib.util.find_spec(m)] == []",
+        "torch.manual_seed(0)",
         "net = mp.apply_policy(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)),"
         " 'mixed_float16')",
         "opt = mp.LossScaleOptimizer(torch.optim.SGD(net.parameters(), lr=0.1))",
-        "loss = net(torch.ones(3, 4)).float().square().mean()",
+        # |output| <= 7.4 under any default init: / 100 keeps 32768x its float16 gradients finite
+        "loss = net(torch.ones(3, 4)).float().square().mean() / 100",
         "opt.scale_loss(loss).backward(); opt.step()",
         "print(opt.num_skipped_steps, float(opt.loss_scale))",
         "try:",
