@@ -231,8 +231,9 @@ def _update_if(finite: Any, update: Any, grads: Any, inner_state: Any) -> Any:
     Traced (under ``jax.jit``, ``pmap``...) over gradients of `COND_ELEMENTS` or more, a
     ``jax.lax.cond`` whose skipped branch passes the state through. Selecting each updated leaf
     with ``jnp.where`` (optax's ``apply_if_finite``) made XLA copy the state where the caller
-    donates it: AdamW over 5M float32 values on one CPU core, donated, 5.3x the bare update's
-    time against the cond's 2.1x (check included); not donated, 1.33x against 1.60x. A wrapper
+    donates it: AdamW over 4.9M float32 values on one CPU core, donated, 6.1x the bare update's
+    time against the cond's 2.6x (check included); not donated, 1.48x against 1.69x
+    (``python -m mixedpolicy.bench.skip_sweep``). A wrapper
     cannot tell whether its caller donates: the cond has the smaller worst case (and was the
     cheaper on an H100; docs/benchmarks.md). Below that size, and called eagerly (where a
     ``cond`` traces and compiles both branches at every call), the selects: the bench MLP's
