@@ -13,6 +13,9 @@ from mixedpolicy.policy_map import PolicyMap
 class PolicyFunction:
     """Calls `fn` with floating arguments in the compute dtype, returns the output dtype.
 
+    `policy_map` is a `PolicyMap` without overrides, a `Policy` or its name (None: the global
+    policy); ``apply_policy(fn, policy)`` gives the same wrapper.
+
     Parameters and floating inputs are cast to the compute dtype on the way in
     (integer and boolean leaves are never cast); floating outputs are cast to the
     output dtype on the way out. Under autodiff the casts are differentiated
@@ -33,7 +36,12 @@ class PolicyFunction:
     dtype('float32')
     """
 
-    def __init__(self, fn: Callable[..., Any], policy_map: PolicyMap):
+    def __init__(self, fn: Callable[..., Any], policy_map: Any = None):
+        if not callable(fn):
+            raise TypeError(f"Received {fn!r:.60} (a {type(fn).__name__}) as the function; expected a "
+                            f"callable f(params, *inputs) of arrays, e.g. PolicyFunction(f, 'mixed_bfloat16').")
+        if not isinstance(policy_map, PolicyMap):  # a policy or its name, as apply_policy takes it
+            policy_map = PolicyMap(policy_map)
         if policy_map.overrides:
             raise TypeError(
                 f"Received per-layer overrides for the plain function {fn!r}, which has no "

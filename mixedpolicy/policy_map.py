@@ -19,8 +19,8 @@ How a layer's policy is chosen, first rule that applies wins:
    covers everything inside it);
 4. the map's default, or when it has none, the global policy at resolve time.
 
-Paths use each framework's own naming: ``named_modules()`` in PyTorch (less wrappers'
-segments), ``layer.path`` in Keras, the pytree path in JAX.
+Paths use each framework's own naming: ``named_modules()`` in PyTorch (less wrappers' segments),
+``layer.path`` in Keras, the pytree path in JAX.
 """
 
 from __future__ import annotations
@@ -71,6 +71,12 @@ def _rule_loss(policy: Policy) -> Policy:
 
 
 _RULES = {NORMALIZATION: _rule_normalization, LOSS: _rule_loss}
+
+
+def _check_layers(layers: Any, what: str, expected: str) -> None:
+    if not isinstance(layers, (list, tuple)) or not all(isinstance(info, LayerInfo) for info in layers):
+        raise TypeError(f"Received {what} of type {type(layers).__name__} ({layers!r:.80}); expected a list "
+                        f"of LayerInfo {expected}.")
 
 
 class LayerInfo(NamedTuple):
@@ -261,9 +267,7 @@ class PolicyMap:
           TypeError: `chain` is not a list of `LayerInfo`.
           ValueError: two override keys tie for the layer with different policies.
         """
-        if not isinstance(chain, (list, tuple)) or not all(isinstance(info, LayerInfo) for info in chain):
-            raise TypeError(f"Received a chain of type {type(chain).__name__} ({chain!r:.80}); expected a list of "
-                            "LayerInfo from the root model down to the layer to resolve.")
+        _check_layers(chain, "a chain", "from the root model down to the layer to resolve")
         if not chain:
             raise ValueError("Received an empty chain; expected the layers from the root model down to the layer.")
         layer = chain[-1]
@@ -297,21 +301,17 @@ class PolicyMap:
 
     def warn_unmatched(self, layers: Iterable[LayerInfo]) -> None:
         """Warns about each override key that matches none of `layers`, naming the nearest paths."""
-        layers = list(layers)
+        layers = layers if isinstance(layers, (str, bytes, Mapping)) or not isinstance(layers, Iterable) else list(layers)
+        _check_layers(layers, "layers", "(the model's layers, as its adapter lists them)")
         paths = [layer.path for layer in layers]
         names = {alias for layer in layers for alias in layer.aliases}
         for key, _ in self.overrides:
             if isinstance(key, type):
                 if not any(key in getattr(layer.type, "__mro__", ()) for layer in layers):
-                    warnings.warn(f"PolicyMap key {_key_text(key)} matches no layer: the model "
-                                  f"has no layer of that class, so the override has no effect.",
-                                  UserWarning, stacklevel=3)
+                    warnings.warn(f"PolicyMap key {_key_text(key)} matches no layer: the model has no layer "
+                                  f"of that class, so the override has no effect.", UserWarning, stacklevel=3)
                 continue
-            if _is_glob(key):
-                hit = any(fnmatch.fnmatchcase(p, key) for p in paths)
-            else:
-                hit = key in paths or key in names
-            if not hit:
+            if not (any(fnmatch.fnmatchcase(p, key) for p in paths) if _is_glob(key) else key in paths or key in names):
                 near = difflib.get_close_matches(key, paths, n=3, cutoff=0.4) or paths[:3]
                 warnings.warn(f"PolicyMap key {show(key)} matches no layer path, so the override "
                               f"has no effect. Nearest paths: {near}.", UserWarning, stacklevel=3)

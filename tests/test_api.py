@@ -44,6 +44,18 @@ def test_describe_a_function():
     assert "(root)" in str(mp.describe(g)) and "| `(root)` |" in mp.describe(g).to_markdown()
 
 
+def test_a_policy_function_built_directly_takes_what_apply_policy_takes_and_refuses_the_rest():
+    f = mp.PolicyFunction(lambda w, x: w * x, "mixed_float16")
+    assert f(np.float32(2.0), np.ones(2, np.float32)).dtype == np.float16
+    assert mp.PolicyFunction(f.fn, mp.Policy("float32")).policy == mp.Policy("float32")
+    with pytest.raises(TypeError, match="expected a callable f"):
+        mp.PolicyFunction(None, "float32")
+    with pytest.raises(TypeError, match="expected a Policy"):
+        mp.PolicyFunction(print, 5)
+    with pytest.raises(ValueError, match="'nonsense'"):
+        mp.PolicyFunction(print, "nonsense")
+
+
 def test_overrides_on_a_plain_function_are_an_error():
     with pytest.raises(TypeError, match="no layers to match"):
         mp.apply_policy(lambda x: x, "float32", {"fc": "float16"})

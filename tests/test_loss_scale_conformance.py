@@ -310,6 +310,16 @@ def test_torch_add_param_group_checks_like_the_constructor():
     extra = torch.nn.Parameter(torch.ones(2))
     opt.add_param_group({"params": [extra]})
     assert opt.param_groups[-1]["params"] == [extra]
+    head = torch.nn.Linear(2, 3)  # a generator, as users write it: read once, every parameter kept
+    opt.add_param_group({"params": head.parameters(), "lr": 0.5})
+    assert opt.param_groups[-1]["params"] == list(head.parameters()) and opt.param_groups[-1]["lr"] == 0.5
+    half = torch.nn.Linear(2, 2).half()
+    with pytest.raises(ValueError, match="master weights"):
+        opt.add_param_group({"params": half.parameters()})
+    for bad in ({}, None, "params"):
+        with pytest.raises(TypeError, match="expected a dict with 'params'"):
+            opt.add_param_group(bad)
+    assert len(opt.param_groups) == 3  # nothing refused was added
     a, b = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))]), torch.optim.SGD([torch.nn.Parameter(torch.ones(1))])
     with pytest.raises(TypeError, match="inner_optimizers"):
         mp.LossScaleOptimizer([a, b]).add_param_group({"params": [extra]})

@@ -132,6 +132,13 @@ def test_unmatched_keys_warn_with_nearest_paths():
     assert len(messages) == 2
     assert "'encodr.norm' matches no layer path" in messages[0] and "'encoder.norm'" in messages[0]
     assert "LayerNorm" in messages[1] and "no layer of that class" in messages[1]
+    with warnings.catch_warnings(record=True) as caught:  # a generator of layers, as adapters pass them
+        warnings.simplefilter("always")
+        m.warn_unmatched(layer for layer in layers)
+    assert len(caught) == 2
+    for bad in ("encoder", None, [("encoder", Block)]):
+        with pytest.raises(TypeError, match="expected a list of LayerInfo"):
+            m.warn_unmatched(bad)
 
 
 def test_apply_policy_rejects_map_plus_overrides():

@@ -31,10 +31,15 @@ class InnerView:
                 f"Received add_param_group on a LossScaleOptimizer over {len(self._inners)} "
                 f"optimizers; it cannot tell which one should own the group. Call it on that "
                 f"optimizer: wrapper.inner_optimizers[i].add_param_group(group).")
-        if isinstance(param_group, dict):
-            params = param_group.get("params")
-            params = [params] if isinstance(params, torch.Tensor) else list(params or [])
-            check_half_master_weights({"params": params}, self._scale_settings, self._variable_dtypes)
+        if not isinstance(param_group, dict) or "params" not in param_group:
+            raise TypeError(f"Received {param_group!r:.80} as a parameter group; expected a dict with "
+                            f"'params' (a tensor or a list of them) and optionally the group's options, "
+                            f"e.g. add_param_group({{'params': model.head.parameters(), 'lr': 1e-3}}).")
+        params = param_group["params"]
+        if not isinstance(params, (torch.Tensor, set)):  # a generator (model.parameters()) is read once:
+            param_group = dict(param_group, params=list(params))  # the inner optimizer gets the list
+        listed = [params] if isinstance(params, torch.Tensor) else list(param_group["params"])
+        check_half_master_weights({"params": listed}, self._scale_settings, self._variable_dtypes)
         self._inners[0].add_param_group(param_group)
 
     def _follow_policies(self, policies: tuple) -> None:

@@ -159,7 +159,7 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
             return None  # its scale is 1: the check alone, no reciprocal to compute
         return scale.double().reciprocal().float()
 
-    def _unscale_and_check(self, inv_scale: torch.Tensor | None, scale: torch.Tensor) -> torch.Tensor:
+    def _unscale_and_check(self, inv_scale: Any, scale: torch.Tensor, what: str = "step()") -> torch.Tensor:
         """Multiplies every gradient by `inv_scale` (None: only checks); one found-inf flag, no sync."""
         per_device: dict = {}
         for (device, _), grads in self._grads_by_device_and_dtype().items():
@@ -177,7 +177,7 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
         self._per_device_flags = len(per_device) > 1
         if not per_device:
             raise RuntimeError(
-                "step() found no gradients in any parameter: nothing was backpropagated since "
+                f"{what} found no gradients in any parameter: nothing was backpropagated since "
                 "the last zero_grad(), so there is no finiteness to check and the step would "
                 "count towards growing the scale (torch.amp.GradScaler stops here too: 'No inf "
                 "checks were recorded'). Call opt.scale_loss(loss).backward() before opt.step().")
@@ -202,7 +202,7 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
             return
         self._check_loss_was_scaled("unscale_()")
         scale = self._ensure_scale(self._first_device())
-        self._found_inf = self._unscale_and_check(self._inverse(scale), scale)
+        self._found_inf = self._unscale_and_check(self._inverse(scale), scale, "unscale_()")
         self._unscaled = True
 
     def step(self, closure: Any = None) -> Any:
