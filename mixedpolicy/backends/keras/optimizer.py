@@ -158,6 +158,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     # -- the step ------------------------------------------------------------
     def check_finite(self, grads: Any) -> Any:
+        check_gradients(grads, None)  # (a list of tensors: Keras's own method takes the same)
         return finite_on_every_replica(all_finite(grads))
 
     def _unscale(self, grads: Any, trainable_variables: Any) -> list:
