@@ -31,7 +31,7 @@ from mixedpolicy.backends.keras.reduce import (all_finite, already_summed, check
                                                check_reduce_policy, finite_on_every_replica, is_concrete,
                                                reduce_to_config, sum_across_replicas)
 from mixedpolicy.backends.keras.updates import KerasUpdates, rounding_to_config
-from mixedpolicy.backends.keras.saving import (SkipCounts, constructor_arguments, load_keras_layout,
+from mixedpolicy.backends.keras.saving import (SkipCounters, SkipCounts, constructor_arguments, load_keras_layout,
                                                prepared_for_checkpoints, save_keras_layout)
 from mixedpolicy.policy import Policy
 from mixedpolicy.scope import global_policy
@@ -39,7 +39,7 @@ from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, Sta
 
 
 @keras.saving.register_keras_serializable(package="mixedpolicy")
-class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+class LossScaleOptimizer(SkipCounters, keras.optimizers.LossScaleOptimizer):
     """Keras's ``LossScaleOptimizer`` with a bounded scale and skip counters.
 
     Made by `mixedpolicy.LossScaleOptimizer` from a Keras 3 optimizer, and by
@@ -110,9 +110,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             self.__class__ = _SavedAsKeras  # Keras's own can express it: saved under Keras's name
 
     def build(self, var_list: Any) -> None:
-        # [num_skipped_steps, last_step_skipped] in one variable: each costs in Keras's JAX trainer
-        self._skips = self.add_variable(shape=(2,), dtype="int32", initializer="zeros",
-                                        aggregation="none", name="skipped_steps")
+        self._build_skip_counters()
         # the inner one first, tracked (Keras's own build runs untracked: Nadam's _u_product was
         # left out of what JAX's stateless step updates), and once, whether it checks `built` or not
         inner, own_build = self.inner_optimizer, vars(self.inner_optimizer).get("build")
@@ -133,26 +131,18 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return float(ops.convert_to_numpy(self.dynamic_scale)) if self.built else float(self.initial_scale)
 
     @property
-    def last_step_skipped(self) -> bool:
-        """Whether the last step was skipped for a non-finite gradient."""
-        return self.built and bool(ops.convert_to_numpy(self._skips)[1])
-
-    @property
-    def num_skipped_steps(self) -> int:
-        """How many steps were skipped so far."""
-        return int(ops.convert_to_numpy(self._skips)[0]) if self.built else 0
-
-    @property
     def loss_scaling(self) -> str:
         """What this wrapper does to a step (a static scale of 1 takes the same steps as none)."""
-        unit = isinstance(self._scale_settings, StaticLossScale) and float(self._scale_settings.loss_scale) == 1.0
-        return summary(NoLossScale(not self._pass_through) if self._pass_through or unit else self._scale_settings)
+        return summary(NoLossScale(not self._pass_through) if self._pass_through or self._unit_scale
+                       else self._scale_settings)
 
     def scale_loss(self, loss: Any) -> Any:
         """Returns ``loss * loss_scale`` in float32; differentiate this (a pass-through: `loss`)."""
         check_loss(loss)
         if self._pass_through:
             return loss
+        if self._unit_scale:  # 1 (NoLossScale): nothing to multiply, forward or backward
+            return ops.cast(loss, "float32")
         scale = self.dynamic_scale if self.built else self.initial_scale
         return ops.multiply(ops.cast(loss, "float32"), scale)
 
@@ -164,7 +154,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def _unscale(self, grads: Any, trainable_variables: Any) -> list:
         """Divides by the scale in float32 (float64 for float64 gradients); each keeps its dtype.
         A static scale of 1 (what `NoLossScale` becomes) divides nothing: ops saved each step."""
-        if isinstance(self._scale_settings, StaticLossScale) and float(self._scale_settings.loss_scale) == 1.0:
+        if self._unit_scale:
             # numpy gradients become tensors, as a division makes them (Keras's torch optimizers need them)
             return [g if g is None or ops.is_tensor(g) else ops.convert_to_tensor(g) for g in grads]
 
@@ -175,15 +165,20 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return [g if g is None or self._overwrite_variable_with_gradient(v) else unscale(g)
                 for g, v in zip(grads, trainable_variables)]
 
-    def _update_scale(self, finite: Any) -> None:
-        """Assigns the next scale, growth counter and skip counters (no branch)."""
+    @property
+    def _unit_scale(self) -> bool:
+        return isinstance(self._scale_settings, StaticLossScale) and float(self._scale_settings.loss_scale) == 1.0
+
+    def _update_scale(self, finite: Any, counted: bool = False) -> None:
+        """Assigns the next scale and growth counter, and the skip counters unless a branch that
+        ran only on a skipped step counted it (`counted`; else a select, no branch)."""
         if isinstance(self._scale_settings, DynamicLossScale):
             state = self._scale_settings.with_state(self.dynamic_scale.value, self.step_counter.value)
             state = state.adjust(finite)
             self.dynamic_scale.assign(state.loss_scale)
             self.step_counter.assign(ops.cast(state.counter, self.step_counter.dtype))
-        skipped = ops.cast(ops.logical_not(finite), "int32")
-        self._skips.assign(ops.stack([ops.add(self._skips[0], skipped), skipped]))
+        if not counted:
+            self._skips.assign(ops.where(finite, self._skips.value, self._skipped_counts()))
 
     def apply(self, grads: Any, trainable_variables: Any = None) -> None:
         if trainable_variables is None and not self.built:
@@ -240,21 +235,23 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         def apply_inner():
             self.inner_optimizer.apply(self._unscale(grads, tvs), trainable_variables=trainable_variables)
 
+        # the skip counted in its own branch: a step applied (in a TensorFlow graph, ~2 us an op)
+        # spends nothing on the counters
         if is_concrete(finite):
-            if bool(ops.convert_to_numpy(finite)):
-                apply_inner()
+            (apply_inner if bool(ops.convert_to_numpy(finite)) else self._count_skip)()
         else:
-            ops.cond(finite, apply_inner, lambda: None)
-        self._update_scale(finite)
+            ops.cond(finite, apply_inner, self._count_skip)
+        self._update_scale(finite, counted=True)
 
     def _stateful_handle_finite_grads(self, grads: Any, trainable_variables: Any) -> None:
         # Keras's merge_call path under tf.distribute calls this per replica.
         tvs = trainable_variables or self._trainable_variables
         self.inner_optimizer.apply(self._unscale(grads, tvs), trainable_variables=trainable_variables)
-        self._update_scale(ops.convert_to_tensor(True))
+        self._update_scale(ops.convert_to_tensor(True), counted=True)
 
     def _stateful_handle_non_finite_grads(self) -> None:
-        self._update_scale(ops.convert_to_tensor(False))
+        self._count_skip()
+        self._update_scale(ops.convert_to_tensor(False), counted=True)
 
     # -- saving --------------------------------------------------------------
     def save_own_variables(self, store: Any) -> None:

@@ -22,6 +22,45 @@ from mixedpolicy.backends.keras import state
 _log = logging.getLogger("mixedpolicy")
 
 
+class SkipCounters:
+    """A Keras `LossScaleOptimizer`'s skip counters, one int32 variable ``[num_skipped_steps, the
+    attempt skipped last]`` (each variable costs in Keras's JAX trainer), an attempt numbered by
+    the inner optimizer's iterations plus the steps skipped: a step applied touches neither."""
+
+    def _build_skip_counters(self) -> None:
+        self._skips = self.add_variable(shape=(2,), dtype="int32", initializer="zeros",
+                                        aggregation="none", name="skipped_steps")
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last step was skipped for a non-finite gradient."""
+        if not self.built:
+            return False
+        total, attempt = (int(v) for v in ops.convert_to_numpy(self._skips))
+        return total > 0 and attempt == int(ops.convert_to_numpy(self.inner_optimizer.iterations)) + total
+
+    @property
+    def num_skipped_steps(self) -> int:
+        """How many steps were skipped so far."""
+        return int(ops.convert_to_numpy(self._skips)[0]) if self.built else 0
+
+    def _skipped_counts(self) -> Any:
+        """The counters once the step under way is counted as skipped."""
+        total = ops.add(self._skips.value[0], 1)
+        return ops.stack([total, ops.add(ops.cast(self.inner_optimizer.iterations.value, "int32"), total)])
+
+    def _count_skip(self) -> None:
+        self._skips.assign(self._skipped_counts())
+
+    def _read_earlier_counters(self) -> None:
+        """Counters loaded from a file written before 2026-11-28 (``[skipped, 1 if the last step
+        was]``, an attempt below the count) in today's form."""
+        total, last = (int(v) for v in ops.convert_to_numpy(self._skips))
+        if last < total or (total == 0 and last):
+            iterations = int(ops.convert_to_numpy(self.inner_optimizer.iterations))
+            self._skips.assign(np.asarray([total, iterations + total if last == 1 else 0], np.int32))
+
+
 class SkipCounts(KerasSaveable):
     """Saves a wrapper's skip counters in a group of their own (``optimizer/_skip_store``), so
     the optimizer's group holds exactly what Keras's own LossScaleOptimizer reads."""
@@ -47,6 +86,7 @@ class SkipCounts(KerasSaveable):
         if owner is None or not owner.built or "0" not in store.keys():
             return
         owner._skips.assign(store["0"])
+        owner._read_earlier_counters()
         if "1" not in store.keys() or bool(store["1"]) == _scales(owner):
             return
         loaded = float(ops.convert_to_numpy(owner.dynamic_scale))
@@ -99,6 +139,7 @@ def load_keras_layout(optimizer: Any, store: Any) -> bool:
         return False
     assignments, changed = plan
     _assign(assignments)
+    optimizer._read_earlier_counters()
     if changed:
         _log.warning("LossScaleOptimizer.load_own_variables: the optimizer state was saved as %s; %s keeps "
                      "it as %s, so it was converted (moments rounded to nearest into a float dtype, "

@@ -105,6 +105,16 @@ def test_bounded_scale_skips_and_checkpoints():
     compiled_apply(opt2, [ops.convert_to_tensor(np.array([2.0, 2.0, 2.0], "float32"))], w2)
     np.testing.assert_allclose(ops.convert_to_numpy(w2), [0.9, 1.9, 2.9], rtol=1e-6)
     assert opt2.num_skipped_steps == 1 and not opt2.last_step_skipped
+    # the check alone (float32: no scale), compiled: the skip is counted in the skipping branch
+    # only, and the last step's answer follows each step, skipped or applied
+    safe = mp.LossScaleOptimizer(keras.optimizers.SGD(0.1), policy="float32")
+    w3 = keras.Variable(np.array([1.0, 2.0, 3.0], "float32"))
+    safe.build([w3])
+    ones = ops.convert_to_tensor(np.ones(3, "float32"))
+    for grad, skipped, count in [(inf, True, 1), (ones, False, 1), (inf, True, 2), (inf, True, 3), (ones, False, 3)]:
+        compiled_apply(safe, [grad], w3)
+        assert (safe.last_step_skipped, safe.num_skipped_steps) == (skipped, count)
+    np.testing.assert_allclose(ops.convert_to_numpy(w3), [0.8, 1.8, 2.8], rtol=1e-6)
 
     # model.fit with one poisoned batch per epoch: that step is skipped, counted, the rest train
     # (a first step may also overflow in float16 at the initial scale of 2**15: skipped too)
