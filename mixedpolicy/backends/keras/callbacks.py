@@ -22,12 +22,13 @@ class LossScaleCallback(keras.callbacks.Callback):
         self.every_n_steps = every_n_steps
 
     def _add(self, logs: Any) -> None:
-        if logs is None:
-            return
-        try:
-            logs.update(metrics(self.model.optimizer))
-        except TypeError:
-            pass  # not a LossScaleOptimizer: nothing to add
+        from mixedpolicy.backends.keras.optimizer import LossScaleOptimizer
+
+        # (reading `self.model` puts back the values Keras's JAX trainer holds apart during fit)
+        optimizer = getattr(self.model, "optimizer", None)
+        if logs is None or not isinstance(optimizer, LossScaleOptimizer):
+            return  # not mixedpolicy's: nothing to add
+        logs.update(metrics(optimizer))
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         if batch % self.every_n_steps == 0:

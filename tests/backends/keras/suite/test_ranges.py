@@ -36,3 +36,19 @@ def test_the_keras_callback_puts_the_scale_in_the_logs():
     history = model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[LossScaleCallback(every_n_steps=1)])
     assert history.history["loss_scale"] == [32768.0, 32768.0]
     assert history.history["skipped_steps"] == [0, 0]
+    # at each batch, what a logger placed after it (TensorBoard, CSVLogger) sees is that step's
+    # (Keras's JAX trainer holds the optimizer's values apart during fit: read through self.model)
+    def poisoned(y_true, y_pred):  # the third batch's loss is infinite
+        return keras.ops.mean((y_true - y_pred) ** 2, axis=-1) * keras.ops.where(keras.ops.max(y_true) > 50, np.inf, 1.0)
+    model.compile(keras.optimizers.SGD(0.01), poisoned)
+    y = np.zeros((16, 2), "float32")
+    y[9] = 100.0
+    batches = []
+    seen = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: batches.append(dict(logs)))
+    model.fit(np.ones((16, 4), "float32"), y, batch_size=4, shuffle=False, verbose=0,
+              callbacks=[LossScaleCallback(every_n_steps=1), seen])
+    assert [(b["loss_scale"], b["skipped_steps"], b["last_step_skipped"]) for b in batches] == \
+        [(32768.0, 0, False), (32768.0, 0, False), (16384.0, 1, True), (16384.0, 1, False)], batches
+    plain = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])  # Keras's own optimizer: left alone
+    plain.compile(keras.optimizers.SGD(0.01), "mse")
+    assert "loss_scale" not in plain.fit(x, y[:8], verbose=0, callbacks=[LossScaleCallback()]).history
