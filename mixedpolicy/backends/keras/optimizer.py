@@ -184,6 +184,8 @@ class LossScaleOptimizer(SkipCounters, keras.optimizers.LossScaleOptimizer):
         if trainable_variables is None and not self.built:
             raise ValueError("Received gradients without trainable_variables, and this optimizer is not built yet: "
                              "pass them on the first call, opt.apply(grads, model.trainable_variables).")
+        if trainable_variables is not None and not isinstance(trainable_variables, (list, tuple)):
+            trainable_variables = list(trainable_variables)  # an iterable, as Keras's own apply takes it
         variables = trainable_variables if trainable_variables is not None else self._trainable_variables
         check_gradients(grads, variables)
         grads, summed = sum_across_replicas(grads, variables, self._reduce_policy)

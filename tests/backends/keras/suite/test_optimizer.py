@@ -419,3 +419,17 @@ def test_compile_warns_of_a_wrapper_that_followed_a_policy_without_scaling_for_a
     assert compiled("mixed_float16", policy="mixed_float16") == []  # it scales
     assert compiled("mixed_float16", loss_scale=mp.NoLossScale()) == []  # chosen, not followed
     assert compiled("mixed_bfloat16") == []  # nothing to scale
+
+
+def test_apply_takes_the_variables_as_any_iterable_as_keras_own_does():
+    from keras import ops
+
+    w = [keras.Variable(np.ones(3, "float32")), keras.Variable(np.ones(2, "float32"))]
+    opt = mp.LossScaleOptimizer(keras.optimizers.SGD(0.5), policy="float32")
+    opt.apply([ops.ones(3), ops.ones(2)], (v for v in w))  # keras.optimizers.SGD takes a generator too
+    np.testing.assert_allclose(ops.convert_to_numpy(w[1]), [0.5, 0.5])
+    try:  # gradients must be a list (Keras's own fails on len() of a generator)
+        opt.apply((g for g in [ops.ones(3), ops.ones(2)]), w)
+        raise AssertionError("expected a TypeError")
+    except TypeError as err:
+        assert "expected a list of gradient tensors" in str(err), err
