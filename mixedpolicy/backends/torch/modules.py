@@ -90,6 +90,7 @@ class TorchModels(ModelAdapter):
         return isinstance(obj, torch.nn.Module)
 
     def apply_policy(self, model: torch.nn.Module, policy_map: Any) -> torch.nn.Module:
+        _refuse_torchscript(model)
         if _is_ddp(model):  # the policy goes on the wrapped module; the reduce dtypes to DDP's hook
             from mixedpolicy.backends.torch.reduce import apply_to_ddp
 
@@ -152,6 +153,8 @@ class TorchModels(ModelAdapter):
         return model
 
     def remove_policy(self, model: torch.nn.Module) -> torch.nn.Module:
+        if isinstance(model, torch.jit.ScriptModule):
+            return model  # (never under a policy: apply_policy refuses it)
         if _is_ddp(model):
             from mixedpolicy.backends.torch.reduce import remove_from_ddp
 
@@ -168,6 +171,7 @@ class TorchModels(ModelAdapter):
         return range_stats(model, loss_fn, batches, scales, activations)
 
     def describe(self, model: torch.nn.Module) -> list:
+        _refuse_torchscript(model)
         if unwrap(model) is not model:
             return self.describe(unwrap(model))
         if _is_ddp(model):  # the wrapped module's own paths: the keys apply_policy(ddp, ...) matches
@@ -185,6 +189,15 @@ class TorchModels(ModelAdapter):
             rows.append(LayerPolicy(path, type(module).__name__, policy, source,
                                     runs_float8=state is not None and "float8_original" in state))
         return rows
+
+
+def _refuse_torchscript(model: Any) -> None:
+    if isinstance(model, torch.jit.ScriptModule):
+        raise TypeError(
+            f"Received a TorchScript module ({type(model).__name__}): its code is compiled already, so a "
+            f"policy can neither change nor read what its layers compute. Apply the policy to the "
+            f"nn.Module, then trace it (torch.jit.trace records the casts) or compile it with "
+            f"torch.compile; torch.jit.script cannot compile a module under a policy.")
 
 
 def _is_ddp(model: Any) -> bool:

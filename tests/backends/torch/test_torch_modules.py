@@ -306,3 +306,12 @@ def test_torch_export_and_trace_keep_the_policy_of_the_model_and_of_a_submodule(
     torch.testing.assert_close(exported(x), model(x))
     assert encoder(x).dtype == torch.bfloat16
     torch.testing.assert_close(encoder(x), model.encoder(x))
+
+
+def test_a_torchscript_module_is_refused_with_the_order_that_works():
+    x = torch.randn(3, 8)
+    for compiled in (torch.jit.script(make()), torch.jit.trace(make(), (x,))):
+        for call in (lambda: mp.apply_policy(compiled, "mixed_bfloat16"), lambda: mp.describe(compiled)):
+            with pytest.raises(TypeError, match="TorchScript module .* Apply the policy to the nn.Module, then trace it"):
+                call()
+        assert mp.remove_policy(compiled) is compiled  # nothing to remove
