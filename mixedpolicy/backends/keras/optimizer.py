@@ -101,6 +101,7 @@ class LossScaleOptimizer(SkipCounters, keras.optimizers.LossScaleOptimizer):
                              f"belong to the inner optimizer: pass them when you create it, then "
                              f"wrap it.") from None
         self._scale_settings = loss_scale
+        self._unit_scale = isinstance(loss_scale, StaticLossScale) and float(loss_scale.loss_scale) == 1.0
         self._pass_through = pass_through
         self._reduce_policy = check_reduce_policy(reduce_policy)
         self._skip_store = SkipCounts(self)
@@ -149,6 +150,9 @@ class LossScaleOptimizer(SkipCounters, keras.optimizers.LossScaleOptimizer):
     # -- the step ------------------------------------------------------------
     def check_finite(self, grads: Any) -> Any:
         check_gradients(grads, None)  # (a list of tensors: Keras's own method takes the same)
+        return self._finite(grads)
+
+    def _finite(self, grads: Any) -> Any:  # (`apply` checked the gradients already)
         return finite_on_every_replica(all_finite(grads))
 
     def _unscale(self, grads: Any, trainable_variables: Any) -> list:
@@ -164,10 +168,6 @@ class LossScaleOptimizer(SkipCounters, keras.optimizers.LossScaleOptimizer):
 
         return [g if g is None or self._overwrite_variable_with_gradient(v) else unscale(g)
                 for g, v in zip(grads, trainable_variables)]
-
-    @property
-    def _unit_scale(self) -> bool:
-        return isinstance(self._scale_settings, StaticLossScale) and float(self._scale_settings.loss_scale) == 1.0
 
     def _update_scale(self, finite: Any, counted: bool = False) -> None:
         """Assigns the next scale and growth counter, and the skip counters unless a branch that
@@ -210,7 +210,7 @@ class LossScaleOptimizer(SkipCounters, keras.optimizers.LossScaleOptimizer):
         mapping = list(zip(self.variables, optimizer_variables))
         old_trainable, old_inner = list(trainable_variables), list(optimizer_variables[own:])
         with keras.StatelessScope(state_mapping=mapping) as scope:
-            finite = self.check_finite(grads)
+            finite = self._finite(grads)
             concrete = is_concrete(finite)
             if concrete and not bool(ops.convert_to_numpy(finite)):
                 new_trainable, new_inner = old_trainable, old_inner
@@ -231,7 +231,7 @@ class LossScaleOptimizer(SkipCounters, keras.optimizers.LossScaleOptimizer):
         return new_trainable, new_own + new_inner
 
     def _common_apply(self, grads: Any, trainable_variables: Any = None) -> None:
-        finite = self.check_finite(grads)
+        finite = self._finite(grads)
         tvs = trainable_variables or self._trainable_variables
 
         def apply_inner():
