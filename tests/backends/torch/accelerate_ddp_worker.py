@@ -47,6 +47,7 @@ def run(rank, world, port):
     both = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(both, flat)
     assert torch.equal(both[0], both[1]) and torch.isfinite(flat).all()
+    accelerator.wait_for_everyone()  # both ranks passed every check before rank 0 reports
     if rank == 0:
         print(json.dumps({"skipped": skipped, "scale": accelerator.scaler.get_scale(),
                           "distributed_type": str(accelerator.distributed_type)}), flush=True)

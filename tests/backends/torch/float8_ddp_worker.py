@@ -56,7 +56,7 @@ def run(rank, world, port):
         assert history[0] == torch.tensor(largest[2]).item(), (history, largest)
         assert sorted(history[1:])[-2:] == sorted(torch.tensor(largest[:2]).tolist()), (history, largest)
         assert a["grad_scale"] != 1.0 and max(a["grad_amax_history"]) > 0
-        print(json.dumps({"ranks_agree": True, "input_amax_history": history}))
+        print(json.dumps({"ranks_agree": True, "input_amax_history": history}), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 

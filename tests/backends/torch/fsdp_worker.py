@@ -3,9 +3,10 @@
 
     python fsdp_worker.py PORT
 
-Each rank asserts; rank 0 prints "ok" once both passed.
+Each rank asserts; rank 0 prints {"ok": true} once both passed.
 """
 
+import json
 import os
 import sys
 
@@ -65,7 +66,7 @@ def run(rank, world, port):
     assert torch.equal(both[0], both[1]), both
     dist.barrier()
     if rank == 0:
-        print("ok", flush=True)
+        print(json.dumps({"ok": True}), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 

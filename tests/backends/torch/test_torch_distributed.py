@@ -2,10 +2,15 @@
 reduces its amaxes across ranks (two gloo ranks on CPU: ddp_worker.py, fsdp_worker.py,
 float8_ddp_worker.py)."""
 
+import contextlib
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -21,16 +26,36 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _report(worker_name: str) -> dict:
+def _report(worker_name: str, timeout: float = 300, teardown_grace: float = 30) -> dict:
     """Runs a two-rank worker script of this folder; rank 0's last line, a JSON report, once
-    both ranks passed every check. On a loaded 2-core machine gloo can abort while tearing
-    down after that ("terminate called without an active exception"): the report decides,
-    the exit status only when it is missing."""
+    both ranks passed every check (rank 0 prints after a collective that needs rank 1 past
+    its own checks). On a loaded 2-core machine gloo can abort or hang while tearing down
+    after that ("terminate called without an active exception", a barrier that never
+    returns): the report decides, the teardown gets `teardown_grace` seconds and is then
+    stopped, and the exit status decides only when the report is missing."""
     worker = Path(__file__).with_name(worker_name)
-    done = subprocess.run([sys.executable, str(worker), str(_free_port())], capture_output=True,
-                          text=True, timeout=300, cwd=worker.parent)
-    lines = done.stdout.strip().splitlines()
-    assert lines and lines[-1].startswith("{"), done.stdout[-2000:] + done.stderr[-4000:]
+    proc = subprocess.Popen([sys.executable, str(worker), str(_free_port())], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=worker.parent, start_new_session=True)
+    out: list = []
+    err: list = []
+    readers = [threading.Thread(target=lambda s=s, into=into: into.extend(s), daemon=True)
+               for s, into in ((proc.stdout, out), (proc.stderr, err))]
+    for reader in readers:
+        reader.start()
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        if out and out[-1].startswith("{"):
+            deadline = min(deadline, time.monotonic() + teardown_grace)
+        time.sleep(0.2)
+    if proc.poll() is None:  # the whole group: torch.multiprocessing's ranks too
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    for reader in readers:
+        reader.join(timeout=10)
+    lines = "".join(out).strip().splitlines()
+    assert lines and lines[-1].startswith("{"), (f"{worker_name} gave no report (exit {proc.returncode}):\n"
+                                                 + "".join(out)[-2000:] + "".join(err)[-4000:])
     return json.loads(lines[-1])
 
 
@@ -76,10 +101,7 @@ def test_fsdp2_under_to_fsdp_trains_as_by_hand_and_ranks_skip_together():
     """to_fsdp() equals the MixedPrecisionPolicy one writes by hand and trains bit for bit
     the same; an overflow in one rank's shard makes both ranks skip (fsdp_worker.py)."""
     require_module("torch")
-    worker = Path(__file__).with_name("fsdp_worker.py")
-    done = subprocess.run([sys.executable, str(worker), str(_free_port())], capture_output=True,
-                          text=True, timeout=300, cwd=worker.parent)
-    assert done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-4000:]
+    assert _report("fsdp_worker.py") == {"ok": True}
 
 
 def test_to_fsdp_refuses_8_bit_gradients_and_says_where_they_go():
