@@ -5,7 +5,6 @@ scale a ``torch.amp.GradScaler`` state dict describes.
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
 from typing import Any
 
 import torch
@@ -128,44 +127,6 @@ def config_from_scaler_state(cfg: LossScale, state: Any, follows_policy: bool = 
     return cfg, state.get("num_skipped_steps")
 
 
-def params_by_device_and_dtype(param_groups: list, half_allowed: bool) -> dict | None:
-    """The groups' parameters by (device, dtype), where a step may gather their gradients so;
-    None where each step must look at every gradient (`grads_by_device_and_dtype`): a float16
-    parameter whose gradient is to be refused."""
-    found: dict = defaultdict(list)
-    for group in param_groups:
-        for p in group["params"]:
-            if p.dtype == torch.float16 and not half_allowed:
-                return None
-            found[(p.device, p.dtype)].append(p)
-    return dict(found)
-
-
-def grads_by_device_and_dtype(param_groups: list, half_allowed: bool) -> dict:
-    """The gradients of the groups, by (device, dtype), as torch's foreach kernels take them.
-
-    Raises:
-      ValueError: a float16 parameter has a gradient (and `half_allowed` is false).
-    """
-    groups: dict = defaultdict(list)
-    for group in param_groups:
-        for p in group["params"]:
-            g = p.grad
-            if g is None:
-                continue
-            if p.dtype == torch.float16 and not half_allowed:
-                raise ValueError(
-                    "Attempting to unscale float16 gradients of float16 parameters (as "
-                    "torch.amp.GradScaler refuses to): the model was made half precision "
-                    "(.half()) after the optimizer was wrapped, so its master weights are "
-                    "float16 and updates are lost to rounding. Keep parameters in float32 and "
-                    "compute in float16 with apply_policy(model, 'mixed_float16').")
-            if g.is_sparse:
-                g = g.coalesce()._values() if g.dtype == torch.float16 else g._values()
-            groups[(g.device, g.dtype)].append(g)
-    return groups
-
-
 def unscaled_step_error(what: str, scale: float) -> RuntimeError:
     """The refusal of a step (or unscale) whose gradients did not come from a scaled loss."""
     return RuntimeError(
@@ -177,45 +138,6 @@ def unscaled_step_error(what: str, scale: float) -> RuntimeError:
         f"Precision(policy)]) with the plain optimizer from configure_optimizers; for the "
         f"Hugging Face Trainer, mixedpolicy.huggingface.Trainer(..., policy=policy) scales "
         f"through Accelerate (pass the plain optimizer).")
-
-
-# (device type, dtype) pairs whose gradients torch's AMP kernel cannot unscale: CUDA's
-# `_amp_foreach_non_finite_check_and_unscale_` takes float64/32/16 only, so a pure bfloat16
-# model's gradients there go through `_unscale_and_check_by_norm`; a pair another device
-# refuses is learned the first time it is refused.
-_AMP_KERNEL_LACKS: set = {("cuda", torch.bfloat16)}
-_ONES: dict = {}
-
-
-def unscale_and_check_(grads: list, found_inf: torch.Tensor, inv_scale: torch.Tensor | None) -> None:
-    """Multiplies `grads` (one device, one dtype) by `inv_scale` in place (None: checks only) and
-    sets `found_inf` to 1 if any value was inf or NaN, without a host sync: torch's AMP kernel
-    where it takes the dtype, the same arithmetic from foreach kernels where it does not."""
-    key = (grads[0].device.type, grads[0].dtype)
-    if key not in _AMP_KERNEL_LACKS:
-        try:
-            if inv_scale is None:  # a 1 kept per device (the kernel always multiplies)
-                inv_scale = _ONES.get(found_inf.device)
-                if inv_scale is None:
-                    inv_scale = _ONES[found_inf.device] = torch.ones((), device=found_inf.device)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
-            return
-        except NotImplementedError:  # refused at dispatch, before any gradient was touched
-            _AMP_KERNEL_LACKS.add(key)
-    _unscale_and_check_by_norm(grads, found_inf, inv_scale)
-
-
-def _unscale_and_check_by_norm(grads: list, found_inf: torch.Tensor, inv_scale: torch.Tensor | None) -> None:
-    # the largest magnitude of each gradient: inf where one holds inf, NaN where one holds NaN
-    # (the max propagates NaN on every device), a finite number otherwise; no copy of a gradient
-    grads = [g for g in grads if g.numel()]  # (an empty tensor has no largest magnitude)
-    if not grads:
-        return
-    largest = torch.stack(torch._foreach_norm(grads, float("inf")))
-    # set to 1 as the AMP kernel sets it (not added: a device's other dtypes share the flag)
-    torch.maximum(found_inf, (~torch.isfinite(largest)).any().to(found_inf.dtype), out=found_inf)
-    if inv_scale is not None:
-        torch._foreach_mul_(grads, inv_scale)
 
 
 # Device types where reading the found-inf flag on the host (a non-fused optimizer's skip)

@@ -79,10 +79,6 @@ class InnerView:
         # next step checks the ones a new backward makes (it stepped on inf ones before)
         self._unscaled, self._found_inf = False, None
 
-    def _stepped(self) -> list:
-        """The optimizers the current step acts on: all, or the one `acting_on` names."""
-        return self._inners if self._acting_on is None else [self._acting_on]
-
     @contextlib.contextmanager
     def acting_on(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
         """Within it, `unscale_` and `step` act on `optimizer` alone (one of `inner_optimizers`),

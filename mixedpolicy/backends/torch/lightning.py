@@ -241,7 +241,7 @@ class PolicyPrecision:
                 found = wrapper._found_inf
                 self._unscaled.append((inner, None if found is None else found.clone()))
                 wrapper._unscaled, wrapper._found_inf = False, None
-                wrapper._clean_flags.clear()  # the device's flag holds this answer: zeroed next time
+                wrapper._checks.clean.clear()  # the device's flag holds this answer: zeroed next time
 
     def optimizer_step(self, optimizer: Any, model: Any = None, closure: Callable[[], Any] | None = None,
                        **kwargs: Any) -> Any:
@@ -255,7 +255,7 @@ class PolicyPrecision:
                     return wrapper.step(closure, **kwargs)
                 finally:
                     if waiting is not None:  # the device's flag may hold another's answer
-                        wrapper._clean_flags.clear()
+                        wrapper._checks.clean.clear()
         if self.optimizer is None:
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         inner = _unwrap(optimizer)

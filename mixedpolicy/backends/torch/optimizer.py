@@ -23,10 +23,9 @@ from torch.optim import optimizer as _torch_optimizer
 
 from mixedpolicy._adapter import OptimizerAdapter
 from mixedpolicy.backends.torch.arrays import PARAMETER_POLICY
-from mixedpolicy.backends.torch.checks import (check_inner, is_own_optimizer,
-                                               grads_by_device_and_dtype, params_by_device_and_dtype,
-                                               take_fused_kernels, unscale_and_check_, unscaled_step_error)
+from mixedpolicy.backends.torch.checks import check_inner, is_own_optimizer, take_fused_kernels, unscaled_step_error
 from mixedpolicy.backends.torch.closure import check_closure_optimizers, closure_step, reevaluates_closure
+from mixedpolicy.backends.torch.found_inf import FoundInf
 from mixedpolicy.backends.torch.inner import InnerView
 from mixedpolicy.backends.torch.updates import TorchUpdates
 from mixedpolicy.backends.torch.state import Checkpoints
@@ -58,10 +57,7 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
         self._scale: torch.Tensor | None = None
         self._growth_tracker: torch.Tensor | None = None
         self._found_inf: torch.Tensor | None = None  # of the current step, once checked
-        self._found_flags: dict = {}  # a found-inf flag per device, zeroed at each check ...
-        self._clean_flags: set = set()  # ... unless the last step read it as 0 (the devices here)
-        self._partition: tuple | None = None  # (groups' key, parameters by device and dtype)
-        self._per_device_flags = False  # the flag sums several devices' (then it may exceed 1)
+        self._checks = FoundInf()  # the flags per device, the parameters' partition
         self._unscaled = self._kernels_chosen = False
         self._acting_on: torch.optim.Optimizer | None = None
         self._loss_scaled = False  # scale_loss ran since the last step (GradScaler's check, per step)
@@ -78,18 +74,19 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
         check_closure_optimizers([*self._inners, opt], self._scale_settings)
         check_inner(opt, self._scale_settings, TorchLossScaleOptimizer)
         self._inners.append(opt)
-        self._partition = None
+        self._checks.forget_partition()
         self._kernels_chosen = False
         if len(self._inners) == 1:
             self.defaults = opt.defaults
 
     def __getstate__(self) -> dict:  # torch.optim.Optimizer keeps only defaults/state/groups
-        return dict(self.__dict__, _found_flags={}, _clean_flags=set(), _partition=None)  # caches
+        return dict(self.__dict__, _checks=FoundInf())  # (its flags and partition: caches)
 
     def __setstate__(self, state: dict) -> None:
+        for old in ("_found_flags", "_clean_flags", "_partition", "_per_device_flags"):
+            state.pop(old, None)  # a wrapper pickled before they moved to FoundInf
         self.__dict__.update(state)
-        for key, value in (("_found_flags", {}), ("_clean_flags", set()), ("_partition", None),
-                           ("_kernels_chosen", True)):  # (a wrapper pickled before these existed)
+        for key, value in (("_checks", FoundInf()), ("_kernels_chosen", True)):  # (or before these existed)
             self.__dict__.setdefault(key, value)
 
     # -- scale ----------------------------------------------------------------
@@ -134,26 +131,6 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
         raise unscaled_step_error(what, float(self.loss_scale))
 
     # -- unscale and step -----------------------------------------------------
-    def _grads_by_device_and_dtype(self) -> dict:
-        groups = self.param_groups if self._acting_on is None else self._acting_on.param_groups
-        half_allowed = isinstance(self._scale_settings, NoLossScale)
-        # the parameters' partition by (device, dtype) is kept while the groups stay the same
-        # (a gradient has its parameter's device and dtype); each step only gathers gradients
-        key = (half_allowed, *[(id(g["params"]), len(g["params"])) for g in groups])
-        if self._partition is None or self._partition[0] != key:
-            self._partition = (key, params_by_device_and_dtype(groups, half_allowed))
-        by_params = self._partition[1]
-        if by_params is not None:
-            found, sparse = {}, False
-            for where, params in by_params.items():
-                grads = [p.grad for p in params if p.grad is not None]
-                if grads:
-                    found[where] = grads
-                    sparse = sparse or any([g.is_sparse for g in grads])
-            if not sparse:
-                return found
-        return grads_by_device_and_dtype(groups, half_allowed=half_allowed)
-
     def _inverse(self, scale: torch.Tensor) -> torch.Tensor | None:
         if isinstance(self._scale_settings, NoLossScale):
             return None  # its scale is 1: the check alone, no reciprocal to compute
@@ -161,30 +138,8 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
 
     def _unscale_and_check(self, inv_scale: Any, scale: torch.Tensor, what: str = "step()") -> torch.Tensor:
         """Multiplies every gradient by `inv_scale` (None: only checks); one found-inf flag, no sync."""
-        per_device: dict = {}
-        for (device, _), grads in self._grads_by_device_and_dtype().items():
-            found = per_device.get(device)
-            if found is None:  # one flag per device, kept from step to step
-                found = self._found_flags.get(device)
-                if found is None:
-                    found = self._found_flags[device] = torch.zeros((), dtype=torch.float32, device=device)
-                elif device not in self._clean_flags:  # a flag the last step read as 0 needs no zeroing
-                    found.zero_()
-                self._clean_flags.discard(device)
-                per_device[device] = found
-            unscale_and_check_(grads, found, inv_scale if inv_scale is None or inv_scale.device == device
-                               else inv_scale.to(device))
-        self._per_device_flags = len(per_device) > 1
-        if not per_device:
-            raise RuntimeError(
-                f"{what} found no gradients in any parameter: nothing was backpropagated since "
-                "the last zero_grad(), so there is no finiteness to check and the step would "
-                "count towards growing the scale (torch.amp.GradScaler stops here too: 'No inf "
-                "checks were recorded'). Call opt.scale_loss(loss).backward() before opt.step().")
-        if len(per_device) == 1:
-            (flag,) = per_device.values()
-            return flag if flag.device == scale.device else flag.to(scale.device, non_blocking=True)
-        return sum(f.to(scale.device, non_blocking=True) for f in per_device.values())
+        groups = self.param_groups if self._acting_on is None else self._acting_on.param_groups
+        return self._checks.check(groups, isinstance(self._scale_settings, NoLossScale), inv_scale, scale, what)
 
     def unscale_(self, optimizer: Any = None) -> None:
         """Divides the gradients by the scale in place (call before clipping them); `optimizer`, as
@@ -227,9 +182,12 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
         return self._step(closure)
 
     def _step(self, closure: Any = None) -> Any:
-        closure = None if is_own_optimizer(self, closure, "step") else closure
+        # (the common case, no closure and one optimizer, in as few Python operations as it
+        # takes: on a CPU a small model's step spends more time in Python than in the check)
+        if closure is not None and is_own_optimizer(self, closure, "step"):
+            closure = None
         pass_through = is_pass_through(self._scale_settings)
-        stepped = self._stepped()
+        stepped = self._inners if self._acting_on is None else [self._acting_on]
         if closure is not None and any(reevaluates_closure(o) for o in stepped):
             return closure_step(self, stepped[0], closure)
         result = None
@@ -241,14 +199,13 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
                 opt.step()
             self._after_step()
             return result
-        if not self._unscaled:
+        if not (self._unscaled or self._loss_scaled):
             self._check_loss_was_scaled("step()")
         # NoLossScale too: its scale is 1, and a non-finite step is still skipped
         scale = self._scale if self._scale is not None else self._ensure_scale(self._first_device())
         if not self._kernels_chosen:  # once, before the first step
             self._kernels_chosen = take_fused_kernels(self._inners)
-        fused = all(getattr(opt, "_step_supports_amp_scaling", False) for opt in stepped)
-        if fused:
+        if all([getattr(opt, "_step_supports_amp_scaling", False) for opt in stepped]):  # fused
             if self._found_inf is None:  # the fused kernel unscales; only check here
                 self._found_inf = self._unscale_and_check(None, scale)
             for opt in stepped:
@@ -265,7 +222,7 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
             if not skipped:
                 for opt in stepped:
                     opt.step()
-                self._clean_flags = set(self._found_flags)  # each flag read as 0: no zeroing next time
+                self._checks.read_as_zero()  # no zeroing next time
             self._update_scale(self._found_inf, skipped)
             self._after_step()
             return result
@@ -288,7 +245,7 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
         # then the last step's answer and the count need no op
         if skipped is None:
             self._last_skipped = found_inf.clone()  # stays this step's after the flag is reused
-            self._skipped.add_(found_inf.clamp(max=1) if self._per_device_flags else found_inf)
+            self._skipped.add_(found_inf.clamp(max=1) if self._checks.several else found_inf)
         else:
             self._last_skipped = skipped
             if skipped:

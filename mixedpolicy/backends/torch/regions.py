@@ -126,11 +126,19 @@ class _Region:
         return self.__wrapped__.__code__
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # (one Python frame between the module's call and its forward where it can: on a CPU a
+        # small model's forward spends as much time in Python as in its kernels)
         _running.depth = getattr(_running, "depth", 0) + 1
         try:
-            return self._run(*args, **kwargs)
+            if self._autocast:
+                with torch.autocast(_device_type(args, kwargs, self.module), dtype=self._compute):
+                    out = (type(self.module).forward(self.module, *args, **kwargs) if self.inner is None
+                           else self.inner(*args, **kwargs))
+            else:
+                out = self._cast_and_run(args, kwargs)
         finally:
             _running.depth -= 1
+        return cast_floating(out, self._output) if self._cast_out else out
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         """The forward this one wraps: the instance's earlier one, else the class's, called with
@@ -141,21 +149,15 @@ class _Region:
             return self.inner(*args, **kwargs)
         return type(self.module).forward(self.module, *args, **kwargs)
 
-    def _run(self, *args: Any, **kwargs: Any) -> Any:
-        module = self.module
-        if self._autocast:
-            with torch.autocast(_device_type(args, kwargs, module), dtype=self._compute):
-                out = self._forward(*args, **kwargs)
-        else:
-            args, kwargs = cast_floating(args, self._compute), cast_floating(kwargs, self._compute)
-            device = _device_type(args, kwargs, module)
-            if torch.is_autocast_enabled(device):
-                with torch.autocast(device, enabled=False):
-                    out = self._forward(*args, **kwargs)
-            else:
-                out = self._forward(*args, **kwargs)
-        return cast_floating(out, self._output) if self._cast_out else out
-
+    def _cast_and_run(self, args: tuple, kwargs: dict) -> Any:
+        """A region that is no autocast: its floating inputs cast to the compute dtype, and
+        autocast off where the caller's is on."""
+        args, kwargs = cast_floating(args, self._compute), cast_floating(kwargs, self._compute)
+        device = _device_type(args, kwargs, self.module)
+        if torch.is_autocast_enabled(device):
+            with torch.autocast(device, enabled=False):
+                return self._forward(*args, **kwargs)
+        return self._forward(*args, **kwargs)
 
 
 def _autocasts(policy: Policy) -> bool:
@@ -170,7 +172,9 @@ class _Entry(_Region):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if getattr(_running, "depth", 0) or torch.is_autocast_enabled(_device_type(args, kwargs, self.module)):
-            return self._forward(*args, **kwargs)
+            if self.inner is None:  # (_forward's body: a frame less on every call inside a region)
+                return type(self.module).forward(self.module, *args, **kwargs)
+            return self.inner(*args, **kwargs)
         return _Region.__call__(self, *args, **kwargs)
 
 

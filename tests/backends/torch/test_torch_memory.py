@@ -269,7 +269,7 @@ def test_the_check_made_of_foreach_kernels_finds_what_torchs_amp_kernel_finds(mo
     """CUDA's AMP unscale kernel takes no bfloat16 (a pure bfloat16 model failed its first step
     there): the check that stands in finds the same inf and NaN and unscales the same, and a
     (device, dtype) a kernel refuses is learned on the first refusal."""
-    from mixedpolicy.backends.torch import checks
+    from mixedpolicy.backends.torch import found_inf as checks
 
     inf, nan = float("inf"), float("nan")
     for values in ([1.0, -2.5], [1.0, inf], [nan, 3.0], [-inf, 3e38]):
@@ -295,7 +295,7 @@ def test_the_check_made_of_foreach_kernels_finds_what_torchs_amp_kernel_finds(mo
 
 @pytest.mark.parametrize("policy", ["bfloat16", "bfloat16_stochastic"])
 def test_a_pure_bfloat16_run_skips_and_steps_alike_where_the_amp_kernel_lacks_bfloat16(policy, monkeypatch):
-    from mixedpolicy.backends.torch import checks
+    from mixedpolicy.backends.torch import found_inf as checks
 
     runs = []
     for lacks in (set(), {("cpu", torch.bfloat16)}):  # the CPU's kernel, then as on CUDA
@@ -339,7 +339,7 @@ def test_pure_bfloat16_computes_what_module_to_bfloat16_does_but_the_norms_it_ke
 def test_a_step_with_bfloat16_and_float32_gradients_that_both_overflow_counts_one_skip(monkeypatch):
     """A pure bfloat16 model keeps its norms in float32: where the bfloat16 gradients take the
     foreach check (CUDA) and the float32 ones torch's kernel, one device's flag says skipped once."""
-    from mixedpolicy.backends.torch import checks
+    from mixedpolicy.backends.torch import found_inf as checks
 
     monkeypatch.setattr(checks, "_AMP_KERNEL_LACKS", {("cpu", torch.bfloat16)})
     torch.manual_seed(0)  # the float32 norm first: its gradients are checked before the bfloat16 ones

@@ -500,3 +500,65 @@ def test_an_implementation_the_user_chose_is_kept(monkeypatch):
         opt.scale_loss(model(torch.ones(3, 4)).sum()).backward()
         opt.step()
         assert inner.param_groups[0]["fused"] in (None, False) and inner.param_groups[0]["foreach"] == kw.get("foreach")
+
+
+class _Bag(torch.nn.Module):
+    """A sparse embedding bag (its gradient is a sparse tensor) and a dense head: one device and
+    one dtype, the partition the step checks in the fewest Python operations."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(20, 8, sparse=True)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, ids):
+        return self.head(self.emb(ids).mean(1))
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
+def test_sparse_gradients_beside_dense_ones_are_unscaled_and_checked_as_grad_scaler_does(policy):
+    """torch's AMP kernel refuses a sparse gradient at dispatch: the step's path for one device
+    and one dtype hands such a step to the general one, which unscales the sparse values. The
+    same weights as autocast + GradScaler step for step, the overflow skipped by both."""
+    ids = torch.randint(0, 20, (4, 5), generator=torch.Generator().manual_seed(1))
+    half = policy == "mixed_float16"
+    model = mp.apply_policy(_Bag(), policy)
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), policy=policy)
+    ref = _Bag()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**15, enabled=half)
+    for step in range(4):
+        poison = float("inf") if step == 1 else 1.0
+        opt.scale_loss(model(ids).float().pow(2).mean() * poison).backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16, enabled=half):
+            out = ref(ids)
+        scaler.scale(out.float().pow(2).mean() * poison).backward()
+        if half:
+            scaler.step(ref_opt)
+            scaler.update()
+        elif step != 1:  # (float32 has no GradScaler: the bare optimizer leaves the inf step out)
+            ref_opt.step()
+        ref_opt.zero_grad()
+        assert opt.last_step_skipped == (step == 1)
+    assert opt.num_skipped_steps == 1 and (not half or float(opt.loss_scale) == scaler.get_scale())
+    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+def test_a_flag_another_device_left_set_is_zeroed_before_that_device_is_checked_again():
+    """A step reads as 0 only the flags its check set: a device whose flag an earlier skip left
+    at 1 (another optimizer's parameters, stepped by `acting_on`) is zeroed before it is read
+    again, so its next finite step is not skipped."""
+    from mixedpolicy.backends.torch.found_inf import FoundInf
+
+    checks, other = FoundInf(), torch.device("cpu", 1)  # (a second device's key, as on two GPUs)
+    checks.flags[other] = torch.ones(())
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    found = checks.check([{"params": [p]}], True, None, torch.ones(()), "step()")
+    assert found.item() == 0
+    checks.read_as_zero()
+    assert other not in checks.clean and torch.device("cpu") in checks.clean
