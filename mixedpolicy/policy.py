@@ -234,6 +234,15 @@ class Policy:
         (``int8_from_...``) are refused: a Policy has no integer quantization, and dropping
         it would change the model.
         """
+        if isinstance(dtype_policy, Mapping) and hasattr(dtype_policy, "default_policy"):  # a DTypePolicyMap
+            if len(dtype_policy):
+                raise ValueError(
+                    f"Received a Keras DTypePolicyMap with per-layer entries ({', '.join(map(show, list(dtype_policy)[:3]))}"
+                    f"{', ...' if len(dtype_policy) > 3 else ''}); a Policy is one policy for every layer, and "
+                    f"taking its default alone would drop them. Put them in a mixedpolicy PolicyMap, applied "
+                    f"with apply_policy(model, ...): mp.PolicyMap(mp.Policy.from_keras(m.default_policy), "
+                    f"{{path: mp.Policy.from_keras(p) for path, p in m.items()}}).")
+            return cls.from_keras(dtype_policy.default_policy)  # (no entries: its default everywhere)
         mode = getattr(dtype_policy, "quantization_mode", None)
         if mode == "float8":
             return cls(str(dtype_policy.name), amax_history_len=getattr(dtype_policy, "amax_history_length", None))
@@ -318,8 +327,8 @@ def as_policy(value: Any, *, what: str = "policy") -> Policy:
         return value
     if isinstance(value, str) or (type(value) is int and value in (16, 32, 64)):
         return Policy(value)  # an int: Lightning's 32 and 64 (16 refused as ambiguous)
-    if isinstance(value, Mapping):
-        return Policy.from_config(value)
+    if isinstance(value, Mapping):  # a config dict (a Keras DTypePolicyMap is a Mapping too)
+        return Policy.from_keras(value) if hasattr(value, "default_policy") else Policy.from_config(value)
     if hasattr(value, "param_dtype") and hasattr(value, "compute_dtype"):
         return Policy.from_jmp(value)
     if hasattr(value, "variable_dtype") and hasattr(value, "compute_dtype"):

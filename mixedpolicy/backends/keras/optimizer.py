@@ -31,6 +31,7 @@ from mixedpolicy.backends.keras.reduce import (all_finite, already_summed, check
                                                check_reduce_policy, finite_on_every_replica, is_concrete,
                                                reduce_to_config, sum_across_replicas)
 from mixedpolicy.backends.keras.updates import KerasUpdates, rounding_to_config
+from mixedpolicy.backends.keras.policy_maps import policies_in
 from mixedpolicy.backends.keras.saving import (SkipCounters, SkipCounts, constructor_arguments, load_keras_layout,
                                                prepared_for_checkpoints, save_keras_layout)
 from mixedpolicy.policy import Policy
@@ -333,15 +334,15 @@ class KerasOptimizers(KerasUpdates, OptimizerAdapter):
         return LossScaleOptimizer(optimizer, loss_scale=loss_scale, **options)
 
     def policies_of(self, optimizer: Any) -> tuple[Any, str] | None:
-        # Keras's global dtype policy, where it computes in float16 (set through Keras itself);
-        # else, or where mixedpolicy's says the same and more (state=int8...), mixedpolicy's decides
-        try:
-            policy = Policy.from_keras(keras.config.dtype_policy())
-        except ValueError:  # a quantized Keras policy: its float source is not what runs
-            return None
+        # Keras's global dtype policy (each of a DTypePolicyMap's), where one computes in float16
+        # (set through Keras itself); else, or where mixedpolicy's says the same and more
+        # (state=int8...), mixedpolicy's decides. A quantized Keras policy is left out: its float
+        # source is not what runs
+        found = [Policy.from_keras(p) for p in policies_in(keras.config.dtype_policy())
+                 if getattr(p, "quantization_mode", None) in (None, "float8")]
         ours = global_policy()
-        same = (ours.variable_dtype, ours.compute_dtype) == (policy.variable_dtype, policy.compute_dtype)
-        return ((policy,), "Keras's global dtype policy") if policy.needs_loss_scaling and not same else None
+        same = len(found) == 1 and (ours.variable_dtype, ours.compute_dtype) == (found[0].variable_dtype, found[0].compute_dtype)
+        return (tuple(found), "Keras's global dtype policy") if any(p.needs_loss_scaling for p in found) and not same else None
 
     def optimizer_from_config(self, config: dict, custom_objects: Any = None) -> Any:
         if "inner_optimizer" not in config:

@@ -72,3 +72,10 @@ def keep_through_save(layers: list) -> None:
                    if not holds_map(layer) and serialize(layer.dtype_policy) != own}
         if entries:
             backbone._dtype_policy = DTypePolicyMap(backbone.dtype_policy, entries)
+
+
+def policies_in(dtype_policy: Any) -> list:
+    """The Keras policies a global policy applies: a map's default and its entries, else itself."""
+    if isinstance(dtype_policy, DTypePolicyMap):
+        return [dtype_policy.default_policy, *dtype_policy.values()]
+    return [dtype_policy]

@@ -10,6 +10,7 @@ import unittest
 import tempfile
 
 import numpy as np
+import pytest
 import keras
 
 import mixedpolicy as mp
@@ -224,6 +225,30 @@ def test_reads_keras_layout_and_its_own_earlier_layout():
         opt.load_own_variables({"0": np.asarray(1)})
     assert any("Skipping variable loading" in str(c.message) for c in caught)
     assert opt.loss_scale == 512.0 and values  # nothing was overwritten
+
+
+def test_a_keras_dtype_policy_map_as_the_global_policy_scales_where_one_of_its_policies_computes_in_float16():
+    """Keras's global policy may be a DTypePolicyMap (per-layer policies): the wrapper scales where
+    its default or one of its entries computes in float16. A map with entries is no single Policy
+    (it says how to write the PolicyMap); one without is its default."""
+    from keras.dtype_policies import DTypePolicyMap
+
+    mp.set_global_policy(None)
+    try:
+        for default, entry, scales in (("mixed_float16", "float32", True), ("float32", "mixed_float16", True),
+                                       ("mixed_bfloat16", "float32", False)):
+            policy_map = DTypePolicyMap(default_policy=default)
+            policy_map["dense"] = entry
+            keras.config.set_dtype_policy(policy_map)
+            opt = mp.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+            assert opt.loss_scaling.startswith("dynamic") == scales, (default, entry, opt.loss_scaling)
+            with pytest.raises(ValueError, match="DTypePolicyMap with per-layer entries .'dense'.*mp.PolicyMap"):
+                mp.Policy.from_keras(policy_map)
+            with pytest.raises(ValueError, match="per-layer entries"):
+                mp.PolicyMap(policy_map)
+        assert mp.Policy.from_keras(DTypePolicyMap(default_policy="mixed_bfloat16")) == mp.Policy("mixed_bfloat16")
+    finally:
+        keras.config.set_dtype_policy("float32")
 
 
 def test_the_factory_follows_the_policy():
