@@ -1,7 +1,8 @@
 """`mixedpolicy inspect`: the gradient ranges of a bench model, and the loss scale they allow.
 
 Builds one of the bench's models (its shared initial weights, float32, no policy) on one
-framework, runs `--batches` digits batches through `mixedpolicy.inspect_gradients`, prints
+framework, or a user's `MODULE:FACTORY`, runs `--batches` digits batches (or the first
+`--batches` of the factory's own, with its loss) through `mixedpolicy.inspect_gradients`, prints
 the per-layer table and the recommendation (a static loss scale and the layers to keep in
 float32), and writes the histogram figure. A Keras framework runs in a process of its own
 (Keras picks its backend per process).
@@ -28,10 +29,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="mlp",
                    help=f"one of: {', '.join(models.MODELS)}, or your own MODULE:FACTORY, as `mixedpolicy bench "
                         f"--model` takes it (a torch, Flax NNX or Keras model from digits' 64 features to 10 "
-                        f"logits; its framework inferred; default: %(default)s)")
+                        f"logits, or a dict with its own batches and loss; its framework inferred; default: "
+                        f"%(default)s)")
     p.add_argument("--framework", default=None, choices=FRAMEWORKS,
                    help="for a built-in model (default: torch)")
-    p.add_argument("--batches", type=int, default=2, help="digits batches to look at (default: %(default)s)")
+    p.add_argument("--batches", type=int, default=2,
+                   help="batches to look at: digits', or a factory's own (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=64, help="(default: %(default)s)")
     p.add_argument("--loss-scale", type=float, default=2.0**15,
                    help="the scale to check besides 1 (default: 32768, the dynamic scale's start)")
@@ -53,12 +56,30 @@ def _framework(args: argparse.Namespace) -> str:
     if not models.is_user(model):
         return args.framework or "torch"
     info = user_model_info(model, [args.framework] if args.framework else [], flag="--framework")
-    if info.own_data:
-        raise ValueError(f"Received --model {model}, whose factory brings its own batches; mixedpolicy "
-                         f"inspect runs digits batches through the model (the digits contract). Give it a "
-                         f"factory that returns the model alone, or call mp.inspect_gradients(model, "
-                         f"loss_fn, batches) on your own batches in Python.")
     return info.frameworks[0]
+
+
+def _own_batches(model: str):
+    """A user's factory's `UserSetup` where it brings its own batches, else None."""
+    from mixedpolicy.bench import user_model
+
+    if not models.is_user(model):
+        return None
+    setup = user_model.build(model)
+    return setup if setup.batches is not None else None
+
+
+def _digits(args: argparse.Namespace, runner) -> tuple:
+    """The model in float32 (a bench model from its shared weights, or a user's) and
+    `--batches` digits batches of `--batch-size`."""
+    cfg = models.config(args.model, "cpu")
+    net = runner.network(args.model, cfg, models.init_weights(args.model, cfg, args.seed), "cpu")
+    x_train, y_train, _, _ = data.digits(args.seed)
+    x = models.inputs(args.model, x_train, cfg)
+    y = models.targets(args.model, x, y_train)
+    prepare = getattr(runner, "prepare", lambda model, x: x)
+    order = data.batch_order(len(x), args.batch_size, args.batches, args.seed)
+    return net, [(prepare(args.model, x[i]), y[i]) for i in order]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,8 +106,10 @@ def main(argv: list[str] | None = None) -> int:
         env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
         return subprocess.run([sys.executable, "-m", "mixedpolicy", "inspect", *(argv or sys.argv[2:])],
                               env=env).returncode
+    setup = _own_batches(args.model)
     try:
-        from sklearn.datasets import load_digits  # noqa: F401
+        if setup is None:
+            from sklearn.datasets import load_digits  # noqa: F401
     except ImportError:
         print("mixedpolicy inspect: error: it looks at scikit-learn's digits; pip install "
               "'mixedpolicy[bench]' (or scikit-learn).", file=sys.stderr)
@@ -94,15 +117,13 @@ def main(argv: list[str] | None = None) -> int:
     import mixedpolicy as mp
 
     runner = runners.load(args.framework)
-    cfg = models.config(args.model, "cpu")
-    net = runner.network(args.model, cfg, models.init_weights(args.model, cfg, args.seed), "cpu")
-    x_train, y_train, _, _ = data.digits(args.seed)
-    x = models.inputs(args.model, x_train, cfg)
-    y = models.targets(args.model, x, y_train)
-    prepare = getattr(runner, "prepare", lambda model, x: x)
-    order = data.batch_order(len(x), args.batch_size, args.batches, args.seed)
-    batches = [(prepare(args.model, x[i]), y[i]) for i in order]
-    report = mp.inspect_gradients(net, lambda m, b: runner.loss(m, *b), batches, loss_scale=args.loss_scale)
+    if setup is not None:  # a factory with its own batches (and loss): the first --batches of them
+        net, batches = setup.model, setup.batches[:args.batches]
+        report = mp.inspect_gradients(net, lambda m, b: runner.user_loss(setup, m, b), batches,
+                                      loss_scale=args.loss_scale)
+    else:
+        net, batches = _digits(args, runner)
+        report = mp.inspect_gradients(net, lambda m, b: runner.loss(m, *b), batches, loss_scale=args.loss_scale)
     advice = report.recommend()
     print(report)
     print(f"\nrecommended static loss scale: {advice.loss_scale:g} "

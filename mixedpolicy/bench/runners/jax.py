@@ -313,8 +313,12 @@ def loss(net: nnx.Module, x: np.ndarray, y: np.ndarray):
     return _loss(net, jnp.asarray(x), jnp.asarray(y))
 
 
+def user_loss(setup: UserSetup, net: nnx.Module, batch: tuple):
+    """The loss of `net` (a user's model) on one of its own (inputs, targets) batches."""
+    x, y = batch
+    return (setup.loss or nnx_steps.cross_entropy)(user_model.call(net, user_model.tree_map(jnp.asarray, x)), y)
+
+
 def check_user(setup: UserSetup) -> float:
     """The loss of a user's model on its first batch: what the bench checks before any run."""
-    x, y = setup.batches[0]
-    objective = setup.loss or nnx_steps.cross_entropy
-    return float(objective(user_model.call(setup.model, user_model.tree_map(jnp.asarray, x)), y))
+    return float(user_loss(setup, setup.model, setup.batches[0]))

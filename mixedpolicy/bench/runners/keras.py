@@ -312,7 +312,12 @@ def loss(net: keras.Model, x: np.ndarray, y: np.ndarray):
     return _loss()(y, keras.ops.cast(net(x, training=True), "float32"))
 
 
+def user_loss(setup: UserSetup, net: keras.Model, batch: tuple):
+    """The loss of `net` (a user's model) on one of its own (inputs, targets) batches."""
+    x, y = batch
+    return _loss(setup)(y, net(x, training=False))
+
+
 def check_user(setup: UserSetup) -> float:
     """The loss of a user's model on its first batch: what the bench checks before any run."""
-    x, y = setup.batches[0]
-    return float(keras.ops.convert_to_numpy(_loss(setup)(y, setup.model(x, training=False))))
+    return float(keras.ops.convert_to_numpy(user_loss(setup, setup.model, setup.batches[0])))

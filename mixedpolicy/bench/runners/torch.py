@@ -219,8 +219,7 @@ def _on_device(tree, device: str, floats: torch.dtype | None = None):
 class _Torch(Trainer):
     def __init__(self, model: torch.nn.Module, device: str, setup: UserSetup | None = None):
         self.model, self.device = model, device
-        self._loss = None
-        self.pure = None
+        self._loss = self.pure = None
         self.objective = (setup.loss if setup and setup.loss else _default_loss)
         self.user_batches = setup.batches if setup else None  # a user's own data, or None: digits
 
@@ -264,8 +263,7 @@ class Ours(_Torch):
         sgd = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=MOMENTUM)
         # one training loop for every policy: a pass-through where the policy needs no scaling;
         # float16 weights take none (the optimizer refuses to scale for them, and says so)
-        chosen = mp.Policy(policy)
-        pure16 = chosen.variable_dtype == "float16"
+        chosen, pure16 = mp.Policy(policy), mp.Policy(policy).variable_dtype == "float16"
         self.opt = (mp.LossScaleOptimizer(sgd, loss_scale=mp.NoLossScale()) if pure16 else
                     mp.LossScaleOptimizer(sgd, policy=chosen))
         self._scaled = chosen.needs_loss_scaling and not pure16
@@ -290,8 +288,8 @@ class Native(_Torch):
     pure one ``module.to(dtype)`` (Lightning's "bf16-true"), inputs cast to it, no scaler."""
 
     def __init__(self, net: torch.nn.Module, policy: str, device: str, lr: float, setup: UserSetup | None = None):
-        pure, fp8 = _PURE.get(policy), mp.Policy(policy).float8_recipe
-        source = mp.Policy(policy).source.name  # an fp8 policy's autocast and scaler: its source's
+        chosen = mp.Policy(policy)  # (an fp8 policy's autocast and scaler: its source's)
+        pure, fp8, source = _PURE.get(policy), chosen.float8_recipe, chosen.source.name
         super().__init__(net.to(pure) if pure else net if fp8 is None else torchao_float8(net, fp8.recipe),
                          device, setup)
         self.pure, self.dtype = pure, _HALF.get(source)
@@ -337,14 +335,16 @@ def network(model: str, cfg: dict, weights: dict, device: str) -> torch.nn.Modul
 
 
 def loss(net: torch.nn.Module, x: np.ndarray, y: np.ndarray) -> torch.Tensor:
-    device = next(net.parameters()).device
-    return _cross_entropy(net(torch.from_numpy(x).to(device)), torch.from_numpy(y).long().to(device))
+    return user_loss(UserSetup(net), net, (x, y.astype(np.int64)))
+
+
+def user_loss(setup: UserSetup, net: torch.nn.Module, batch: tuple) -> torch.Tensor:
+    """The loss of `net` (a user's model) on one of its own (inputs, targets) batches."""
+    x, y = (_on_device(part, str(next(iter(net.parameters()), torch.empty(0)).device)) for part in batch)
+    return (setup.loss or _default_loss)(user_model.call(net, x), y)
 
 
 def check_user(setup: UserSetup) -> float:
-    """The loss of a user's model on its first batch (no gradient): what the bench checks
-    before any run."""
-    device = str(next(iter(setup.model.parameters()), torch.empty(0)).device)
-    x, y = (_on_device(part, device) for part in setup.batches[0])
+    """The loss of a user's model on its first batch (no gradient): what the bench checks first."""
     with torch.no_grad():
-        return float((setup.loss or _default_loss)(user_model.call(setup.model, x), y))
+        return float(user_loss(setup, setup.model, setup.batches[0]))
