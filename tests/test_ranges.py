@@ -178,6 +178,8 @@ def test_the_cli_inspects_a_bench_model_and_writes_the_figure(tmp_path, capsys):
         assert main(["inspect", "--model", f"{users}:hf_gpt2", "--batches", "1", "--out", str(tmp_path)]) == 0
         out = capsys.readouterr().out  # its layers' gradients on its token batches (no digits)
         assert "transformer.h.0.attn.c_attn" in out and "lm_head" in out and "recommended static loss scale" in out
+        assert main(["inspect", "--model", f"{users}:hf_gpt2", "--batch-size", "8", "--out", str(tmp_path)]) == 2
+        assert "brings its own batches (their size is the batch size); drop --batch-size" in capsys.readouterr().err
     if __import__("importlib").util.find_spec("flax"):  # a Flax NNX model with float targets and its own loss
         assert main(["inspect", "--model", f"{users}:nnx_regression", "--batches", "2", "--out", str(tmp_path)]) == 0
         assert "weight_grad" in capsys.readouterr().out

@@ -35,7 +35,8 @@ def parser() -> argparse.ArgumentParser:
                    help="for a built-in model (default: torch)")
     p.add_argument("--batches", type=int, default=2,
                    help="batches to look at: digits', or a factory's own (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=64, help="(default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="of the digits batches (default: 64; a factory's own batches keep their size)")
     p.add_argument("--loss-scale", type=float, default=2.0**15,
                    help="the scale to check besides 1 (default: 32768, the dynamic scale's start)")
     p.add_argument("--seed", type=int, default=0)
@@ -78,13 +79,13 @@ def _digits(args: argparse.Namespace, runner) -> tuple:
     x = models.inputs(args.model, x_train, cfg)
     y = models.targets(args.model, x, y_train)
     prepare = getattr(runner, "prepare", lambda model, x: x)
-    order = data.batch_order(len(x), args.batch_size, args.batches, args.seed)
+    order = data.batch_order(len(x), args.batch_size or 64, args.batches, args.seed)
     return net, [(prepare(args.model, x[i]), y[i]) for i in order]
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    if args.batches < 1 or args.batch_size < 1:
+    if args.batches < 1 or (args.batch_size is not None and args.batch_size < 1):
         print(f"mixedpolicy inspect: error: Received --batches {args.batches} --batch-size {args.batch_size}; "
               f"expected whole numbers >= 1.", file=sys.stderr)
         return 2
@@ -107,6 +108,11 @@ def main(argv: list[str] | None = None) -> int:
         return subprocess.run([sys.executable, "-m", "mixedpolicy", "inspect", *(argv or sys.argv[2:])],
                               env=env).returncode
     setup = _own_batches(args.model)
+    if setup is not None and args.batch_size is not None:
+        print(f"mixedpolicy inspect: error: Received --batch-size {args.batch_size} for --model {args.model}, "
+              f"whose factory brings its own batches (their size is the batch size); drop --batch-size.",
+              file=sys.stderr)
+        return 2
     try:
         if setup is None:
             from sklearn.datasets import load_digits  # noqa: F401
