@@ -312,12 +312,13 @@ def loss(net: keras.Model, x: np.ndarray, y: np.ndarray):
     return _loss()(y, keras.ops.cast(net(x, training=True), "float32"))
 
 
-def user_loss(setup: UserSetup, net: keras.Model, batch: tuple):
-    """The loss of `net` (a user's model) on one of its own (inputs, targets) batches."""
+def user_loss(setup: UserSetup, net: keras.Model, batch: tuple, training: bool = True):
+    """The loss of `net` (a user's model) on one of its own (inputs, targets) batches, in
+    training mode as on torch and Flax (what `mixedpolicy inspect` takes the gradients of)."""
     x, y = batch
-    return _loss(setup)(y, net(x, training=False))
+    return _loss(setup)(y, net(x, training=training))
 
 
 def check_user(setup: UserSetup) -> float:
     """The loss of a user's model on its first batch: what the bench checks before any run."""
-    return float(keras.ops.convert_to_numpy(user_loss(setup, setup.model, setup.batches[0])))
+    return float(keras.ops.convert_to_numpy(user_loss(setup, setup.model, setup.batches[0], training=False)))

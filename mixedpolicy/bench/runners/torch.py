@@ -263,7 +263,7 @@ class Ours(_Torch):
         sgd = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=MOMENTUM)
         # one training loop for every policy: a pass-through where the policy needs no scaling;
         # float16 weights take none (the optimizer refuses to scale for them, and says so)
-        chosen, pure16 = mp.Policy(policy), mp.Policy(policy).variable_dtype == "float16"
+        pure16 = (chosen := mp.Policy(policy)).variable_dtype == "float16"
         self.opt = (mp.LossScaleOptimizer(sgd, loss_scale=mp.NoLossScale()) if pure16 else
                     mp.LossScaleOptimizer(sgd, policy=chosen))
         self._scaled = chosen.needs_loss_scaling and not pure16
