@@ -114,7 +114,8 @@ def measure(d: int, donate: bool, repeats: int = 7, calls: int = 10) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mixedpolicy.bench.skip_sweep", description=__doc__.split("\n")[0])
     parser.add_argument("--d-model", default="64,153,384", help="comma-separated widths (default: 64,153,384)")
-    parser.add_argument("--donate", default="on,off", choices=["on", "off", "on,off", "off,on"])
+    parser.add_argument("--donate", default="on,off", choices=["on", "off", "on,off", "off,on"],
+                        metavar="on|off|on,off", help="donate the step's inputs, not, or both (default: on,off)")
     parser.add_argument("--repeats", type=int, default=7, help="interleaved rounds (default: 7)")
     parser.add_argument("--calls", type=int, default=10, help="steps a timed block (default: 10)")
     parser.add_argument("--out", default=None, help="write the rows here as JSON")
