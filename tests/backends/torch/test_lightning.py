@@ -190,7 +190,7 @@ def test_a_loss_scale_optimizer_from_configure_optimizers():
 def test_bad_input_to_the_plugin_is_refused_with_the_fix():
     with pytest.raises(ValueError, match="ambiguous"):
         mpl.Precision("bf16")
-    with pytest.raises(TypeError, match="loss_scale of type"):
+    with pytest.raises(TypeError, match="loss_scale=2.0 of type float.*StaticLossScale"):
         mpl.Precision("16-mixed", loss_scale=2.0)
     with pytest.raises(TypeError, match=r"together with \['initial_scale'\]"):
         mpl.Precision("16-mixed", loss_scale=mp.StaticLossScale(8.0), initial_scale=4.0)
