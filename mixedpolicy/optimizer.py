@@ -74,7 +74,7 @@ def scale_from_settings(settings: Mapping[str, Any], loss_scale: Any = None, pol
     given = {k: v for k, v in settings.items() if v is not None}
     if loss_scale is not None:
         if not isinstance(loss_scale, LossScale):
-            raise TypeError(f"Received loss_scale={loss_scale!r} of type {type(loss_scale).__name__}; expected "
+            raise TypeError(f"Received loss_scale={loss_scale!r:.80} of type {type(loss_scale).__name__}; expected "
                             f"a DynamicLossScale, StaticLossScale or NoLossScale: mp.StaticLossScale(2**15) "
                             f"for a fixed scale, mp.DynamicLossScale() for one that adapts, or no loss_scale "
                             f"at all to let the policy decide.")
