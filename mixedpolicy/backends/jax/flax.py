@@ -321,16 +321,26 @@ class PolicyLinen:
             changed["dot_general_cls"] = module.dot_general_cls
             object.__setattr__(module, "dot_general_cls",
                                float8.linen_dot_general_cls(policy.float8_recipe))
+        # A recurrent cell's carry is the state `nn.RNN` scans: passed as it comes, as Flax's own
+        # dtype= leaves it (an LSTM's float32 cell state stays float32), and given back in the
+        # dtypes it came in, which the scan requires of its carry.
+        carry = args[:1] if isinstance(module, nn.RNNCellBase) else ()
         try:
             # Only a layer that computes in its dtype gets its inputs cast: a container's
             # layers cast for themselves, so a float32 layer inside a half-precision model
             # sees the unrounded inputs (as Flax's own dtype=float32 and the NNX adapter do).
             if "dtype" in changed:
-                args, kwargs = _cast_tree((args, kwargs), policy.compute_dtype)
+                rest, kwargs = _cast_tree((args[len(carry):], kwargs), policy.compute_dtype)
+                args = (*carry, *rest)
             out = next_fun(*args, **kwargs)
         finally:
             for name, value in changed.items():
                 object.__setattr__(module, name, value)
+        if carry and isinstance(out, tuple) and len(out) == 2:
+            new_carry = jax.tree_util.tree_map(lambda new, old: new.astype(old.dtype) if hasattr(old, "dtype")
+                                               and hasattr(new, "astype") else new, out[0], carry[0])
+            y = out[1] if policy.output_dtype == policy.compute_dtype else _cast_tree(out[1], policy.output_dtype)
+            return new_carry, y
         if policy.output_dtype == policy.compute_dtype:
             return out  # as the layers made it, e.g. float32 from a layer overridden to float32
         return _cast_tree(out, policy.output_dtype)

@@ -266,6 +266,37 @@ def test_linen_apply_matches_hand_written_dtypes():
     assert {leaf.dtype for leaf in jax.tree_util.tree_leaves(grads)} == {jnp.dtype("float32")}
 
 
+class LinenRecurrent(nn.Module):
+    cell: type = nn.OptimizedLSTMCell
+    dtype: object = None
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.RNN(self.cell(16, dtype=self.dtype))(x)
+        return nn.Dense(3, dtype=self.dtype)(h[:, -1])
+
+
+@pytest.mark.parametrize("cell", [nn.OptimizedLSTMCell, nn.LSTMCell, nn.GRUCell, nn.MGUCell, nn.SimpleCell])
+def test_linen_recurrent_cells_keep_their_carry_as_flaxs_own_dtype_does(cell):
+    """nn.RNN scans a cell whose carry must come back in the dtypes it went in: the carry is
+    passed uncast, as Flax's own dtype= leaves it (an LSTM's float32 cell state stays float32),
+    so the outputs are Flax's own bit for bit; SimpleCell, whose half-precision carry Flax's own
+    dtype= hands back to the scan, runs too. (Flax's cells mix a float32 carry with half-precision
+    products: standard promotion, as Flax's own dtype= needs.)"""
+    x = jax.random.normal(jax.random.key(1), (4, 7, 8))
+    with jax.numpy_dtype_promotion("standard"):
+        variables = LinenRecurrent(cell).init(jax.random.key(0), x)
+        for policy, half in (("mixed_bfloat16", jnp.bfloat16), ("mixed_float16", jnp.float16)):
+            ours = mp.apply_policy(LinenRecurrent(cell), policy)
+            out = jax.jit(ours.apply)(variables, x)
+            assert out.dtype == half
+            if cell is not nn.SimpleCell:
+                np.testing.assert_array_equal(np.asarray(out), np.asarray(LinenRecurrent(cell, half).apply(variables, x)))
+            grads = jax.grad(lambda v: ours.apply(v, x).astype(jnp.float32).sum())(variables)
+            assert {leaf.dtype for leaf in jax.tree_util.tree_leaves(grads)} == {jnp.dtype("float32")}
+            assert all(bool(jnp.isfinite(leaf).all()) for leaf in jax.tree_util.tree_leaves(grads))
+
+
 def test_linen_float32_policy_is_plain_flax_bit_for_bit():
     variables = LinenNet().init(jax.random.key(0), X)
     ours = mp.apply_policy(LinenNet(), "float32")
