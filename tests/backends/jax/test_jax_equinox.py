@@ -184,3 +184,26 @@ def test_half_master_weights_are_refused_and_unmatched_keys_warn():
     assert mp.apply_policy(half, "bfloat16").embed.weight.dtype == BF16  # a pure policy is fine
     with pytest.warns(UserWarning, match=r"'blocks.0.lienar' matches no layer path.*'blocks.0.linear'"):
         mp.apply_policy(Net(), "mixed_bfloat16", {"blocks.0.lienar": "float32"})
+
+
+@pytest.mark.parametrize("cell", ["GRUCell", "LSTMCell"])
+def test_a_recurrent_cell_keeps_its_hidden_state_dtype_under_a_scan(cell):
+    """A cell's hidden state is the carry a scan threads: passed uncast and given back in its own
+    dtypes, so a float32 initial state scans (the cast state came back half and the scan refused
+    it), and one step is the cell with its arrays and input cast by hand, bit for bit. (The cell
+    mixes a float32 state with half-precision weights: standard promotion, as by hand.)"""
+    kind = getattr(eqx.nn, cell)
+    plain = kind(8, 16, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (7, 8))
+    h0 = jax.random.normal(jax.random.key(2), (16,))
+    h0 = (h0, h0 * 0.5) if cell == "LSTMCell" else h0
+    with jax.numpy_dtype_promotion("standard"):
+        for policy, half in (("mixed_bfloat16", jnp.bfloat16), ("mixed_float16", jnp.float16)):
+            ours = mp.apply_policy(plain, policy)
+            by_hand = jax.tree_util.tree_map(lambda a: a.astype(half) if eqx.is_inexact_array(a) else a, plain)
+            for got, want in zip(jax.tree_util.tree_leaves(ours(x[0], h0)),
+                                 jax.tree_util.tree_leaves(by_hand(x[0].astype(half), h0))):
+                assert got.dtype == want.dtype == jnp.float32
+                np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+            final, _ = jax.lax.scan(lambda h, xt: (ours(xt, h), None), h0, x)
+            assert all(leaf.dtype == jnp.float32 and bool(jnp.isfinite(leaf).all()) for leaf in jax.tree_util.tree_leaves(final))
