@@ -5,18 +5,16 @@ math) and a ``param_dtype`` (what new parameters are created in); a policy sets 
 from the `PolicyMap`, so the math is what a hand-written Flax model with those arguments does.
 
 - NNX modules are mutable: `apply_policy` sets ``dtype`` / ``param_dtype`` on each submodule
-  that has them, casts existing parameters to the variable dtype, and swaps the class of a
-  layer whose output dtype differs from its compute dtype for a subclass that casts its
-  outputs; fp8 layers get their ``dot_general`` hook (float8.py). What changed is kept on the
-  module as a static, hashable record (it survives ``nnx.jit`` and ``nnx.split`` /
-  ``nnx.merge``), and `remove_policy` restores it all.
+  that has them, casts existing parameters to the variable dtype, gives a layer whose output
+  dtype differs a subclass that casts its outputs, and fp8 layers a ``dot_general`` hook
+  (float8.py); a static record of it (kept through ``nnx.jit``, ``nnx.split`` / ``nnx.merge``)
+  lets `remove_policy` restore it all.
 - linen modules are immutable and build their submodules lazily, so `apply_policy` returns a
   `PolicyLinen` whose ``init`` and ``apply`` run the module under a method interceptor that
   resolves each submodule's policy at its first call and sets its fields for the call (fp8
   ``nn.Dense``: Flax's own ``Fp8DirectDotGeneralOp``).
 
-Layer paths are the module paths joined with dots: ``"blocks.0.linear"`` in NNX, ``"Dense_0"``
-or ``"encoder.head"`` in linen (the keys of the params tree).
+Layer paths are module paths joined with dots: ``"blocks.0.linear"`` (NNX), ``"encoder.head"`` (linen).
 """
 
 from __future__ import annotations
@@ -321,29 +319,23 @@ class PolicyLinen:
             changed["dot_general_cls"] = module.dot_general_cls
             object.__setattr__(module, "dot_general_cls",
                                float8.linen_dot_general_cls(policy.float8_recipe))
-        # A recurrent cell's carry is the state `nn.RNN` scans: passed as it comes, as Flax's own
-        # dtype= leaves it (an LSTM's float32 cell state stays float32), and given back in the
-        # dtypes it came in, which the scan requires of its carry.
+        # a recurrent cell's carry (nn.RNN's scan state): uncast, as Flax's dtype= leaves it; kept dtypes
         carry = args[:1] if isinstance(module, nn.RNNCellBase) else ()
         try:
-            # Only a layer that computes in its dtype gets its inputs cast: a container's
-            # layers cast for themselves, so a float32 layer inside a half-precision model
-            # sees the unrounded inputs (as Flax's own dtype=float32 and the NNX adapter do).
+            # Only a layer that computes in its dtype casts its inputs: a float32 layer inside a
+            # half-precision model sees unrounded inputs (as Flax's dtype=float32 and NNX's do).
             if "dtype" in changed:
-                rest, kwargs = _cast_tree((args[len(carry):], kwargs), policy.compute_dtype)
-                args = (*carry, *rest)
+                args = (*carry, *_cast_tree(args[len(carry):], policy.compute_dtype))
+                kwargs = _cast_tree(kwargs, policy.compute_dtype)
             out = next_fun(*args, **kwargs)
         finally:
             for name, value in changed.items():
                 object.__setattr__(module, name, value)
+        out_dtype = None if policy.output_dtype == policy.compute_dtype else policy.output_dtype
         if carry and isinstance(out, tuple) and len(out) == 2:
-            new_carry = jax.tree_util.tree_map(lambda new, old: new.astype(old.dtype) if hasattr(old, "dtype")
-                                               and hasattr(new, "astype") else new, out[0], carry[0])
-            y = out[1] if policy.output_dtype == policy.compute_dtype else _cast_tree(out[1], policy.output_dtype)
-            return new_carry, y
-        if policy.output_dtype == policy.compute_dtype:
-            return out  # as the layers made it, e.g. float32 from a layer overridden to float32
-        return _cast_tree(out, policy.output_dtype)
+            return (jax.tree_util.tree_map(lambda new, old: new.astype(old.dtype), out[0], carry[0]),
+                    out[1] if out_dtype is None else _cast_tree(out[1], out_dtype))
+        return out if out_dtype is None else _cast_tree(out, out_dtype)  # None: as the layers made it
 
     def describe_rows(self) -> list:
         if not self._seen:
