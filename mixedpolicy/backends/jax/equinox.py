@@ -105,12 +105,17 @@ class PolicyModule(eqx.nn.StatefulLayer):
         leaves, treedef = _children(self.module)  # its own arrays; submodules cast theirs
         module = jax.tree_util.tree_unflatten(treedef, [
             x if isinstance(x, eqx.Module) else cast_leaf(x, policy.compute_dtype) for _, x in leaves])
-        if method == "__call__" and isinstance(self.module, (eqx.nn.GRUCell, eqx.nn.LSTMCell)) and len(args) > 1:
+        if method == "__call__" and isinstance(self.module, (eqx.nn.GRUCell, eqx.nn.LSTMCell)) and (
+                len(args) > 1 or "hidden" in kwargs):
             # a recurrent cell's hidden state is the carry a scan threads through: passed as it
             # comes (as casting the cell's arrays by hand leaves it) and given back in its dtypes
-            hidden = args[1]
+            positional = len(args) > 1
+            hidden = args[1] if positional else kwargs.pop("hidden")
             (first, rest), kwargs = _cast(((args[:1], args[2:]), kwargs), policy.compute_dtype)
-            out = getattr(module, method)(*first, hidden, *rest, **kwargs)
+            if positional:
+                out = getattr(module, method)(*first, hidden, *rest, **kwargs)
+            else:
+                out = getattr(module, method)(*first, *rest, hidden=hidden, **kwargs)
             return jax.tree_util.tree_map(lambda new, old: new.astype(old.dtype), out, hidden)
         args, kwargs = _cast((args, kwargs), policy.compute_dtype)
         out = getattr(module, method)(*args, **kwargs)

@@ -205,5 +205,7 @@ def test_a_recurrent_cell_keeps_its_hidden_state_dtype_under_a_scan(cell):
                                  jax.tree_util.tree_leaves(by_hand(x[0].astype(half), h0))):
                 assert got.dtype == want.dtype == jnp.float32
                 np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+            for got, want in zip(jax.tree_util.tree_leaves(ours(x[0], hidden=h0)), jax.tree_util.tree_leaves(ours(x[0], h0))):
+                np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # hidden= by keyword too
             final, _ = jax.lax.scan(lambda h, xt: (ours(xt, h), None), h0, x)
             assert all(leaf.dtype == jnp.float32 and bool(jnp.isfinite(leaf).all()) for leaf in jax.tree_util.tree_leaves(final))
