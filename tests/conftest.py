@@ -10,6 +10,8 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import mmap
 import os
 
 import pytest
@@ -23,10 +25,29 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # more threads sets them itself.
 for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS"):
     os.environ.setdefault(_name, "1")
-# XLA:CPU's LLVM at its lowest optimization level: most of a JAX test's time is compiling small
-# programs it runs a few times (the Keras-on-JAX suite 196 -> 145 s, with the one thread above); the numerics are
-# IEEE either way, and no test compares programs compiled under different flags.
-os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false --xla_backend_optimization_level=0")
+
+
+def _xla_flags() -> str:
+    """XLA:CPU set to compile fast: most of a JAX test's time is compiling small programs it runs
+    a few times, and a clean clone (CI) starts with an empty compilation cache. LLVM at its
+    lowest optimization level (the Keras-on-JAX suite 196 -> 145 s, with the one thread above),
+    and XLA's older loop emitters where this jaxlib still has them (the MLIR fusion emitters
+    cost a third more to compile a small program: the JAX flax, optax and memory tests 59 -> 43 s
+    with an empty cache). XLA aborts on a flag it does not know, so that one is added only where
+    jaxlib's library names it. The numerics are IEEE either way, and no test compares programs
+    compiled under different flags."""
+    flags = "--xla_cpu_multi_thread_eigen=false --xla_backend_optimization_level=0"
+    found = importlib.util.find_spec("jaxlib")
+    library = os.path.join(list(found.submodule_search_locations or [""])[0], "libjax_common.so") if found else ""
+    if os.path.isfile(library):
+        with open(library, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as text:
+            if text.find(b"xla_cpu_use_fusion_emitters") >= 0:
+                flags += " --xla_cpu_use_fusion_emitters=false"
+    return flags
+
+
+if "XLA_FLAGS" not in os.environ:
+    os.environ["XLA_FLAGS"] = _xla_flags()
 # XLA's compiled programs, shared on disk by the suite's processes (the pytest workers and every
 # process a test starts inherit it): bench tests compile the same steps again in each run (the
 # native side and the float32 reference: a second JAX run 11 -> 5 s), and compiling is most of
