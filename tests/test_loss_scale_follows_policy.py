@@ -50,6 +50,33 @@ def test_torch_follows_the_policies_apply_policy_put_on_its_parameters():
     assert choice(_torch_model(torch), skip_nonfinite=False).startswith(EXACT)
 
 
+def test_a_copied_or_reloaded_model_carries_its_policy_to_the_optimizer():
+    """copy.deepcopy (a fresh model per run, an EMA or teacher copy) makes new parameters without
+    the marks apply_policy put on the originals; the copy's optimizer still follows its policy,
+    layer by layer, and so does a model saved whole and loaded back."""
+    torch = require_module("torch")
+    import copy
+    import io
+
+    model = mp.apply_policy(_torch_model(torch), "mixed_bfloat16", {"2": "mixed_float16"})
+    for twin in (copy.deepcopy(model), copy.deepcopy(copy.deepcopy(model))):
+        assert all(a is not b for a, b in zip(model.parameters(), twin.parameters()))
+        opt = mp.LossScaleOptimizer(torch.optim.SGD(twin.parameters(), lr=0.1))
+        assert opt.loss_scaling.startswith("dynamic")  # the float16 head came along
+        head = mp.LossScaleOptimizer(torch.optim.SGD(twin[0].parameters(), lr=0.1))
+        assert head.loss_scaling.startswith(PASS)  # the bfloat16 layer alone
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for twin in (loaded, copy.deepcopy(loaded)):
+        assert mp.LossScaleOptimizer(torch.optim.SGD(twin.parameters(), lr=0.1)).loss_scaling.startswith("dynamic")
+    # a copy's policy removed: its parameters carry none; the original keeps its own
+    twin = mp.remove_policy(copy.deepcopy(model))
+    assert mp.LossScaleOptimizer(torch.optim.SGD(twin.parameters(), lr=0.1)).loss_scaling.startswith(PASS)
+    assert mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1)).loss_scaling.startswith("dynamic")
+
+
 def test_without_a_view_of_the_model_its_arguments_and_the_global_policy_decide():
     """No action at a distance: a float16 model alive elsewhere does not change the choice."""
     jax = require_module("jax")

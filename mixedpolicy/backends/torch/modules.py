@@ -32,6 +32,7 @@ How a policy reaches a module tree:
 
 from __future__ import annotations
 
+import copy
 import warnings
 from typing import Any
 
@@ -117,12 +118,13 @@ class TorchModels(ModelAdapter):
             if real[path] in swapped:
                 module = model.get_submodule(real[path])
             info, parent_policy = step.info, step.parent_policy
-            state = {"policy": policy, "source": resolution.source, "dtypes": {}}
+            state = _LayerState(policy=policy, source=resolution.source, dtypes={})
             target = _TORCH_DTYPES[policy.variable_dtype]
             # A narrowing cast keeps the original values, so remove_policy can give back
             # every value that was not changed since (see remove_policy).
             for name, p in module.named_parameters(recurse=False):
                 p.__dict__[PARAMETER_POLICY] = policy  # what LossScaleOptimizer(opt) follows
+                state.marked.append(p)
                 if p.is_floating_point() and p.dtype != target:
                     state["dtypes"][name] = p.dtype
                     state.setdefault("originals", {})[name] = p.data
@@ -222,6 +224,28 @@ def _follow_attention(module: torch.nn.Module, chain: Any, resolution: Resolutio
 
 def _own_parameters(module: torch.nn.Module, path: str) -> list:
     return [(join(path, name), _NAMES.get(p.dtype)) for name, p in module.named_parameters(recurse=False)]
+
+
+class _LayerState(dict):
+    """What `apply_policy` put on one module (kept in the module, read by `remove_policy` and
+    `describe`), and the parameters it marked with the policy. ``copy.deepcopy(model)`` copies
+    the module with this state but not the marks (``Parameter.__deepcopy__`` keeps only the data
+    and ``requires_grad``): a copy marks the copied parameters as the originals were, so a
+    `LossScaleOptimizer` over a deep-copied model follows its policy as over the original."""
+
+    def __init__(self, **fields: Any) -> None:
+        super().__init__(**fields)
+        self.marked: list = []  # the module's own parameters when they were marked
+
+    def __deepcopy__(self, memo: dict) -> _LayerState:
+        copied = _LayerState()
+        memo[id(self)] = copied
+        copied.update({key: copy.deepcopy(value, memo) for key, value in self.items()})
+        # the copies the model's copy holds (one memo for the whole deepcopy)
+        copied.marked = copy.deepcopy(self.marked, memo)
+        for p in copied.marked:
+            p.__dict__[PARAMETER_POLICY] = copied["policy"]
+        return copied
 
 
 def _kernel_norm(module: torch.nn.Module, resolution: Any, parent_policy: Policy | None) -> bool:
