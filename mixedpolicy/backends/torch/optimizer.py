@@ -168,7 +168,9 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
 
         Args:
           closure: as torch's optimizers take it (Lightning passes one): called once, with
-            gradients enabled, before the gradients are checked; its result is returned. An
+            gradients enabled, before the gradients are checked; its result is returned. A
+            closure that returns None and leaves no gradient (Lightning's ``training_step``
+            returning None to skip a batch) makes no step and changes no scale. An
             optimizer that re-evaluates it (LBFGS) gets it as it is under a pass-through. An
             optimizer in its place is GradScaler's ``step(optimizer)``, as `unscale_` takes it.
 
@@ -194,6 +196,12 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 result = closure()
+            if result is None and not self._unscaled and not _any_gradient(stepped):
+                # the closure backpropagated nothing (Lightning's training_step returned None
+                # to skip the batch): no step, as torch's optimizers and Lightning's own
+                # mixed-precision plugin do; the scale and the skip count are left as they are
+                self._after_step()
+                return None
         if pass_through:  # the inner step, nothing added
             for opt in stepped:
                 opt.step()
@@ -260,6 +268,10 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
     def __repr__(self) -> str:
         inner = ", ".join(type(o).__name__ for o in self._inners)
         return f"LossScaleOptimizer({inner}, {self._scale_settings!r})"
+
+
+def _any_gradient(optimizers: list) -> bool:
+    return any(p.grad is not None for opt in optimizers for group in opt.param_groups for p in group["params"])
 
 
 def _eager_under_dynamo(method: Any) -> Any:

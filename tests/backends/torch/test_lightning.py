@@ -187,6 +187,23 @@ def test_a_loss_scale_optimizer_from_configure_optimizers():
         _fit(module, plugins=[mpl.Precision("16-mixed")])
 
 
+class SkipsOddBatches(Net):
+    def training_step(self, batch, batch_idx):
+        return None if batch_idx % 2 else super().training_step(batch, batch_idx)  # Lightning: skip it
+
+
+def test_a_training_step_that_returns_none_skips_the_batch_as_with_lightnings_own_optimizer():
+    """Lightning skips a batch whose training_step returns None: the closure backpropagates
+    nothing, and the wrapper (a pass-through here) makes no step, as the plain SGD does."""
+    plain = SkipsOddBatches(poison=-1)
+    _fit(plain)
+    ours = SkipsOddBatches(poison=-1, optimizer=lambda ps: mp.LossScaleOptimizer(torch.optim.SGD(
+        ps, lr=0.1, momentum=0.9)))
+    _fit(ours)
+    assert ours.losses == plain.losses and len(ours.losses) == 4
+    assert torch.equal(_weights(ours), _weights(plain))
+
+
 def test_bad_input_to_the_plugin_is_refused_with_the_fix():
     with pytest.raises(ValueError, match="ambiguous"):
         mpl.Precision("bf16")
