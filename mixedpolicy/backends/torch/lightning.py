@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from mixedpolicy.backends.torch.regions import cast_floating, cast_inputs, region_context
-from mixedpolicy.backends.torch.optimizer import TorchLossScaleOptimizer
+from mixedpolicy.backends.torch.optimizer import TorchLossScaleOptimizer, any_gradient
 from mixedpolicy.backends.torch.scaler_view import GradScalerView
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, summary
 from mixedpolicy.policy_map import PolicyMap, as_policy_map
@@ -277,7 +277,9 @@ class PolicyPrecision:
         return closure_result
 
     def clip_gradients(self, optimizer: Any, clip_val: Any = 0.0, gradient_clip_algorithm: Any = None) -> None:
-        if self.optimizer is not None and clip_val and clip_val > 0 and not self.optimizer._unscaled:
+        # (no gradient: a training_step that returned None, whose batch is skipped; nothing to clip)
+        if self.optimizer is not None and clip_val and clip_val > 0 and not self.optimizer._unscaled \
+                and any_gradient([_unwrap(optimizer)]):
             with self.optimizer.acting_on(_unwrap(optimizer)):
                 self.optimizer.unscale_()  # manual optimization: clip true gradients, not scaled ones
         kwargs = {} if gradient_clip_algorithm is None else {"gradient_clip_algorithm": gradient_clip_algorithm}

@@ -196,7 +196,7 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 result = closure()
-            if result is None and not self._unscaled and not _any_gradient(stepped):
+            if result is None and not self._unscaled and not any_gradient(stepped):
                 # the closure backpropagated nothing (Lightning's training_step returned None
                 # to skip the batch): no step, as torch's optimizers and Lightning's own
                 # mixed-precision plugin do; the scale and the skip count are left as they are
@@ -270,7 +270,7 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
         return f"LossScaleOptimizer({inner}, {self._scale_settings!r})"
 
 
-def _any_gradient(optimizers: list) -> bool:
+def any_gradient(optimizers: list) -> bool:
     return any(p.grad is not None for opt in optimizers for group in opt.param_groups for p in group["params"])
 
 

@@ -204,6 +204,17 @@ def test_a_training_step_that_returns_none_skips_the_batch_as_with_lightnings_ow
     assert torch.equal(_weights(ours), _weights(plain))
 
 
+def test_the_plugin_skips_a_batch_whose_training_step_returns_none_as_lightnings_own_does():
+    """With clipping on: the skipped batch has no gradient to unscale or clip (it raised)."""
+    theirs = SkipsOddBatches(poison=-1)
+    _fit(theirs, plugins=[pl.plugins.precision.MixedPrecision("16-mixed", "cpu")], gradient_clip_val=0.5)
+    ours = SkipsOddBatches(poison=-1)
+    trainer = _fit(ours, plugins=[mpl.Precision("16-mixed", initial_scale=2.0**16)], gradient_clip_val=0.5)
+    assert ours.scales == theirs.scales and len(ours.scales) == 8
+    assert trainer.precision_plugin.optimizer.num_skipped_steps == 0  # a skipped batch is no skipped step
+    torch.testing.assert_close(torch.tensor(ours.losses), torch.tensor(theirs.losses), rtol=2e-2, atol=2e-2)
+
+
 def test_bad_input_to_the_plugin_is_refused_with_the_fix():
     with pytest.raises(ValueError, match="ambiguous"):
         mpl.Precision("bf16")
