@@ -126,7 +126,7 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
     def _check_loss_was_scaled(self, what: str) -> None:
         if self._loss_scaled or isinstance(self._scale_settings, NoLossScale):
             return
-        if not any(p.grad is not None for group in self.param_groups for p in group["params"]):
+        if not any_gradient(self._inners):
             return  # no backward at all: refused below as a step without gradients
         raise unscaled_step_error(what, float(self.loss_scale))
 
@@ -196,10 +196,11 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 result = closure()
-            if result is None and not self._unscaled and not any_gradient(stepped):
+            if result is None and not pass_through and not self._unscaled and not any_gradient(stepped):
                 # the closure backpropagated nothing (Lightning's training_step returned None
                 # to skip the batch): no step, as torch's optimizers and Lightning's own
                 # mixed-precision plugin do; the scale and the skip count are left as they are
+                # (a pass-through calls the inner step below, a no-op there, as it always does)
                 self._after_step()
                 return None
         if pass_through:  # the inner step, nothing added
@@ -271,6 +272,7 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
 
 
 def any_gradient(optimizers: list) -> bool:
+    """Whether any parameter of these optimizers has a gradient (stops at the first that has)."""
     return any(p.grad is not None for opt in optimizers for group in opt.param_groups for p in group["params"])
 
 
