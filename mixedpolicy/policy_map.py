@@ -9,9 +9,11 @@ How a layer's policy is chosen, first rule that applies wins:
    c. a layer class (``torch.nn.LayerNorm``); a subclass matches, and the class
       that comes first in the layer's MRO wins.
    Two globs that tie and give different policies are an error naming both keys.
-2. a built-in rule for the layer's kind (normalisation layers compute, and keep
+2. a built-in rule for the layer's kind (layer_kinds.py: normalisation layers compute, and keep
    their variables, in float32; losses compute and output float32; each when the
-   policy around them computes in half precision; under an fp8 policy, embeddings,
+   policy around them computes in half precision; layers the model declares it keeps in
+   float32 (transformers' ``_keep_in_fp32_modules``) keep float32 weights where the policy's
+   are half precision; under an fp8 policy, embeddings,
    norms, the output head, matmuls whose dimensions are not multiples of 16 and layers
    with no fp8 path keep the source precision, ``policy.source``); disable with
    ``builtin_rules=False``, or override one layer with a key of rule 1;
@@ -32,45 +34,15 @@ import warnings
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 from mixedpolicy.float8 import too_small_to_gain
+# the layer kinds and their built-in rules (layer_kinds.py), importable from here as before
+from mixedpolicy.layer_kinds import (EMBEDDING, FLOAT8_KEPT as _FLOAT8_KEPT, HEAD, KEEP_FLOAT32,  # noqa: F401
+                                     KEEP_FLOAT32_OVER_FLOAT16, LOSS, NO_FLOAT8, NORMALIZATION, SMALL_MATMUL,
+                                     builtin_rule)
 from mixedpolicy.scope import global_policy
 from mixedpolicy._dtypes import show
 from mixedpolicy.policy import Policy, as_policy
 
 _GLOB_CHARS = frozenset("*?[")
-
-# Built-in rules: a layer kind (as classified by the adapter) -> how its policy changes. Each only ever raises precision.
-NORMALIZATION = "normalization"
-LOSS = "loss"
-# Kinds fp8 keeps in the source precision (what the anchors keep there), besides norms and losses.
-EMBEDDING = "embedding"
-HEAD = "head"  # the output head: the model's last matmul layer
-SMALL_MATMUL = "small_matmul"  # a matmul whose dimensions are not multiples of 16 (fp8 GPU kernels)
-NO_FLOAT8 = "no_float8"  # a layer with weights and no fp8 path in its framework (a convolution...)
-_FLOAT8_KEPT = {EMBEDDING: "embeddings", HEAD: "the output head", NORMALIZATION: "norms",
-                LOSS: "losses", SMALL_MATMUL: "matmuls whose dimensions are not multiples of 16",
-                NO_FLOAT8: "layers without an fp8 path"}
-
-
-def _changed(policy: Policy, **dtypes: str) -> Policy:
-    """`policy` with other dtypes; a reduce dtype it did not set follows the new variables."""
-    fields: dict[str, Any] = {"variable_dtype": policy.variable_dtype, "compute_dtype": policy.compute_dtype,
-                              "output_dtype": policy.output_dtype,
-                              "reduce_dtype": policy.reduce_dtype if policy.reduce_dtype != policy.variable_dtype else None}
-    return Policy(None, **{**fields, **dtypes})  # no fp8: the rules keep their layers out of it
-
-
-def _rule_normalization(policy: Policy) -> Policy:
-    # Statistics in float32; so are the (tiny) scale and shift, which a float32
-    # computation needs in float32 even under a pure half-precision policy.
-    variable = "float32" if policy.variable_dtype in ("float16", "bfloat16") else policy.variable_dtype
-    return _changed(policy, compute_dtype="float32", variable_dtype=variable)
-
-
-def _rule_loss(policy: Policy) -> Policy:
-    return _changed(policy, compute_dtype="float32", output_dtype="float32")
-
-
-_RULES = {NORMALIZATION: _rule_normalization, LOSS: _rule_loss}
 
 
 def _check_layers(layers: Any, what: str, expected: str) -> None:
@@ -85,9 +57,10 @@ class LayerInfo(NamedTuple):
     Attributes:
       path: the layer's path in its framework's own naming ("" for the root).
       type: the layer's class.
-      kind: ``"normalization"``, ``"loss"``, or one fp8 keeps in the source precision
-        (``"embedding"``, ``"head"``, ``"small_matmul"``, ``"no_float8"``), or ``None``:
-        for the built-in rules.
+      kind: ``"normalization"``, ``"loss"``, ``"keep_float32"`` or
+        ``"keep_float32_over_float16"`` (the model keeps the layer in float32), or one fp8
+        keeps in the source precision (``"embedding"``, ``"head"``, ``"small_matmul"``,
+        ``"no_float8"``), or ``None``: for the built-in rules (layer_kinds.py).
       aliases: other names an exact key may use for this layer (Keras: ``layer.name``,
         the name a Keras user sees, beside its path). A path key wins over an alias.
       matmul: ``(in_features, out_features)`` of a layer that can run in fp8, where known
@@ -174,7 +147,8 @@ class PolicyMap:
         global policy in force when the map is applied.
       overrides: a mapping from a layer path, a glob on paths or a layer class to
         a policy (a `Policy` or anything `Policy` accepts).
-      builtin_rules: apply the built-in rules (normalisation and losses in float32).
+      builtin_rules: apply the built-in rules (normalisation and losses in float32, and the
+        layers a model keeps in float32; layer_kinds.py).
       float8_auto_filter: under an fp8 policy, also keep in the source precision the
         matmuls too small for fp8 to outrun bf16 (torchao's auto-filter thresholds, measured
         on H100s: `mixedpolicy.float8.too_small_to_gain`). Off by default, as in torchao and
@@ -277,9 +251,9 @@ class PolicyMap:
         base = self._inherited(chain[:-1])
         recipe = base.policy.float8_recipe
         if self.builtin_rules and layer.kind is not None:
-            rule = _RULES.get(layer.kind)
-            if rule is not None and base.policy.compute_dtype in ("float16", "bfloat16"):
-                return Resolution(rule(base.policy), f"built-in rule: {layer.kind}", "rule")
+            ruled = builtin_rule(layer.kind, base.policy)
+            if ruled is not None:
+                return Resolution(ruled, f"built-in rule: {layer.kind}", "rule")
             if recipe is not None and layer.kind in _FLOAT8_KEPT:
                 source = base.policy.source
                 return Resolution(source, f"built-in rule: fp8 keeps {_FLOAT8_KEPT[layer.kind]} in {source}", "rule")

@@ -152,6 +152,22 @@ def test_norm_rule_keeps_norm_variables_in_float32_under_pure_half():
         ("float32", "float32", "bfloat16")
 
 
+@pytest.mark.parametrize("kind, halves", [("keep_float32", ("bfloat16", "float16")),
+                                         ("keep_float32_over_float16", ("float16",))])
+def test_layers_a_model_keeps_in_float32_keep_float32_weights_where_the_policys_are_half(kind, halves):
+    for policy in ("bfloat16", "float16", "mixed_bfloat16", "mixed_float16", "float32"):
+        r = resolve(PolicyMap(policy), ("router", Block, kind))
+        if policy in halves:
+            assert (r.policy.variable_dtype, r.policy.compute_dtype, r.policy.output_dtype) == ("float32",) * 3
+            assert (r.source, r.origin) == (f"built-in rule: {kind}", "rule")
+        else:  # float32 weights already (or another half the model stores such layers in)
+            assert r.policy == mp.Policy(policy), (kind, policy)
+    assert resolve(PolicyMap("float16", builtin_rules=False), ("router", Block, kind)).policy == mp.Policy("float16")
+    assert resolve(PolicyMap("float16", {"router": "float16"}), ("router", Block, kind)).origin == "key"
+    fp8 = mp.Policy("float8_from_mixed_bfloat16")  # out of fp8, in its source precision
+    assert resolve(PolicyMap(fp8), ("router", Block, kind)).policy == mp.Policy("mixed_bfloat16")
+
+
 def test_blank_key_is_a_value_error():
     with pytest.raises(ValueError, match="blank override key"):
         PolicyMap("float32", {"  ": "float16"})

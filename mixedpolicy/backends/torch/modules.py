@@ -25,7 +25,8 @@ How a policy reaches a module tree:
 - every other module with weights inside a region gets an *entry* (regions.py), so that calling it
   directly (``model.encoder(x)``, timm's ``forward_features``) computes as its region
   does; called from within the region, an entry costs one thread-local read;
-- parameters (and floating buffers) are stored in the variable dtype.
+- parameters (and floating buffers) are stored in the variable dtype; a transformers model's
+  own declarations are kept as its half-precision load keeps them (declared.py);
 
 `remove_policy` undoes all of it: forwards and parameter dtypes are restored.
 """
@@ -45,7 +46,8 @@ from mixedpolicy.policy import Policy
 from mixedpolicy.layer_plan import dotted_chains, join, plan
 from mixedpolicy.policy_map import (EMBEDDING, HEAD, LOSS, NO_FLOAT8, NORMALIZATION, SMALL_MATMUL, LayerInfo,
                                     Resolution)
-from mixedpolicy.backends.torch import float8
+from mixedpolicy.backends.torch import declared, float8
+from mixedpolicy.layer_kinds import MODEL_KEPT
 from mixedpolicy.backends.torch.paths import named_layers, unwrap
 from mixedpolicy.backends.torch.regions import STATE as _STATE, _autocasts, install, uninstall
 
@@ -101,11 +103,13 @@ class TorchModels(ModelAdapter):
             return model
         remove_policy(model)
         head = _head(model)
+        kept, unsaved = declared.kept_float32(model), declared.unsaved_buffers(model)
         real = {}  # the user's path -> named_modules()'s (wrappers inside the model left out)
         listed = []
         for path, named, module in named_layers(model):
             real[path] = named
-            listed.append((path, module, LayerInfo(path, type(module), _kind(module, head), matmul=_matmul(module))))
+            kind = kept.get(id(module)) or _kind(module, head)
+            listed.append((path, module, LayerInfo(path, type(module), kind, matmul=_matmul(module))))
         steps = plan(policy_map, dotted_chains(listed), variables=_own_parameters, fix="Call model.float()",
                      adjust=_follow_attention)
         # fp8 layers become torchao's Float8Linear (same parameters) before anything else changes
@@ -130,7 +134,8 @@ class TorchModels(ModelAdapter):
                     state.setdefault("originals", {})[name] = p.data
                     p.data = p.data.to(target)
             for name, b in module.named_buffers(recurse=False):  # fp8 scales stay float32
-                if b is not None and b.is_floating_point() and b.dtype != target and real[path] not in swapped:
+                if (b is not None and b.is_floating_point() and b.dtype != target and real[path] not in swapped
+                        and id(b) not in unsaved):
                     state["dtypes"][name] = b.dtype
                     state.setdefault("originals", {})[name] = b
                     setattr(module, name, b.to(target))
@@ -138,7 +143,10 @@ class TorchModels(ModelAdapter):
             # PyTorch). A loss or norm root still casts its half-precision inputs.
             plain_root = parent_policy is None and policy == _FLOAT32 and info.kind not in (NORMALIZATION, LOSS)
             parent = regions.get(path.rpartition(".")[0]) if path else None
-            if step.changes_policy and not plain_root and not _kernel_norm(module, resolution, parent_policy):
+            # a layer the model keeps in float32 computes as its own code does with float32 weights
+            own_code = info.kind in MODEL_KEPT and resolution.origin == "rule" and parent is not None
+            if (step.changes_policy and not plain_root and not own_code
+                    and not _kernel_norm(module, resolution, parent_policy)):
                 state["forward"] = install(module, policy, region=True)
                 regions[path] = policy
             elif parent is not None:

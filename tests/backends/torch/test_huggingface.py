@@ -144,6 +144,71 @@ def test_an_update_recipe_rounds_the_trainers_own_optimizer(tmp_path):
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
 
 
+def _declaring_models():
+    """Tiny transformers models that declare layers kept in float32, with rotary buffers."""
+    t = transformers
+    yield "t5", t.T5ForConditionalGeneration, t.T5Config(  # _keep_in_fp32_modules = ["wo"]: float16 only
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0)
+    yield "deepseek_v3", t.DeepseekV3ForCausalLM, t.DeepseekV3Config(  # its router: strict, bfloat16 too
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+        topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=32)
+
+
+def _saved(tmp_path, cls, config):
+    torch.manual_seed(0)
+    cls(config).save_pretrained(tmp_path / "saved")
+    return str(tmp_path / "saved")
+
+
+def _floating_dtypes(model):
+    return {n: t.dtype for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_floating_point()}
+
+
+@pytest.mark.parametrize("name, cls, config", list(_declaring_models()), ids=lambda v: v if isinstance(v, str) else "")
+@pytest.mark.parametrize("policy", ["float16", "bfloat16"])
+def test_a_pure_policy_keeps_what_the_model_keeps_in_float32_as_its_own_half_precision_load(
+        tmp_path, name, cls, config, policy):
+    saved = _saved(tmp_path, cls, config)
+    theirs = cls.from_pretrained(saved, dtype=getattr(torch, policy))
+    ours = mp.apply_policy(cls.from_pretrained(saved), policy)
+    expected = _floating_dtypes(theirs)
+    assert _floating_dtypes(ours) == expected
+    kept = {n for n, dtype in expected.items() if dtype == torch.float32}
+    assert any("inv_freq" in n for n in kept) or name == "t5"  # rotary frequencies: never stored in half
+    declared = {"t5": ".wo.", "deepseek_v3": ".mlp.gate."}[name]
+    held = policy == "float16" or name == "deepseek_v3"  # T5 keeps its wo in float32 under float16 only
+    assert any(declared in n for n in kept) == held
+    layer = next(n.rsplit(".", 1)[0] for n in sorted(expected) if declared in n)
+    row = {row.path: row for row in mp.describe(ours)}[layer]
+    assert row.variable_dtype == row.compute_dtype == ("float32" if held else policy)
+    assert row.source.startswith("built-in rule: keep_float32") == held
+    ids = torch.randint(1, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # the same math: the loss only rounded to the policy's output dtype
+        torch.testing.assert_close(ours(input_ids=ids, labels=ids).loss.float(),
+                                   theirs(input_ids=ids, labels=ids).loss.float(), rtol=1e-2, atol=0)
+    # a mixed policy stores every weight in float32 and the rule has nothing to keep; a key wins
+    mixed = mp.apply_policy(cls.from_pretrained(saved), f"mixed_{policy}", overrides={layer: policy})
+    assert {row.path: row for row in mp.describe(mixed)}[layer].source == f"map key {layer!r}"
+    assert all(dtype == torch.float32 for n, dtype in _floating_dtypes(mixed).items() if not n.startswith(layer))
+
+
+def test_pure_bfloat16_in_the_trainer_trains_as_the_models_own_bfloat16_load_bit_for_bit(tmp_path):
+    _, cls, config = list(_declaring_models())[1]
+    saved = _saved(tmp_path, cls, config)
+    theirs = transformers.Trainer(model=cls.from_pretrained(saved, dtype=torch.bfloat16), args=_args(tmp_path),
+                                  train_dataset=_data())
+    theirs.train()
+    ours = Trainer(model=cls.from_pretrained(saved), args=_args(tmp_path), train_dataset=_data(), policy="bfloat16")
+    ours.train()
+    expected = dict(theirs.model.named_parameters())
+    for n, p in ours.model.named_parameters():
+        assert p.dtype == expected[n].dtype and torch.equal(p, expected[n]), n
+    # the logged losses: the same, rounded to bfloat16 (the policy's output dtype) on ours
+    torch.testing.assert_close(torch.tensor(_losses(ours)), torch.tensor(_losses(theirs)), rtol=1e-2, atol=0)
+
+
 @pytest.mark.parametrize("policy, half", [("mixed_bfloat16", "bfloat16"), ("mixed_float16", "float16")])
 def test_the_base_model_called_directly_computes_as_under_autocast(policy, half):
     # model.transformer(...) (a Hugging Face model's body, as feature extraction calls it)
