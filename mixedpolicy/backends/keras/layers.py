@@ -158,8 +158,10 @@ class KerasModels(ModelAdapter):
                     f"Received the policy {name} for the built layer {chain[-1].path!r}, whose "
                     f"variables are {own_policy(layer).variable_dtype}: Keras cannot change the "
                     f"dtype of existing variables. Apply the policy before the model is built "
-                    f"(before its first call or model.build), or choose a policy with "
-                    f"{own_policy(layer).variable_dtype} variables.")
+                    f"(a subclassed model: before its first call or model.build); a functional "
+                    f"model or a keras-hub backbone is built as it is made, so make it after "
+                    f"mp.set_global_policy({name!r}) or with dtype={name!r}; or choose a policy "
+                    f"with {own_policy(layer).variable_dtype} variables. Nothing was applied.")
             recipe = policy.float8_recipe if float8.eligible(layer) else None
             if recipe is not None:
                 float8.check(recipe, chain[-1].path, policy.reduce_dtype)
