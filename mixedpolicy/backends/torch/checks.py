@@ -5,6 +5,9 @@ scale a ``torch.amp.GradScaler`` state dict describes.
 from __future__ import annotations
 
 import logging
+import os
+import sys
+import warnings
 from typing import Any
 
 import torch
@@ -158,6 +161,35 @@ def check_inner(opt: Any, loss_scale: LossScale, wrapper_type: type) -> None:
     for group in opt.param_groups:
         check_half_master_weights(group, loss_scale)
     check_capturable(opt)
+    warn_vanishing_eps(opt)
+
+
+def warn_vanishing_eps(opt: Any) -> None:
+    """Warns where an optimizer's ``eps`` is 0 in float16 and it updates float16 weights: Adam,
+    RMSprop and Adagrad divide by a root of their second moment plus eps, in the weights'
+    dtype, and a moment that underflows to 0 there (any gradient under about 2.4e-4 squared)
+    makes the update inf or NaN from finite gradients, which no check of the gradients sees."""
+    for group in opt.param_groups:
+        eps = group.get("eps")
+        if (isinstance(eps, float) and eps > 0 and float(torch.tensor(eps, dtype=torch.float16)) == 0
+                and any(p.dtype == torch.float16 for p in group["params"])):
+            warnings.warn(
+                f"{type(opt).__name__} has eps={eps}, which is 0 in float16, and updates float16 weights: "
+                f"it computes in their dtype, where a small gradient's squared moment underflows to 0, "
+                f"so its update divides by 0 and the weights become inf or NaN from finite gradients "
+                f"(as {type(opt).__name__} alone does on float16 weights). Give eps=1e-4 (at least 6e-8), "
+                f"or keep the weights in float32 with a mixed policy ('mixed_float16').",
+                UserWarning, stacklevel=_first_frame_outside())
+            return
+
+
+def _first_frame_outside() -> int:
+    """The stacklevel of the first caller outside mixedpolicy, for a warning its caller gives."""
+    package = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
+    frame, level = sys._getframe(1), 1  # (the caller of warnings.warn: stacklevel 1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def take_fused_kernels(optimizers: list) -> bool:

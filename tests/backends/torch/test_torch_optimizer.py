@@ -324,6 +324,36 @@ def test_half_master_weights_are_an_error():
         mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
 
 
+def test_an_eps_that_is_zero_in_float16_over_float16_weights_is_warned_of_where_it_would_make_nan():
+    import warnings
+
+    def wrapped(make, dtype):
+        weights = torch.nn.Parameter(torch.ones(4, dtype=dtype))
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            opt = mp.LossScaleOptimizer(make([weights]), loss_scale=mp.NoLossScale())
+        return weights, opt, [w for w in seen if "eps=" in str(w.message)]
+
+    weights, opt, seen = wrapped(lambda p: torch.optim.Adam(p, lr=1e-3), torch.float16)
+    assert len(seen) == 1 and "eps=1e-08, which is 0 in float16" in str(seen[0].message)
+    assert seen[0].filename == __file__  # where the user made the wrapper
+    # what it warns of: a gradient of 0 (or a small one) gives a NaN (inf) update, and so does Adam alone
+    weights.grad = torch.tensor([0.0, 1e-5, 1e-3, 1.0], dtype=torch.float16)
+    opt.step()
+    assert not torch.isfinite(weights[:3]).any() and torch.isfinite(weights[3:]).all()
+    for make, dtype in [(lambda p: torch.optim.Adam(p, lr=1e-3, eps=1e-4), torch.float16),
+                        (lambda p: torch.optim.Adam(p, lr=1e-3), torch.bfloat16),
+                        (lambda p: torch.optim.Adam(p, lr=1e-3), torch.float32),
+                        (lambda p: torch.optim.SGD(p, lr=1e-3), torch.float16)]:
+        weights, opt, seen = wrapped(make, dtype)
+        assert not seen, (dtype, seen)
+    weights = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
+    weights.grad = torch.tensor([0.0, 1e-5, 1e-3, 1.0], dtype=torch.float16)
+    opt = mp.LossScaleOptimizer(torch.optim.Adam([weights], lr=1e-3, eps=1e-4), loss_scale=mp.NoLossScale())
+    opt.step()
+    assert torch.isfinite(weights).all()
+
+
 def test_step_takes_a_closure_and_calls_it_once_as_torch_optimizers_do():
     data = batches(3)
 
