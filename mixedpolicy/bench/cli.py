@@ -200,9 +200,10 @@ def _load_digits(seed: int) -> tuple:
 
 
 def run_one(spec: RunSpec) -> dict:
+    held = runners.cores(spec.framework, spec.device, spec.threads)
     proc = subprocess.run([sys.executable, "-m", "mixedpolicy.bench.worker", json.dumps(spec._asdict())],
                           env=runners.environment(spec.framework, spec.device, spec.threads), capture_output=True,
-                          text=True)
+                          text=True, preexec_fn=None if held is None else lambda: os.sched_setaffinity(0, held))
     if proc.returncode != 0:
         raise RuntimeError(f"The {spec.framework} run under {spec.policy} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

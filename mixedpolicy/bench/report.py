@@ -93,7 +93,8 @@ def environment(args: Any, frameworks: list[str], runs: Sequence[dict] = ()) -> 
                  "only; no accuracy)"),
         "compile": args.compile,
         "threads": ({"intra_op_per_worker": args.threads, "pinned_through": "OMP/MKL/OPENBLAS_NUM_THREADS, "
-                     "TF_NUM_INTRAOP_THREADS (inter-op 1), XLA --xla_cpu_multi_thread_eigen=false at 1"}
+                     "TF_NUM_INTRAOP_THREADS (inter-op 1), XLA --xla_cpu_multi_thread_eigen=false at 1, "
+                     "a JAX worker held to as many cores (sched_setaffinity)"}
                     if args.threads else "each framework's default (not pinned)"),
         "load_average_at_end": load_average(),
         "peak_memory": "device memory allocated (CUDA), else the worker process's peak RSS",

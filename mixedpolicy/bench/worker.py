@@ -273,6 +273,8 @@ def _threads_in_force() -> dict:
             "TF_NUM_INTRAOP_THREADS")
     if "jax" in sys.modules:
         found["xla_flags"] = os.environ.get("XLA_FLAGS", "")
+    if hasattr(os, "sched_getaffinity"):  # the cores this worker may run on (runners.cores)
+        found["cores"] = sorted(os.sched_getaffinity(0))
     return found
 
 

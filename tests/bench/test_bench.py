@@ -310,6 +310,9 @@ def test_fp8_policies_run_against_each_frameworks_own_fp8_set_up(tmp_path):
         # fp8 over its source policy, timed in the same interleaved blocks
         assert run["source_policy"] == "mixed_bfloat16" and run["speedup_vs_source"] > 0
         assert len(run["speedup_vs_source_ratios"]) == 2
+        # a JAX worker runs on one core (runners.cores), read in the worker
+        if run["framework"] != "torch" and len(__import__("os").sched_getaffinity(0)) > 1:
+            assert len(run["threads"]["cores"]) == 1, run["threads"]
     assert "fp8 vs source" in proc.stdout
 
 
@@ -503,6 +506,14 @@ def test_workers_run_with_pinned_threads_and_say_so():
     assert "OMP_NUM_THREADS" not in _worker_env("torch", "cpu", 0) or \
         _worker_env("torch", "cpu", 0)["OMP_NUM_THREADS"] == __import__("os").environ.get("OMP_NUM_THREADS")
     assert _worker_env("torch", "cpu", 2)["OMP_NUM_THREADS"] == "2"
+    # XLA:CPU's own threads: a JAX worker is held to as many cores as it has threads
+    from mixedpolicy.bench.runners import cores
+
+    allowed = sorted(__import__("os").sched_getaffinity(0))
+    for framework in ("jax", "keras-jax"):
+        assert cores(framework, "cpu", 1) == ({allowed[-1]} if len(allowed) > 1 else None)
+        assert cores(framework, "cpu", 0) is None and cores(framework, "cuda", 1) is None
+    assert cores("torch", "cpu", 1) is None and cores("keras-torch", "cpu", 1) is None
 
 
 @pytest.mark.slow

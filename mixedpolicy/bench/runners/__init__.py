@@ -84,3 +84,19 @@ def environment(framework: str, device: str, threads: int = 1) -> dict:
     if backend:
         env["KERAS_BACKEND"] = backend
     return env
+
+
+def cores(framework: str, device: str, threads: int = 1) -> set | None:
+    """The CPU cores a worker process of `framework` is held to, or None where it is not held.
+
+    XLA:CPU runs a step's independent kernels, and JAX dispatches the next step, on threads
+    that no thread count limits (the Eigen flag above bounds one pool of them): a JAX step on
+    a 2-core machine ran on both, and its interleaved ratios spread 0.82-1.72 where one core
+    gives 0.98-1.19. A JAX or Keras-on-JAX worker asked for `threads` threads is held to as many
+    cores (the last ones: the first tends to take the interrupts), from its start, so every
+    thread it makes inherits them.
+    """
+    if device != "cpu" or not threads or runner(framework).backend != "jax" or not hasattr(os, "sched_getaffinity"):
+        return None
+    allowed = sorted(os.sched_getaffinity(0))
+    return set(allowed[-threads:]) if len(allowed) > threads else None
