@@ -13,7 +13,7 @@ under every Keras backend. A page's blocks run in order in a fresh process of th
 (Keras picks its backend per process, JAX and TensorFlow their devices), each in a
 fresh namespace with the global policies set back (tests/docs_runner.py): one process
 per page, not per block, since starting one and importing the frameworks is most of a
-block's time.
+block's time (so the pages that need no Keras backend of their own share two processes).
 """
 
 import json
@@ -42,27 +42,34 @@ def blocks(name: str) -> list:
             for i, m in enumerate(_BLOCK.finditer(text))]
 
 
+#: Pages that run under the default Keras backend share a process, in two groups (one per CI
+#: core): starting a process and importing the frameworks was half of a page's time.
+GROUPS = 2
+
+
 def pages():
-    for name in FILES:
-        if not blocks(name):
-            continue
-        for backend in (KERAS_BACKENDS if name == "docs/keras.md" else (None,)):
-            yield pytest.param(name, backend, id=name + (f"-{backend}" if backend else ""))
+    shared = [name for name in FILES if blocks(name) and name != "docs/keras.md"]
+    for i in range(GROUPS):
+        group = shared[i::GROUPS]
+        yield pytest.param(group, None, id="+".join(group))
+    for backend in KERAS_BACKENDS:
+        yield pytest.param(["docs/keras.md"], backend, id=f"docs/keras.md-{backend}")
 
 
 def test_there_are_blocks_to_run():
     assert sum(len(blocks(name)) for name in FILES) >= 10
 
 
-@pytest.mark.parametrize("page, backend", list(pages()))
-def test_the_pages_blocks_run_as_written(page, backend, tmp_path):
+@pytest.mark.parametrize("group, backend", list(pages()))
+def test_the_pages_blocks_run_as_written(group, backend, tmp_path):
     # as a user runs them: JAX's default (standard) promotion, not the suite's strict one
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", JAX_PLATFORMS="cpu",
                JAX_NUMPY_DTYPE_PROMOTION="standard")
     if backend:
         env["KERAS_BACKEND"] = backend
     runner = str(Path(__file__).with_name("docs_runner.py"))
-    proc = subprocess.run([sys.executable, runner], input=json.dumps(blocks(page)), cwd=tmp_path, env=env,
+    programs = [block for page in group for block in blocks(page)]
+    proc = subprocess.run([sys.executable, runner], input=json.dumps(programs), cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-6000:]
 
