@@ -6,7 +6,10 @@ bfloat16; mixture-of-experts routers, T5's ``wo``, rotary embeddings...), and
 ``from_pretrained(dtype=...)`` stores only the weights of their checkpoint in that dtype: buffers
 they do not save (non-persistent: rotary frequencies) keep the float32 their code makes. A
 policy whose variables are half precision does the same to such a model, so it computes as the
-model's own half-precision load does (layer_kinds.py, modules.py).
+model's own half-precision load does (layer_kinds.py, modules.py). And the loss a transformers
+model computes in its forward (``outputs.loss``, float32 under its own half-precision load) leaves
+a region in float32, as a loss does (the built-in rule for losses), while its logits and hidden
+states leave it in the region's output dtype.
 """
 
 from __future__ import annotations
@@ -63,3 +66,25 @@ def unsaved_buffers(model: torch.nn.Module) -> set:
     return {id(buffer) for owner in model.modules() if is_transformers_model(owner)
             for module in owner.modules() for name, buffer in module.named_buffers(recurse=False)
             if buffer is not None and name in module._non_persistent_buffers_set}
+
+
+_LOSS_OUTPUTS: dict = {}  # type -> whether it is a transformers ModelOutput (read once per type)
+
+
+def _is_model_output(out: Any) -> bool:
+    kind = type(out)
+    found = _LOSS_OUTPUTS.get(kind)
+    if found is None:
+        found = _LOSS_OUTPUTS[kind] = any(c.__name__ == "ModelOutput" and c.__module__.startswith("transformers.")
+                                          for c in kind.__mro__)
+    return found
+
+
+def cast_output(out: Any, dtype: torch.dtype, cast: Any) -> Any:
+    """``cast(out, dtype)``, but a transformers output's ``loss`` as the model computed it."""
+    if not _is_model_output(out) or out.get("loss") is None:
+        return cast(out, dtype)
+    loss = out["loss"]
+    cast_out = cast(out, dtype)
+    cast_out["loss"] = loss
+    return cast_out

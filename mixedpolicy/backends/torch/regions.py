@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 from torch.utils import _pytree as pytree
 
+from mixedpolicy.backends.torch import declared
 from mixedpolicy.backends.torch.arrays import TORCH_DTYPES as _TORCH_DTYPES
 from mixedpolicy.policy import Policy
 
@@ -138,7 +139,7 @@ class _Region:
                 out = self._cast_and_run(args, kwargs)
         finally:
             _running.depth -= 1
-        return cast_floating(out, self._output) if self._cast_out else out
+        return declared.cast_output(out, self._output, cast_floating) if self._cast_out else out
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         """The forward this one wraps: the instance's earlier one, else the class's, called with
