@@ -161,15 +161,16 @@ def check_inner(opt: Any, loss_scale: LossScale, wrapper_type: type) -> None:
     for group in opt.param_groups:
         check_half_master_weights(group, loss_scale)
     check_capturable(opt)
-    warn_vanishing_eps(opt)
+    warn_vanishing_eps(opt, opt.param_groups)
 
 
-def warn_vanishing_eps(opt: Any) -> None:
+def warn_vanishing_eps(opt: Any, groups: list) -> None:
     """Warns where an optimizer's ``eps`` is 0 in float16 and it updates float16 weights: Adam,
     RMSprop and Adagrad divide by a root of their second moment plus eps, in the weights'
     dtype, and a moment that underflows to 0 there (any gradient under about 2.4e-4 squared)
-    makes the update inf or NaN from finite gradients, which no check of the gradients sees."""
-    for group in opt.param_groups:
+    makes the update inf or NaN from finite gradients, which no check of the gradients sees.
+    `groups`: those of ``opt.param_groups`` to look at (a group just added, or all)."""
+    for group in groups:
         eps = group.get("eps")
         if (isinstance(eps, float) and eps > 0 and float(torch.tensor(eps, dtype=torch.float16)) == 0
                 and any(p.dtype == torch.float16 for p in group["params"])):

@@ -36,7 +36,7 @@ def _pattern(patterns: Any) -> Any:
     """transformers' match of a name list: any name found anywhere in a parameter's or buffer's
     dotted name, ``*`` standing for any characters (its ``from_pretrained`` dtype plan)."""
     try:
-        return re.compile("|".join(f"(?:{p.replace('*', '.*')})" for p in patterns))
+        return re.compile("|".join(f"(?:{p.replace('*', '.*')})" for p in sorted(patterns)))
     except (re.error, AttributeError, TypeError):  # not transformers' strings: nothing is declared
         return None
 
@@ -50,7 +50,7 @@ def kept_float32(model: torch.nn.Module) -> dict:
             continue
         for attribute, kind in _LISTS:
             names = getattr(owner, attribute, None)
-            found = _pattern(sorted(names)) if isinstance(names, (list, tuple, set, frozenset)) and names else None
+            found = _pattern(names) if isinstance(names, (list, tuple, set, frozenset)) and names else None
             if found is None:
                 continue
             for path, module in owner.named_modules():

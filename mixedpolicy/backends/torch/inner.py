@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 import torch
 
-from mixedpolicy.backends.torch.checks import check_half_master_weights
+from mixedpolicy.backends.torch.checks import check_half_master_weights, warn_vanishing_eps
 
 
 class InnerView:
@@ -41,6 +41,7 @@ class InnerView:
         listed = [params] if isinstance(params, torch.Tensor) else list(param_group["params"])
         check_half_master_weights({"params": listed}, self._scale_settings, self._variable_dtypes)
         self._inners[0].add_param_group(param_group)
+        warn_vanishing_eps(self._inners[0], self._inners[0].param_groups[-1:])  # its options filled in now
 
     def _follow_policies(self, policies: tuple) -> None:
         """A pass-through chosen by `policies` refuses what the scaling wrapper refuses: half

@@ -347,6 +347,10 @@ def test_an_eps_that_is_zero_in_float16_over_float16_weights_is_warned_of_where_
                         (lambda p: torch.optim.SGD(p, lr=1e-3), torch.float16)]:
         weights, opt, seen = wrapped(make, dtype)
         assert not seen, (dtype, seen)
+    # a group added later is looked at as the constructor's are (with the optimizer's default eps)
+    _, opt, _ = wrapped(lambda p: torch.optim.Adam(p, lr=1e-3), torch.float32)
+    with pytest.warns(UserWarning, match="eps=1e-08, which is 0 in float16"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2, dtype=torch.float16))]})
     weights = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
     weights.grad = torch.tensor([0.0, 1e-5, 1e-3, 1.0], dtype=torch.float16)
     opt = mp.LossScaleOptimizer(torch.optim.Adam([weights], lr=1e-3, eps=1e-4), loss_scale=mp.NoLossScale())
