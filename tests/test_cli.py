@@ -23,7 +23,9 @@ def test_describe_a_users_model_from_a_file_with_a_policy(tmp_path, capsys):
     (tmp_path / "my_models.py").write_text(
         "import torch\n"
         "def make():\n"
-        "    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))\n")
+        "    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))\n"
+        "def make_wide(width, depth=2):\n"
+        "    return torch.nn.Linear(width, width)\n")
     target = f"{tmp_path / 'my_models.py'}:make"
     assert main(["describe", target, "--policy", "bf16-mixed"]) == 0
     out = capsys.readouterr().out
@@ -34,3 +36,7 @@ def test_describe_a_users_model_from_a_file_with_a_policy(tmp_path, capsys):
     assert "'no_such_module_here' cannot be imported" in capsys.readouterr().err
     assert main(["describe", "justaname"]) == 2
     assert "expected MODULE:FACTORY" in capsys.readouterr().err
+    # a factory that needs arguments is named with them before it is called
+    assert main(["describe", target.replace(":make", ":make_wide")]) == 2
+    assert "make_wide requires the arguments width; expected a factory that takes no arguments" in \
+        capsys.readouterr().err

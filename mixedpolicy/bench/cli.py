@@ -78,7 +78,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--replicas", type=int, default=0, metavar="N",
                    help="instead of the framework comparison: the mlp trained data-parallel on N JAX "
                         "replicas (host devices) under each policy and each --reduce dtype, with bytes "
-                        "per step (default: off)")
+                        "per step (default: 0, off: the framework comparison)")
     p.add_argument("--reduce", default=None,
                    help="with --replicas: the reduce dtypes to compare (float32, bfloat16, float16, "
                         "float8_e5m2, float8_e4m3fn, table-1/2/4/8), and the study's per-layer "

@@ -85,10 +85,11 @@ def _digits(args: argparse.Namespace, runner) -> tuple:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    if args.batches < 1 or (args.batch_size is not None and args.batch_size < 1):
-        print(f"mixedpolicy inspect: error: Received --batches {args.batches} --batch-size {args.batch_size}; "
-              f"expected whole numbers >= 1.", file=sys.stderr)
-        return 2
+    for name, value in (("batches", args.batches), ("batch-size", args.batch_size)):
+        if value is not None and value < 1:
+            print(f"mixedpolicy inspect: error: Received --{name} {value}; expected a whole number >= 1.",
+                  file=sys.stderr)
+            return 2
     try:
         if not (math.isfinite(args.loss_scale) and args.loss_scale > 0):
             raise ValueError(f"Received --loss-scale {args.loss_scale}; expected a finite number > 0 "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import math
 import os
 import itertools
@@ -49,9 +50,25 @@ def load_factory(target: str) -> Callable[[], Any]:
     found = getattr(module, factory, None)
     if not callable(found):
         names = sorted(n for n in vars(module) if callable(vars(module)[n]) and not n.startswith("_"))
+        more = f" and {len(names) - 12} more" if len(names) > 12 else ""
         raise ValueError(f"Received {target!r}, but {module_name} has no callable {factory!r}; its "
-                         f"callables: {', '.join(names[:12]) or 'none'}.")
+                         f"callables: {', '.join(names[:12]) or 'none'}{more}.")
+    required = _required_arguments(found)
+    if required:
+        raise ValueError(f"Received {target!r}, whose {factory} requires the arguments "
+                         f"{', '.join(required)}; expected a factory that takes no arguments and returns "
+                         f"the model. Wrap it: def make(): return {factory}(...), and name that.")
     return found
+
+
+def _required_arguments(factory: Callable) -> list[str]:
+    """The names of the arguments `factory` cannot be called without (none where its signature
+    cannot be read: a builtin's; calling it says what is missing)."""
+    try:
+        parameters = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in parameters if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
 
 
 #: The keys a factory's dict may hold (see `unpack`).
