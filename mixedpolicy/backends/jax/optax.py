@@ -39,8 +39,8 @@ import optax
 
 from mixedpolicy._adapter import OptimizerAdapter
 from mixedpolicy.backends.jax.arrays import all_finite
-from mixedpolicy.backends.jax.optax_state import (_STATES, LossScaleState, PassThroughState, adopted_scale,
-                                                  pack_counts)
+from mixedpolicy.backends.jax.optax_state import _STATES, LossScaleState, PassThroughState, adopted_scale, pack_counts
+from mixedpolicy.backends.jax.vanishing import warn_vanishing_eps
 from mixedpolicy.float8 import DELAYED_STATE
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, is_pass_through, summary
 
@@ -272,6 +272,7 @@ def loss_scale_transformation(inner: Any, config: LossScale, axis_name: Any = No
 
     def init(params: Any) -> Any:
         inner_state = inner.init(params)
+        warn_vanishing_eps(inner, params)
         nested = [x for x in jax.tree_util.tree_leaves(
             inner_state, is_leaf=lambda x: isinstance(x, _STATES)) if isinstance(x, _STATES)]
         if nested:

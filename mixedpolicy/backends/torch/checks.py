@@ -5,13 +5,12 @@ scale a ``torch.amp.GradScaler`` state dict describes.
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import warnings
 from typing import Any
 
 import torch
 
+from mixedpolicy._warnings import user_stacklevel
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale
 
 _log = logging.getLogger("mixedpolicy")
@@ -180,17 +179,8 @@ def warn_vanishing_eps(opt: Any, groups: list) -> None:
                 f"so its update divides by 0 and the weights become inf or NaN from finite gradients "
                 f"(as {type(opt).__name__} alone does on float16 weights). Give eps=1e-4 (at least 6e-8), "
                 f"or keep the weights in float32 with a mixed policy ('mixed_float16').",
-                UserWarning, stacklevel=_first_frame_outside())
+                UserWarning, stacklevel=user_stacklevel())
             return
-
-
-def _first_frame_outside() -> int:
-    """The stacklevel of the first caller outside mixedpolicy, for a warning its caller gives."""
-    package = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
-    frame, level = sys._getframe(1), 1  # (the caller of warnings.warn: stacklevel 1)
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def take_fused_kernels(optimizers: list) -> bool:

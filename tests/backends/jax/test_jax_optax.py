@@ -260,6 +260,37 @@ def test_static_and_no_loss_scale():
     assert int(state.num_skipped_steps) == 0
 
 
+def test_a_float16_update_that_divides_by_a_vanished_eps_is_warned_of_at_init():
+    """optax's Adam family on float16 weights divides by eps=1e-8, which is 0 in float16: the
+    weights turn NaN from finite gradients, which no gradient check sees. The wrapper warns at
+    init, at the user's line (also under jit), where the fixes do not."""
+    import warnings
+
+    params = {"w": jnp.ones((3, 2), jnp.float16), "b": jnp.ones(2, jnp.float16)}
+
+    def warned(tx, tree=params, jit=False, **kw):
+        # (optax's adam mixes a float and an int32 count, which the suite's strict promotion refuses)
+        with warnings.catch_warnings(record=True) as caught, jax.numpy_dtype_promotion("standard"):
+            warnings.simplefilter("always")
+            opt = mp.LossScaleOptimizer(tx, **kw)
+            (jax.jit(opt.init) if jit else opt.init)(tree)
+        hits = [w for w in caught if "is 0 in float16" in str(w.message)]
+        assert all(w.filename == __file__ for w in hits), [w.filename for w in hits]
+        return bool(hits)
+
+    for tx in (optax.adam(1e-3), optax.adamw(1e-3), optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))):
+        assert warned(tx, loss_scale=mp.NoLossScale()) and warned(tx, jit=True, loss_scale=mp.NoLossScale())
+    # and it is what it warns of: optax's own adam ends NaN on these weights
+    inner = optax.adam(1e-3)
+    with jax.numpy_dtype_promotion("standard"):
+        u, _ = inner.update(jax.tree_util.tree_map(lambda x: x * 1e-3, params), inner.init(params), params)
+    assert not bool(jnp.isfinite(optax.apply_updates(params, u)["w"]).all())
+    # an eps float16 holds, an optimizer without one, float32 weights, state kept in float32
+    assert not warned(optax.adam(1e-3, eps=1e-4)) and not warned(optax.sgd(0.1, momentum=0.9))
+    assert not warned(optax.adam(1e-3), tree={"w": jnp.ones(3)})
+    assert not warned(optax.adam(1e-3), policy=mp.Policy("float16", optimizer_state_dtype="float32"))
+
+
 def test_clear_errors():
     with pytest.raises(ValueError, match="float16 value; the scale is kept in float32"):
         mp.LossScaleOptimizer(optax.sgd(0.1), initial_scale=jnp.float16(1024))
