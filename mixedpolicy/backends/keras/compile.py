@@ -77,7 +77,9 @@ def carry_updates_in_compile(on: bool = True) -> None:
     mixedpolicy's ``LossScaleOptimizer``, which carries it out (following the global policy); a
     model given a policy by `apply_policy` wraps in its own ``compile`` first. Keras's own
     ``compile`` would keep a plain optimizer, rounding every update to nearest and keeping its
-    moments in the variables' dtype, whatever the policy said. `on=False` gives Keras its own back."""
+    moments in the variables' dtype, whatever the policy said. Under a policy with half-precision
+    variables and no recipe the optimizer stays Keras's own, and is warned of where its arithmetic
+    there cannot train (Adam's beta_2=0.999 is 1.0 in bfloat16). `on=False` gives Keras its own back."""
     from keras.src.trainers.trainer import Trainer
 
     with _patch_lock:
@@ -89,9 +91,15 @@ def carry_updates_in_compile(on: bool = True) -> None:
                 import mixedpolicy as mp
                 from mixedpolicy.scope import global_policy
 
-                if optimizer is not None and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and (
-                        not global_policy().updates_as_the_optimizer_does):
-                    optimizer = mp.LossScaleOptimizer(keras.optimizers.get(optimizer))
+                policy = global_policy()
+                if optimizer is not None and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+                    if not policy.updates_as_the_optimizer_does:
+                        optimizer = mp.LossScaleOptimizer(keras.optimizers.get(optimizer))  # warns as below
+                    else:  # half-precision variables: Keras's own arithmetic there, said where it cannot train
+                        from mixedpolicy.backends.keras.optimizer import KerasOptimizers
+
+                        optimizer = keras.optimizers.get(optimizer)
+                        KerasOptimizers().warn_arithmetic(optimizer, (policy,))
                 return own(self, optimizer, *args, **kwargs)
 
             functools.update_wrapper(compile, own)

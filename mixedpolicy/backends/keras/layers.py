@@ -34,6 +34,7 @@ import keras
 from keras.src.backend.common import global_state
 
 from mixedpolicy._adapter import ModelAdapter
+from mixedpolicy._dtypes import HALF_DTYPES
 from mixedpolicy.table import NOT_APPLIED, LayerPolicy
 from mixedpolicy.policy import Policy
 from mixedpolicy.backends.keras import float8, patches
@@ -249,7 +250,8 @@ def sync_global_policy(policy: Policy) -> None:
     # Keras keeps the policy per thread: a thread that set none sees this one.
     patches.process_policy[0] = global_state.get_global_attribute("dtype_policy")
     use_bounded_loss_scale_in_compile(name in ("float16", "mixed_float16"))
-    carry_updates_in_compile(not policy.updates_as_the_optimizer_does)
+    # (also under half-precision variables: compile then warns of an optimizer that cannot train there)
+    carry_updates_in_compile(not policy.updates_as_the_optimizer_does or policy.variable_dtype in HALF_DTYPES)
 
 
 def to_keras(name: str, amax_history_len: int | None = None) -> Any:

@@ -24,6 +24,7 @@ from keras import ops
 from keras.backend import standardize_dtype
 
 from mixedpolicy._dtypes import HALF_DTYPES
+from mixedpolicy._warnings import user_stacklevel
 from mixedpolicy.backends.keras.state import install as install_state, per_variable_path
 
 _SEED = 0x5EED
@@ -225,5 +226,6 @@ class KerasUpdates:
                         f"{name}={rate} rounds to 1.0, so every update is 0 and the model does not "
                         f"train (Keras does the same without mixedpolicy). Give {name} <= {below} "
                         f"(the largest {policy.variable_dtype} below 1), or keep float32 variables "
-                        f"(a mixed policy such as 'mixed_{policy.variable_dtype}').", stacklevel=4)
+                        f"(a mixed policy such as 'mixed_{policy.variable_dtype}').",
+                        stacklevel=user_stacklevel("keras", "keras_hub"))
                     return

@@ -284,6 +284,31 @@ def test_a_decay_rate_that_rounds_to_one_in_the_variables_dtype_is_named_with_th
         assert np.all(after < before)
 
 
+def test_compile_under_a_global_bfloat16_policy_names_an_optimizer_that_cannot_train_there():
+    """A plain optimizer given to compile under mp.set_global_policy("bfloat16") stays Keras's own
+    (nothing to carry out), and the same warning says it cannot train there, at the compile line;
+    a float32 or mixed global policy says nothing."""
+    import warnings
+
+    mp.set_global_policy("bfloat16")
+    try:
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.compile(optimizer="adam", loss="mse")
+        said = [w for w in caught if "rounds to 1.0" in str(w.message)]
+        assert len(said) == 1 and said[0].filename == __file__, [(w.filename, str(w.message)) for w in caught]
+        assert isinstance(model.optimizer, keras.optimizers.Adam)  # Keras's own, not wrapped
+        assert not isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+        for policy in ("float32", "mixed_bfloat16"):
+            mp.set_global_policy(policy)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", UserWarning)
+                keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)]).compile(optimizer="adam", loss="mse")
+    finally:
+        mp.set_global_policy("float32")
+
+
 def test_the_global_policys_state_dtype_reaches_an_optimizer_under_a_float16_keras_policy():
     """mixedpolicy's global policy sets Keras's to mixed_float16; the optimizer follows
     mixedpolicy's, which says the same and its state dtype too."""
