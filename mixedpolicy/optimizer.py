@@ -211,6 +211,8 @@ class LossScaleOptimizer(abc.ABC):
                 reduce_policy = None  # what Keras does by itself (a pure policy's gradients are its dtype)
             if reduce_policy is not None:
                 kwargs["reduce_policy"] = reduce_policy
+        if followed and getattr(adapter, "takes_followed_policies", False):
+            kwargs["followed"] = followed  # (torch: a pure policy's half weights are its own)
         if kwargs:  # a framework's own options (Keras: name, dynamic, its base arguments)
             wrapper = adapter.wrap_optimizer(inner, loss_scale, axis_name, **kwargs)
         else:

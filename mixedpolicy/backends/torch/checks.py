@@ -43,18 +43,19 @@ def check_capturable(opt: torch.optim.Optimizer) -> None:
 
 
 def check_half_master_weights(group: dict, loss_scale: LossScale, variable_dtypes: Any = None) -> None:
-    """Refuses half-precision master weights: always under a scale; under a pass-through that
-    follows policies (`variable_dtypes`, theirs) unless one of them stores variables in that
-    dtype; never under a `NoLossScale` given by hand."""
+    """Refuses half-precision master weights, unless a policy the wrapper follows
+    (`variable_dtypes`, theirs) stores variables in that dtype (a pure policy: under
+    ``"float16"`` the wrapper scales float16 weights' gradients, as the optax and Keras wrappers
+    do); never under a `NoLossScale` given by hand."""
     if isinstance(loss_scale, NoLossScale) and variable_dtypes is None:
         return
     for p in group["params"]:
         if p.dtype not in (torch.float16, torch.bfloat16):
             continue
         name = str(p.dtype).rpartition(".")[2]
+        if variable_dtypes is not None and name in variable_dtypes:
+            continue
         if isinstance(loss_scale, NoLossScale):
-            if name in variable_dtypes:
-                continue
             raise ValueError(
                 f"Received an optimizer whose parameters (one of shape {tuple(p.shape)}) are {name} "
                 f"master weights, under a policy that stores variables in "
@@ -149,16 +150,17 @@ _SYNC_COSTLY = {"cuda", "xpu", "mps", "hpu"}
 _WITH_FUSED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)  # fused on those devices too
 
 
-def check_inner(opt: Any, loss_scale: LossScale, wrapper_type: type) -> None:
+def check_inner(opt: Any, loss_scale: LossScale, wrapper_type: type, variable_dtypes: Any = None) -> None:
     """Refuses, for a wrapper of type `wrapper_type`, an inner optimizer it cannot take: a wrapper
-    already, half-precision master weights under scaling, a capturable one on the wrong device."""
+    already, half-precision master weights under scaling (but those `variable_dtypes`, of the
+    policies the wrapper follows, store), a capturable one on the wrong device."""
     if isinstance(opt, wrapper_type):
         raise TypeError(
             "Received a mixedpolicy LossScaleOptimizer to wrap; it already scales the loss, "
             "and wrapping it again would divide the gradients by two scales. Wrap the "
             "torch optimizer once (use .inner_optimizers to get at the optimizers inside).")
     for group in opt.param_groups:
-        check_half_master_weights(group, loss_scale)
+        check_half_master_weights(group, loss_scale, variable_dtypes)
     check_capturable(opt)
     warn_vanishing_eps(opt, opt.param_groups)
 

@@ -46,14 +46,15 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
     schedulers work on the wrapper unchanged.
     """
 
-    def __init__(self, inner: Any, loss_scale: LossScale):  # noqa: D107 (Optimizer.__init__ not called on purpose)
+    def __init__(self, inner: Any, loss_scale: LossScale,  # noqa: D107 (Optimizer.__init__ not called on purpose)
+                 variable_dtypes: frozenset | None = None):
         inners = list(inner) if isinstance(inner, (list, tuple)) else [inner]
         check_closure_optimizers(inners, loss_scale)
         for opt in inners:
-            check_inner(opt, loss_scale, TorchLossScaleOptimizer)
+            check_inner(opt, loss_scale, TorchLossScaleOptimizer, variable_dtypes)
         self._inners = inners
         self._scale_settings = loss_scale
-        self._variable_dtypes: frozenset | None = None  # of the policies a pass-through follows
+        self._variable_dtypes = variable_dtypes  # those of the policies the wrapper follows, if it does
         self._scale: torch.Tensor | None = None
         self._growth_tracker: torch.Tensor | None = None
         self._found_inf: torch.Tensor | None = None  # of the current step, once checked
@@ -139,7 +140,9 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
     def _unscale_and_check(self, inv_scale: Any, scale: torch.Tensor, what: str = "step()") -> torch.Tensor:
         """Multiplies every gradient by `inv_scale` (None: only checks); one found-inf flag, no sync."""
         groups = self.param_groups if self._acting_on is None else self._acting_on.param_groups
-        return self._checks.check(groups, isinstance(self._scale_settings, NoLossScale), inv_scale, scale, what)
+        # float16 weights' gradients are unscaled where nothing scales or a followed policy stores them
+        half_allowed = isinstance(self._scale_settings, NoLossScale) or "float16" in (self._variable_dtypes or ())
+        return self._checks.check(groups, half_allowed, inv_scale, scale, what)
 
     def unscale_(self, optimizer: Any = None) -> None:
         """Divides the gradients by the scale in place (call before clipping them); `optimizer`, as
@@ -300,13 +303,16 @@ class TorchOptimizers(TorchUpdates, OptimizerAdapter):
             return bool(obj) and all(isinstance(o, torch.optim.Optimizer) for o in obj)
         return isinstance(obj, torch.optim.Optimizer)
 
-    def wrap_optimizer(self, optimizer: Any, loss_scale: Any, axis_name: Any = None) -> Any:
+    takes_followed_policies = True  # its half-precision check reads the variable dtypes they store
+
+    def wrap_optimizer(self, optimizer: Any, loss_scale: Any, axis_name: Any = None, followed: tuple = ()) -> Any:
         if axis_name is not None:
             raise TypeError(
                 f"Received axis_name={axis_name!r} for a torch optimizer; axis_name names a JAX "
                 f"replica axis. Under DistributedDataParallel every rank already skips "
                 f"together: the gradients are all-reduced before the step checks them.")
-        return TorchLossScaleOptimizer(optimizer, loss_scale)
+        dtypes = frozenset(p.variable_dtype for p in followed) if followed else None
+        return TorchLossScaleOptimizer(optimizer, loss_scale, dtypes)
 
     def follow_policies(self, wrapper: Any, policies: tuple) -> None:
         wrapper._follow_policies(policies)
