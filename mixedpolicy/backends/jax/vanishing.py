@@ -54,4 +54,5 @@ def warn_vanishing_eps(inner: Any, params: Any) -> None:
         "gradients, which no check of the gradients sees (as the transformation alone does on float16 "
         "weights). Give eps=1e-4 (optax.adam(learning_rate, eps=1e-4)), keep the optimizer state in "
         "float32 (mp.LossScaleOptimizer(tx, policy=mp.Policy('float16', optimizer_state_dtype='float32'))), "
-        "or keep the weights in float32 with a mixed policy ('mixed_float16').", UserWarning, stacklevel=user_stacklevel("jax", "optax", "flax"))
+        "or keep the weights in float32 with a mixed policy ('mixed_float16').",
+        UserWarning, stacklevel=user_stacklevel("jax", "optax", "flax"))
