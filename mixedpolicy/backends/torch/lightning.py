@@ -45,8 +45,8 @@ _built: dict = {}
 def _loss_scale_for(policy_map: PolicyMap, settings: dict, loss_scale: LossScale | None) -> LossScale:
     """The scale `settings` or `loss_scale` describe; else a bounded dynamic scale where a policy
     computes in float16 over float32 variables; otherwise no scaling, non-finite steps skipped
-    (a pure float16 policy trains float16 weights, which a scale cannot help: as Lightning's
-    "16-true", no scaler)."""
+    (under a pure float16 policy too, as Lightning's "16-true" has no scaler; a
+    LossScaleOptimizer the user makes under that policy scales, as the optax and Keras ones do)."""
     from mixedpolicy.optimizer import scale_from_settings
 
     chosen = scale_from_settings(settings, loss_scale)
