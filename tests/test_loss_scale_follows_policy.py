@@ -303,6 +303,38 @@ def test_one_torch_loop_behaves_alike_under_every_policy_string(policy):
         opt.step()
 
 
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "mixed_float16", "16-mixed", "bfloat16",
+                                    "bf16-true", "float16", "16-true"])
+def test_one_nnx_loop_behaves_alike_under_every_policy_string(policy):
+    """The torch loop above, in Flax NNX with the optax wrapper: one jitted step trains under every
+    policy (scaled where it computes in float16, float16 weights included), skips a non-finite
+    step and counts it, and leaves every weight finite."""
+    jax = require_module("jax")
+    optax = require_module("optax", "jax")
+    nnx = require_module("flax.nnx", "flax")
+    jnp = jax.numpy
+    model = mp.apply_policy(nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.relu,
+                                           nnx.Linear(8, 2, rngs=nnx.Rngs(1))), policy)
+    optimizer = nnx.Optimizer(model, mp.LossScaleOptimizer(optax.sgd(0.1), policy=policy), wrt=nnx.Param)
+    x, y = jax.random.normal(jax.random.key(0), (8, 4)), jax.random.normal(jax.random.key(1), (8, 2))
+
+    @nnx.jit
+    def step(model, optimizer, factor):
+        def loss_fn(model):
+            loss = jnp.mean((model(x).astype(jnp.float32) - y) ** 2) * factor
+            return optimizer.tx.scale_loss(loss, optimizer.opt_state), loss
+        grads, loss = nnx.grad(loss_fn, has_aux=True)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    losses = [float(step(model, optimizer, jnp.float32(float("inf") if i == 1 else 1.0))) for i in range(6)]
+    state = optimizer.opt_state
+    assert int(state.num_skipped_steps) == 1 and losses[-1] < losses[0]
+    # where it scales: the start, 2**15, halved once at the skipped step
+    assert float(state.loss_scale) == (2.0**14 if mp.Policy(policy).needs_loss_scaling else 1.0)
+    assert all(bool(jnp.isfinite(p).all()) for p in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)))
+
+
 def test_a_scaling_checkpoint_loads_into_a_wrapper_that_scales_nothing_and_says_so(caplog):
     torch = require_module("torch")
     import logging
