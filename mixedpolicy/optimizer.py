@@ -211,13 +211,15 @@ class LossScaleOptimizer(abc.ABC):
                 reduce_policy = None  # what Keras does by itself (a pure policy's gradients are its dtype)
             if reduce_policy is not None:
                 kwargs["reduce_policy"] = reduce_policy
-        if followed and getattr(adapter, "takes_followed_policies", False):
-            kwargs["followed"] = followed  # (torch: a pure policy's half weights are its own)
+        # torch takes them as it is made (a pure policy's half weights are its own, scaled or not)
+        made_with = bool(followed) and getattr(adapter, "takes_followed_policies", False)
+        if made_with:
+            kwargs["followed"] = followed
         if kwargs:  # a framework's own options (Keras: name, dynamic, its base arguments)
             wrapper = adapter.wrap_optimizer(inner, loss_scale, axis_name, **kwargs)
         else:
             wrapper = adapter.wrap_optimizer(inner, loss_scale, axis_name)
-        if followed and isinstance(loss_scale, NoLossScale):
+        if followed and not made_with and isinstance(loss_scale, NoLossScale):
             adapter.follow_policies(wrapper, followed)  # refuses what the scaling wrapper refuses
         return wrapper
 

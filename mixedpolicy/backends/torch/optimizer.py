@@ -314,9 +314,6 @@ class TorchOptimizers(TorchUpdates, OptimizerAdapter):
         dtypes = frozenset(p.variable_dtype for p in followed) if followed else None
         return TorchLossScaleOptimizer(optimizer, loss_scale, dtypes)
 
-    def follow_policies(self, wrapper: Any, policies: tuple) -> None:
-        wrapper._follow_policies(policies)
-
     def policies_of(self, optimizer: Any) -> tuple[Any, str] | None:
         inners = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
         found = {p.__dict__[PARAMETER_POLICY] for opt in inners for group in opt.param_groups
