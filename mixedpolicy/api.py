@@ -92,10 +92,8 @@ def _check_float8(names: list, adapter: Any, what: str) -> None:
         raise ValueError(
             f"Received the fp8 polic{'ies' if len(names) > 1 else 'y'} {', '.join(names)} for {what}: "
             f"mixedpolicy runs fp8 matmuls on torch (torchao), Keras (Dense, EinsumDense), "
-            f"Flax (nnx.Linear, linen's nn.Dense) and plain JAX functions only so far (an "
-            f"Equinox layer sees what jax.vmap hands it, one example at a time, where a "
-            f"per-tensor scale would be per example: put an fp8 policy on the loss function "
-            f"loss(model, x, y) that vmaps the model over the batch instead). Use the source "
+            f"Flax (nnx.Linear, linen's nn.Dense), Equinox (eqx.nn.Linear) and plain JAX "
+            f"functions only so far. Use the source "
             f"policy here (policy.source, e.g. 'mixed_bfloat16'); nothing was applied.")
 
 

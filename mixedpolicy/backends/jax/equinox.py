@@ -13,6 +13,11 @@ casts sit inside the call, so gradients with respect to the float32 parameters
 come back float32, under ``eqx.filter_jit`` / ``jax.jit`` or not; casts to a
 dtype an array already has cost nothing.
 
+Under an fp8 policy (``tensorwise``) each chosen ``eqx.nn.Linear`` computes ``weight @ x``
+through the fp8 matmul of float8_matmul.py, whose scales see the whole batch although the
+layer sees one example under ``jax.vmap``; the built-in rules keep embeddings, norms, the last
+``Linear`` (the head) and sizes that are not multiples of 16 in the source precision, as on NNX.
+
 Layer paths are attribute paths joined with dots (``"layers.0"``, ``"attn.query_proj"``),
 as ``jax.tree_util`` names them. ``eqx.nn.State`` arguments and results (BatchNorm
 statistics) pass through uncast, as do integer, boolean and key arrays.
@@ -27,17 +32,58 @@ import jax
 
 from mixedpolicy._adapter import ModelAdapter
 from mixedpolicy.backends.jax.arrays import Kept, cast_leaf, dtype_name, restore_leaf
+from mixedpolicy.backends.jax.float8_matmul import matmul
+from mixedpolicy.float8 import Float8Recipe
 from mixedpolicy.table import NOT_APPLIED, LayerPolicy
 from mixedpolicy.policy import Policy
 from mixedpolicy.layer_plan import plan
-from mixedpolicy.policy_map import NORMALIZATION, LayerInfo, PolicyMap
+from mixedpolicy.policy_map import EMBEDDING, HEAD, NO_FLOAT8, NORMALIZATION, SMALL_MATMUL, LayerInfo, PolicyMap
 
 _NORMS = tuple(getattr(eqx.nn, n) for n in ("LayerNorm", "RMSNorm", "GroupNorm", "BatchNorm")
                if hasattr(eqx.nn, n))
 
 
-def _kind(cls: type) -> str | None:
-    return NORMALIZATION if issubclass(cls, _NORMS) else None
+def _kind(module: Any, head: Any) -> str | None:
+    """The built-in rules' kind of a module: norms; and what fp8 keeps in the source precision."""
+    if isinstance(module, _NORMS):
+        return NORMALIZATION
+    if isinstance(module, eqx.nn.Embedding):
+        return EMBEDDING
+    if _runs_float8(module):
+        if module is head:
+            return HEAD
+        return SMALL_MATMUL if any(n % 16 for n in _matmul_sizes(module)) else None
+    own = [x for _, x in _children(module)[0] if not isinstance(x, eqx.Module)]
+    return NO_FLOAT8 if any(hasattr(x, "dtype") for x in own) else None
+
+
+def _runs_float8(module: Any) -> bool:
+    return type(module) is eqx.nn.Linear
+
+
+def _matmul_sizes(module: Any) -> tuple:
+    """(in, out) of an ``eqx.nn.Linear`` ("scalar" is a size of 1)."""
+    return tuple(1 if n == "scalar" else int(n) for n in (module.in_features, module.out_features))
+
+
+def _head(model: Any) -> Any:
+    """The output head: the last ``eqx.nn.Linear`` in attribute order (None if there is none)."""
+    found = [m for m, _ in _walk(model, "", ()) if _runs_float8(m)]
+    return found[-1] if found else None
+
+
+def _float8_linear(linear: Any, x: Any, recipe: Float8Recipe) -> Any:
+    """``eqx.nn.Linear.__call__`` with ``weight @ x`` in fp8: `x` of shape (in,) or () ("scalar")."""
+    n_in, n_out = _matmul_sizes(linear)
+    if x.shape not in ((n_in,), ()) or (x.shape == () and linear.in_features != "scalar"):
+        raise ValueError(f"Received an input of shape {x.shape} for the fp8 eqx.nn.Linear "
+                         f"{n_in} -> {n_out}; expected one example of shape ({n_in},): call it "
+                         f"under jax.vmap over the batch, as for the plain layer.")
+    w = linear.weight.reshape(n_out, n_in)
+    a = x.reshape(1, n_in)
+    out = matmul(a, w.T, recipe.forward_dtype, recipe.backward_dtype, str(a.dtype), str(w.dtype))
+    out = out.reshape(() if linear.out_features == "scalar" else (n_out,))
+    return out + linear.bias if linear.use_bias else out
 
 
 def _join(path: str, keys: tuple) -> str:
@@ -118,7 +164,10 @@ class PolicyModule(eqx.nn.StatefulLayer):
                 out = getattr(module, method)(*first, *rest, hidden=hidden, **kwargs)
             return jax.tree_util.tree_map(lambda new, old: new.astype(old.dtype), out, hidden)
         args, kwargs = _cast((args, kwargs), policy.compute_dtype)
-        out = getattr(module, method)(*args, **kwargs)
+        if policy.float8_recipe is not None and method == "__call__" and _runs_float8(module):
+            out = _float8_linear(module, args[0] if args else kwargs["x"], policy.float8_recipe)
+        else:
+            out = getattr(module, method)(*args, **kwargs)
         if policy.output_dtype == policy.compute_dtype:
             return out  # as the layers made it, e.g. float32 from a layer overridden to float32
         return _cast(out, policy.output_dtype)
@@ -146,14 +195,19 @@ class _Method:
         return self._owner._run(self._name, args, kwargs)
 
 
-def _layers(module: Any, path: str = "", chain: tuple = ()) -> list:
+def _walk(module: Any, path: str, chain: tuple, head: Any = None) -> list:
     """(module, chain) for `module` and every module inside it, parents first."""
-    chain = (*chain, LayerInfo(path, type(module), _kind(type(module))))
+    sizes = _matmul_sizes(module) if _runs_float8(module) else None
+    chain = (*chain, LayerInfo(path, type(module), _kind(module, head), matmul=sizes))
     out = [(module, chain)]
     for keys, leaf in _children(module)[0]:
         if isinstance(leaf, eqx.Module) and not isinstance(leaf, eqx.nn.StateIndex):
-            out += _layers(leaf, _join(path, keys), chain)
+            out += _walk(leaf, _join(path, keys), chain, head)
     return out
+
+
+def _layers(model: Any) -> list:
+    return _walk(model, "", (), _head(model))
 
 
 def _own_arrays(module: Any, path: str) -> list:
@@ -166,6 +220,14 @@ def apply_policy(model: Any, policy_map: PolicyMap) -> PolicyModule:
     steps = {step.path: step for step in plan(
         policy_map, _layers(model), variables=_own_arrays,
         fix="Create the module with float32 arrays (or cast them with jax.tree.map)")}
+    for step in steps.values():  # refused before anything changes
+        recipe = step.policy.float8_recipe
+        if recipe is not None and recipe.recipe != "tensorwise" and _runs_float8(step.layer):
+            raise ValueError(
+                f"Received the fp8 recipe {recipe.recipe!r} for the eqx.nn.Linear at "
+                f"{step.path or '(root)'!r}: on Equinox mixedpolicy runs 'tensorwise' (current "
+                f"scaling, no state to keep); 'delayed' keeps amax histories as layer variables, "
+                f"as Flax NNX and linen, Keras and torch models have them. Nothing was applied.")
 
     def rebuild(module: Any, path: str) -> PolicyModule:
         step = steps[path]
@@ -219,7 +281,7 @@ def describe(model: Any) -> list:
             module, source = node, NOT_APPLIED
             own = {dtype_name(getattr(x, "dtype", None)) for _, x in _children(node)[0]} - {None}
             policy = Policy(own.pop() if len(own) == 1 else "float32")
-        rows.append(LayerPolicy(path, type(module).__name__, policy, source))
+        rows.append(LayerPolicy(path, type(module).__name__, policy, source, runs_float8=_runs_float8(module)))
         for keys, leaf in _children(module)[0]:
             if isinstance(leaf, eqx.Module) and callable(leaf):
                 walk(leaf, _join(path, keys))
@@ -230,6 +292,8 @@ def describe(model: Any) -> list:
 
 class EquinoxModels(ModelAdapter):
     """An Equinox module comes back rebuilt, each of its modules in a `PolicyModule`."""
+
+    runs_float8 = True  # tensorwise: eqx.nn.Linear through float8_matmul.py, scales over the batch
 
     def is_model(self, obj: Any) -> bool:
         return isinstance(obj, eqx.Module)

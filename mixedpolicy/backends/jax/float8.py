@@ -33,10 +33,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mixedpolicy.backends._subclass import policy_subclass
+from mixedpolicy.backends.jax.float8_matmul import matmul as _matmul
 from mixedpolicy.float8 import DELAYED_STATE, Float8Recipe
-
-_EPS = 1e-12  # torchao's floor on amax
-
 
 def eligible(module: Any) -> bool:
     from flax import nnx
@@ -90,39 +88,6 @@ def check(recipe: Float8Recipe, path: str) -> None:
         f"Received the fp8 recipe {recipe.recipe!r} for Flax NNX layer {path or '(root)'!r}: on JAX "
         f"mixedpolicy runs 'tensorwise' (current scaling) and 'delayed' through nnx.Linear's "
         f"dot_general; {recipe.recipe!r} runs on torch (torchao). Nothing was applied.")
-
-
-def _quantize(x: Any, fmt: Any) -> tuple[Any, Any]:
-    """(x in `fmt`, scaled by fp8_max / amax and saturated; the float32 scale)."""
-    top = jnp.float32(jnp.finfo(fmt).max)
-    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
-    scale = top / jnp.maximum(amax, jnp.float32(_EPS))
-    return jnp.clip(x.astype(jnp.float32) * scale, -top, top).astype(fmt), scale
-
-
-def _dot(a: Any, b: Any, scale: Any, dtype: Any) -> Any:
-    return (jax.lax.dot(a, b, preferred_element_type=jnp.float32) / scale).astype(dtype)
-
-
-# the formats and the operands' dtypes are static (names), the residuals arrays only
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _matmul(x: Any, w: Any, forward: str, backward: str, x_dtype: str, w_dtype: str) -> Any:
-    return _matmul_fwd(x, w, forward, backward, x_dtype, w_dtype)[0]
-
-
-def _matmul_fwd(x: Any, w: Any, forward: str, backward: str, x_dtype: str, w_dtype: str) -> tuple:
-    xq, sx = _quantize(x, jnp.dtype(forward))
-    wq, sw = _quantize(w, jnp.dtype(forward))
-    return _dot(xq, wq, sx * sw, x_dtype), (xq, sx, wq, sw)
-
-
-def _matmul_bwd(forward: str, backward: str, x_dtype: str, w_dtype: str, residuals: tuple, g: Any) -> tuple:
-    xq, sx, wq, sw = residuals
-    gq, sg = _quantize(g, jnp.dtype(backward))
-    return _dot(gq, wq.T, sg * sw, x_dtype), _dot(xq.T, gq, sx * sg, w_dtype)
-
-
-_matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
 class TensorwiseDotGeneral:

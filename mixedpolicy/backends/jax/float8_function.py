@@ -15,9 +15,9 @@ products of two activations (attention's scores and mixing) and of two weights.
 Nested programs are followed: ``jax.jit`` and ``closed_call`` inline, ``jax.lax.scan``,
 ``jax.lax.cond``/``switch`` and ``jax.checkpoint`` rebuilt through their public functions with
 rewritten bodies. What other primitives hold (``custom_jvp``/``custom_vjp`` rules, ``while``
-loops) runs as it was. The scale is per tensor of what the function sees, so the function must
-see the whole batch: called under ``jax.vmap`` it is refused. Traced at every call, eager ones
-too, it must be traceable as ``jax.jit`` needs it.
+loops) runs as it was. The scale is per tensor of the whole batch, also where the function is
+called under ``jax.vmap`` (float8_matmul.py folds the mapped axis back in). Traced at every
+call, eager ones too, it must be traceable as ``jax.jit`` needs it.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from mixedpolicy.backends.jax.float8 import _matmul
+from mixedpolicy.backends.jax.float8_matmul import matmul
 from mixedpolicy.float8 import Float8Recipe, too_small_to_gain
 
 _P = jcore.primitives
@@ -53,19 +53,7 @@ def call(fn: Any, recipe: Float8Recipe, args: tuple, kwargs: dict, *, builtin_ru
          auto_filter: bool = False) -> Any:
     """``fn(*args, **kwargs)`` with its weight matmuls in fp8 (see the module docstring);
     without `builtin_rules` every one (the head and any size too), with `auto_filter` none that
-    `mixedpolicy.float8.too_small_to_gain` calls too small (the `PolicyMap` settings).
-
-    Raises:
-      ValueError: called under ``jax.vmap`` (a per-tensor scale would be per example).
-    """
-    under_vmap = getattr(jcore, "unsafe_am_i_under_a_vmap_DO_NOT_USE", None)
-    if under_vmap is not None and under_vmap():
-        raise ValueError(
-            f"Received a call under jax.vmap of the fp8 function {getattr(fn, '__name__', fn)!r}: "
-            f"its matmuls scale each tensor by its largest magnitude, and under vmap each tensor "
-            f"is one example, so every example would get a scale of its own. Call the function "
-            f"on the whole batch (vmap inside it, around what is per example), or use the "
-            f"source policy (policy.source) under vmap.")
+    `mixedpolicy.float8.too_small_to_gain` calls too small (the `PolicyMap` settings)."""
     leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
     dynamic = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
     n_params = len(jax.tree_util.tree_leaves(args[0])) if args else 0
@@ -236,7 +224,7 @@ class _Evaluator:
         k = int(np.prod([lhs.shape[d] for d in contract_l]))
         a = jnp.transpose(lhs, (*free_l, *contract_l)).reshape(-1, k)
         b = jnp.transpose(rhs, (*contract_r, *free_r)).reshape(k, -1)
-        out = _matmul(a, b, self.plan.recipe.forward_dtype, self.plan.recipe.backward_dtype,
-                      str(a.dtype), str(b.dtype))
+        out = matmul(a, b, self.plan.recipe.forward_dtype, self.plan.recipe.backward_dtype,
+                     str(a.dtype), str(b.dtype))
         shape = (*(lhs.shape[d] for d in free_l), *(rhs.shape[d] for d in free_r))
         return out.reshape(shape).astype(eqn.outvars[0].aval.dtype)

@@ -209,3 +209,111 @@ def test_a_recurrent_cell_keeps_its_hidden_state_dtype_under_a_scan(cell):
                 np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # hidden= by keyword too
             final, _ = jax.lax.scan(lambda h, xt: (ours(xt, h), None), h0, x)
             assert all(leaf.dtype == jnp.float32 and bool(jnp.isfinite(leaf).all()) for leaf in jax.tree_util.tree_leaves(final))
+
+
+FP8 = mp.Policy("mixed_bfloat16", float8_recipe="tensorwise")
+
+
+def _fp8_dots(fn, *args):
+    """How many dot_generals of `fn`'s jaxpr (nested ones included) take fp8 operands."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                found.append(str(eqn.invars[0].aval.dtype).startswith("float8"))
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return sum(found)
+
+
+def _loss(model, x, y):
+    logits = jax.vmap(model)(x).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def test_an_fp8_policy_on_the_model_scales_over_the_batch_as_on_its_loss_function():
+    """An Equinox layer sees one example under jax.vmap, yet its fp8 scales are the batch's: the
+    model under an fp8 policy computes the values and gradients that the same policy on the loss
+    function (which sees the whole batch) computes, and not what a scale per example gives."""
+    model = eqx.nn.MLP(64, 10, 64, depth=3, key=jax.random.key(0))  # 4 Linears: the last the head
+    x, y = jax.random.normal(jax.random.key(1), (32, 64)), jnp.arange(32) % 10
+    ours = mp.apply_policy(model, FP8)
+    table = rows(ours)
+    assert [table[f"layers.{i}"].float8 for i in range(4)] == ["tensorwise"] * 3 + ["-"]
+    assert "output head" in table["layers.3"].source
+    weights, static = eqx.partition(ours, eqx.is_array)
+    assert _fp8_dots(lambda w: eqx.filter_grad(_loss)(eqx.combine(w, static), x, y), weights) == 9  # 3 x (1 + 2)
+    value, grads = eqx.filter_jit(eqx.filter_value_and_grad(_loss))(ours, x, y)
+    by_batch = mp.apply_policy(_loss, mp.Policy(FP8, output_dtype="float32"))
+    ref_value, ref_grads = eqx.filter_jit(eqx.filter_value_and_grad(by_batch))(model, x, y)
+    np.testing.assert_allclose(float(value), float(ref_value), rtol=1e-3)
+    for got, want in zip(jax.tree_util.tree_leaves(grads.module), jax.tree_util.tree_leaves(ref_grads)):
+        assert got.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0.05, atol=0.05 * float(jnp.abs(want).max()))
+    one = jax.vmap(ours.layers[0])(x)
+    per_example = jnp.stack([ours.layers[0](xi) for xi in x])  # eager: one example, its own scale
+    assert float(jnp.abs(one.astype(jnp.float32) - per_example.astype(jnp.float32)).max()) > 0
+
+
+def test_nested_vmaps_of_an_fp8_attention_fold_into_one_scale_and_train():
+    """eqx.nn.MultiheadAttention vmaps its projections over the sequence inside the model's vmap
+    over the batch: the fp8 scale covers batch x sequence (the same as one vmap over both
+    flattened), and a transformer block trains under the optax wrapper, every weight finite."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    attention = mp.apply_policy(eqx.nn.MultiheadAttention(4, 32, key=keys[0]), FP8,
+                                {"output_proj": FP8})  # no head rule for a lone block's output
+    x = jax.random.normal(keys[1], (6, 5, 32))
+    nested = jax.vmap(jax.vmap(attention.query_proj))(x)
+    flat = jax.vmap(attention.query_proj)(x.reshape(30, 32)).reshape(6, 5, 32)
+    np.testing.assert_allclose(np.asarray(nested, np.float32), np.asarray(flat, np.float32), rtol=1e-2, atol=1e-2)
+
+    class Block(eqx.Module):
+        attention: eqx.nn.MultiheadAttention
+        norm: eqx.nn.LayerNorm
+        head: eqx.nn.Linear
+
+        def __init__(self, key):
+            k1, k2 = jax.random.split(key)
+            self.attention = eqx.nn.MultiheadAttention(4, 32, key=k1)
+            self.norm = eqx.nn.LayerNorm(32)
+            self.head = eqx.nn.Linear(32, 3, key=k2)
+
+        def __call__(self, tokens):
+            h = jax.vmap(self.norm)(tokens + self.attention(tokens, tokens, tokens))
+            return self.head(h.mean(0))
+
+    model = mp.apply_policy(Block(keys[2]), FP8)
+    table = rows(model)
+    assert table["attention.query_proj"].float8 == "tensorwise" and table["head"].float8 == "-"
+    assert table["norm"].float8 == "-"
+    y = jnp.arange(6) % 3
+    tx = mp.LossScaleOptimizer(optax.sgd(0.05, momentum=0.9), policy=FP8)
+    state = tx.init(eqx.filter(model, eqx.is_array))
+
+    @eqx.filter_jit
+    def step(model, state):
+        value, grads = eqx.filter_value_and_grad(_loss)(model, x, y)
+        updates, state = tx.update(grads, state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), state, value
+
+    losses = []
+    for _ in range(40):
+        model, state, value = step(model, state)
+        losses.append(float(value))
+    assert losses[-1] < 0.5 * losses[0] and int(state.num_skipped_steps) == 0
+    assert all(bool(jnp.isfinite(w).all()) for w in jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_array)))
+
+
+def test_an_fp8_recipe_equinox_cannot_run_is_refused_and_the_source_policy_comes_off():
+    model = eqx.nn.MLP(32, 4, 32, depth=2, key=jax.random.key(0))
+    with pytest.raises(ValueError, match="'delayed' for the eqx.nn.Linear at 'layers.0'.*'tensorwise'"):
+        mp.apply_policy(model, "float8_from_mixed_bfloat16")  # Keras's name: delayed scaling
+    ours = mp.apply_policy(model, FP8)
+    plain = mp.remove_policy(ours)
+    assert type(plain) is eqx.nn.MLP
+    for a, b in zip(jax.tree_util.tree_leaves(eqx.filter(plain, eqx.is_array)),
+                    jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_array))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

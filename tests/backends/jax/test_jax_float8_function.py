@@ -134,8 +134,9 @@ def test_nested_programs_scan_jit_cond_and_checkpoint_run_their_matmuls_in_fp8()
 
 
 def test_an_equinox_models_loss_function_runs_its_matmuls_over_the_batch_in_fp8():
-    """The way to fp8 for Equinox, whose layers compute one example at a time under vmap: the
-    policy on the loss that vmaps the model; its activation leaves pass through the casts."""
+    """The policy on a loss that vmaps an Equinox model over the batch: the model's matmuls run
+    in fp8 and its activation leaves pass through the casts (the policy on the model itself:
+    test_jax_equinox.py)."""
     eqx = require_module("equinox", "jax")
     model = eqx.nn.MLP(64, 10, 64, depth=3, key=jax.random.key(0))  # 4 matmuls; the last the head
     x, y = jax.random.normal(jax.random.key(1), (32, 64)), jnp.arange(32) % 10
@@ -151,8 +152,6 @@ def test_an_equinox_models_loss_function_runs_its_matmuls_over_the_batch_in_fp8(
     ref = eqx.filter_value_and_grad(mp.apply_policy(loss, "mixed_bfloat16"))(model, x, y)[0]
     assert np.isfinite(float(value)) and abs(float(value) - float(ref)) < 0.05 * abs(float(ref))
     assert all(g.dtype == jnp.float32 and bool(jnp.any(g != 0)) for g in jax.tree_util.tree_leaves(grads))
-    with pytest.raises(ValueError, match="loss function loss\\(model, x, y\\) that vmaps the model"):
-        mp.apply_policy(model, FP8)
 
 
 def test_a_plain_function_trains_under_jit_in_fp8():
@@ -180,6 +179,24 @@ def test_a_plain_function_trains_under_jit_in_fp8():
     assert np.isfinite(float(value)) and float(value) < 0.5 * first
 
 
+def test_under_vmap_the_scales_are_the_whole_batchs_as_without_it():
+    """Called under jax.vmap the function sees one example, yet each matmul's scale is the
+    batch's: the same outputs and gradients as the call on the whole batch."""
+    params = _params(MLP(nnx.Rngs(0)))
+    x = jax.random.normal(jax.random.key(1), (16, 64)) * jnp.linspace(0.1, 10, 16)[:, None]
+    fn = mp.apply_policy(mlp, FP8)
+    whole = fn(params, x)
+    mapped = jax.vmap(fn, in_axes=(None, 0))(params, x)
+    np.testing.assert_allclose(np.asarray(mapped, np.float32), np.asarray(whole, np.float32), rtol=1e-2, atol=1e-2)
+    loss = lambda p, call: jnp.sum(call(p).astype(jnp.float32) ** 2)  # noqa: E731
+    g_whole = jax.grad(loss)(params, lambda p: fn(p, x))
+    g_mapped = jax.grad(loss)(params, lambda p: jax.vmap(fn, in_axes=(None, 0))(p, x))
+    for a, b in zip(jax.tree_util.tree_leaves(g_mapped), jax.tree_util.tree_leaves(g_whole)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0.05, atol=0.05 * float(jnp.abs(b).max()))
+    by_example = jnp.stack([fn(params, xi[None])[0] for xi in x])  # a scale per example differs
+    assert float(jnp.abs(by_example.astype(jnp.float32) - whole.astype(jnp.float32)).max()) > 1e-2
+
+
 def test_refusals_say_what_was_received_and_the_fix():
     with pytest.raises(ValueError, match="'tensorwise' recipe .* only.*float8_recipe='tensorwise'"):
         mp.apply_policy(mlp, "float8_from_mixed_bfloat16")  # Keras's name alone: delayed
@@ -187,8 +204,6 @@ def test_refusals_say_what_was_received_and_the_fix():
         mp.apply_policy(mlp, mp.Policy("float8_from_float32", float8_recipe="rowwise"))
     params = _params(MLP(nnx.Rngs(0)))
     fn = mp.apply_policy(mlp, FP8)
-    with pytest.raises(ValueError, match="under jax.vmap.*whole batch"):
-        jax.vmap(fn, in_axes=(None, 0))(params, jnp.ones((4, 64)))
     with pytest.raises(TypeError, match="Received numpy arrays .*jnp.asarray"):
         fn(jax.tree_util.tree_map(np.asarray, params), np.ones((4, 64), np.float32))
     with pytest.warns(UserWarning, match="no matmul multiplies a leaf of params.*by position"):

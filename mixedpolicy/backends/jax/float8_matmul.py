@@ -1,0 +1,124 @@
+"""The tensorwise fp8 matmul of the JAX adapters, whole-batch scales under ``jax.vmap`` too.
+
+``matmul(a, b, ...)`` is ``a @ b`` for ``a`` (M, K) and ``b`` (K, N) as torchao's ``tensorwise``
+recipe computes it: each operand scaled by ``fp8_max / amax`` of this step (one scale per
+tensor), saturated and cast to the forward format, multiplied by JAX's own matmul on fp8
+operands (``preferred_element_type=float32``) and divided by the scales; the output gradient
+is cast to the gradient format the same way and both backward matmuls take fp8 operands.
+
+A per-tensor scale has to see the whole tensor, and under ``jax.vmap`` an operand is one
+example of it: an Equinox layer computes ``weight @ x`` for one example at a time, and a
+function may be vmapped over the batch. So the forward and the backward are each a
+``jax.custom_batching.custom_vmap`` whose rule folds the mapped axis into the operand's free
+dimension and runs the same computation once, on the whole batch: one scale for the batch's
+activations and output gradients, as the unmapped matmul has, and the weight gradient as one
+matmul over the batch (never a per-example product summed afterwards). Nested maps fold one
+after the other. Where both operands are mapped (a vmap over an ensemble of weights), each
+member is its own matmul with its own scales.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.custom_batching import custom_vmap
+
+_EPS = 1e-12  # torchao's floor on amax
+
+
+def quantize(x: Any, fmt: Any) -> tuple[Any, Any]:
+    """(x in `fmt`, scaled by fp8_max / amax and saturated; the float32 scale)."""
+    top = jnp.float32(jnp.finfo(fmt).max)
+    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    scale = top / jnp.maximum(amax, jnp.float32(_EPS))
+    return jnp.clip(x.astype(jnp.float32) * scale, -top, top).astype(fmt), scale
+
+
+def scaled_dot(a: Any, b: Any, scale: Any, dtype: Any) -> Any:
+    """``a @ b`` of fp8 operands accumulated in float32, divided by the product of their scales."""
+    return (jax.lax.dot(a, b, preferred_element_type=jnp.float32) / scale).astype(dtype)
+
+
+def _fold(x: Any, first: bool) -> Any:
+    """A mapped operand (n, rows, cols) as one matrix: the first operand's rows, the second's
+    columns take the mapped axis."""
+    n, rows, cols = x.shape
+    return x.reshape(n * rows, cols) if first else jnp.moveaxis(x, 0, 1).reshape(rows, n * cols)
+
+
+def _unfold(x: Any, n: int, first: bool) -> Any:
+    """`_fold` undone for a product or gradient laid out as the folded operand."""
+    rows, cols = x.shape
+    return x.reshape(n, rows // n, cols) if first else jnp.moveaxis(x.reshape(rows, n, cols // n), 1, 0)
+
+
+def _broadcast(x: Any, batched: bool, n: int) -> Any:
+    return x if batched else jnp.broadcast_to(x, (n, *jnp.shape(x)))
+
+
+@functools.lru_cache(maxsize=None)
+def _cores(forward: str, backward: str, a_dtype: str, b_dtype: str) -> tuple:
+    """The forward and backward of one (formats, dtypes), each with its whole-batch vmap rule."""
+    fwd_fmt, bwd_fmt = jnp.dtype(forward), jnp.dtype(backward)
+
+    def forward_raw(a: Any, b: Any) -> tuple:
+        aq, sa = quantize(a, fwd_fmt)
+        bq, sb = quantize(b, fwd_fmt)
+        return scaled_dot(aq, bq, sa * sb, a_dtype), aq, sa, bq, sb
+
+    def backward_raw(aq: Any, sa: Any, bq: Any, sb: Any, g: Any) -> tuple:
+        gq, sg = quantize(g, bwd_fmt)
+        return scaled_dot(gq, bq.T, sg * sb, a_dtype), scaled_dot(aq.T, gq, sa * sg, b_dtype)
+
+    fwd = custom_vmap(forward_raw)
+    bwd = custom_vmap(backward_raw)
+
+    @fwd.def_vmap
+    def fwd_rule(n: int, batched: list, a: Any, b: Any) -> tuple:
+        ba, bb = batched
+        if ba == bb:  # each member its own weights (or nothing mapped): its own scales
+            a, b = _broadcast(a, ba, n), _broadcast(b, bb, n)
+            return jax.vmap(forward_raw)(a, b), (True,) * 5
+        first = ba  # the mapped operand's free dimension takes the batch
+        out, aq, sa, bq, sb = fwd(_fold(a, True), b) if first else fwd(a, _fold(b, False))
+        out = _unfold(out, n, first)
+        if first:
+            return (out, _unfold(aq, n, True), sa, bq, sb), (True, True, False, False, False)
+        return (out, aq, sa, _unfold(bq, n, False), sb), (True, False, False, True, False)
+
+    @bwd.def_vmap
+    def bwd_rule(n: int, batched: list, aq: Any, sa: Any, bq: Any, sb: Any, g: Any) -> tuple:
+        baq, bsa, bbq, bsb, bg = batched
+        if baq == bbq or bsa or bsb:
+            args = [_broadcast(x, b, n) for x, b in zip((aq, sa, bq, sb, g), batched)]
+            return jax.vmap(backward_raw)(*args), (True, True)
+        g = _broadcast(g, bg, n)
+        if baq:
+            ga, gb = bwd(_fold(aq, True), sa, bq, sb, _fold(g, True))
+            return (_unfold(ga, n, True), gb), (True, False)
+        ga, gb = bwd(aq, sa, _fold(bq, False), sb, _fold(g, False))
+        return (ga, _unfold(gb, n, False)), (False, True)
+
+    return fwd, bwd
+
+
+# the formats and the operands' dtypes are static (names), the residuals arrays only
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def matmul(a: Any, b: Any, forward: str, backward: str, a_dtype: str, b_dtype: str) -> Any:
+    """``a @ b`` in fp8, tensorwise (see the module docstring); the output in `a_dtype`."""
+    return _cores(forward, backward, a_dtype, b_dtype)[0](a, b)[0]
+
+
+def _matmul_fwd(a: Any, b: Any, forward: str, backward: str, a_dtype: str, b_dtype: str) -> tuple:
+    out, *residuals = _cores(forward, backward, a_dtype, b_dtype)[0](a, b)
+    return out, tuple(residuals)
+
+
+def _matmul_bwd(forward: str, backward: str, a_dtype: str, b_dtype: str, residuals: tuple, g: Any) -> tuple:
+    return tuple(_cores(forward, backward, a_dtype, b_dtype)[1](*residuals, g))
+
+
+matmul.defvjp(_matmul_fwd, _matmul_bwd)
