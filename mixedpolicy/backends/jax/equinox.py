@@ -82,8 +82,8 @@ def _float8_linear(linear: Any, x: Any, recipe: Float8Recipe) -> Any:
     w = linear.weight.reshape(n_out, n_in)
     a = x.reshape(1, n_in)
     out = matmul(a, w.T, recipe.forward_dtype, recipe.backward_dtype, str(a.dtype), str(w.dtype))
-    out = out.reshape(() if linear.out_features == "scalar" else (n_out,))
-    return out + linear.bias if linear.use_bias else out
+    out = out.reshape(n_out) + linear.bias if linear.use_bias else out.reshape(n_out)
+    return out.reshape(()) if linear.out_features == "scalar" else out
 
 
 def _join(path: str, keys: tuple) -> str:
@@ -223,11 +223,13 @@ def apply_policy(model: Any, policy_map: PolicyMap) -> PolicyModule:
     for step in steps.values():  # refused before anything changes
         recipe = step.policy.float8_recipe
         if recipe is not None and recipe.recipe != "tensorwise" and _runs_float8(step.layer):
+            where = ("keeps amax histories as layer variables, as Flax NNX and linen, Keras and torch "
+                     "models have them" if recipe.recipe == "delayed" else "runs on torch (torchao)")
             raise ValueError(
                 f"Received the fp8 recipe {recipe.recipe!r} for the eqx.nn.Linear at "
                 f"{step.path or '(root)'!r}: on Equinox mixedpolicy runs 'tensorwise' (current "
-                f"scaling, no state to keep); 'delayed' keeps amax histories as layer variables, "
-                f"as Flax NNX and linen, Keras and torch models have them. Nothing was applied.")
+                f"scaling, no state to keep); {recipe.recipe!r} {where}. Pass Policy(..., "
+                f"float8_recipe='tensorwise'). Nothing was applied.")
 
     def rebuild(module: Any, path: str) -> PolicyModule:
         step = steps[path]

@@ -311,9 +311,26 @@ def test_an_fp8_recipe_equinox_cannot_run_is_refused_and_the_source_policy_comes
     model = eqx.nn.MLP(32, 4, 32, depth=2, key=jax.random.key(0))
     with pytest.raises(ValueError, match="'delayed' for the eqx.nn.Linear at 'layers.0'.*'tensorwise'"):
         mp.apply_policy(model, "float8_from_mixed_bfloat16")  # Keras's name: delayed scaling
+    with pytest.raises(ValueError, match="'rowwise' for the eqx.nn.Linear.*runs on torch"):
+        mp.apply_policy(model, mp.Policy("float8_from_float32", float8_recipe="rowwise"))
     ours = mp.apply_policy(model, FP8)
     plain = mp.remove_policy(ours)
     assert type(plain) is eqx.nn.MLP
     for a, b in zip(jax.tree_util.tree_leaves(eqx.filter(plain, eqx.is_array)),
                     jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_array))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("sizes", [("scalar", "scalar"), ("scalar", 16), (16, "scalar"), (32, 16)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_an_fp8_linear_takes_and_gives_the_shapes_of_equinoxs_own(sizes, bias):
+    plain = eqx.nn.Linear(*sizes, use_bias=bias, key=jax.random.key(0))
+    ours = mp.apply_policy(plain, mp.PolicyMap(FP8, builtin_rules=False))  # every size in fp8
+    assert rows(ours)[""].float8 == "tensorwise"
+    x = jax.random.normal(jax.random.key(1), (4,) if sizes[0] == "scalar" else (4, sizes[0]))
+    got, want = jax.vmap(ours)(x), jax.vmap(plain)(x)
+    assert got.shape == want.shape and got.dtype == BF16
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=0.1 * float(jnp.abs(want).max()))
+    if sizes[0] != "scalar":
+        with pytest.raises(ValueError, match=r"input of shape \(4, 32\).*under jax.vmap"):
+            ours(jnp.ones((4, 32)))
