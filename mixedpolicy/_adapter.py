@@ -101,7 +101,7 @@ class ModelAdapter(abc.ABC):
         """(layer path, kind) -> stats vector (`mixedpolicy.ranges.layout`) over `batches`,
         for `mixedpolicy.inspect_gradients`."""
         raise TypeError(f"inspect_gradients does not support {type(model).__name__} models yet; it "
-                        f"takes torch.nn.Module, Flax NNX, Keras 3 models and JAX pytrees.")
+                        f"takes torch.nn.Module, Flax NNX, Equinox, Keras 3 models and JAX pytrees.")
 
 
 class OptimizerAdapter(abc.ABC):

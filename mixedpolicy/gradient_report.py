@@ -187,8 +187,8 @@ def inspect_gradients(model: Any, loss_fn: Any, batches: Any, *, loss_scale: flo
     """Per-layer ranges of gradients (and activations) over a few batches, for a policy choice.
 
     Args:
-      model: a torch.nn.Module, a Flax NNX module, a Keras 3 model, or a JAX pytree of
-        parameters (linen's ``params``, Equinox or plain functions' weights).
+      model: a torch.nn.Module, a Flax NNX or Equinox module, a Keras 3 model, or a JAX
+        pytree of parameters (linen's ``params``, plain functions' weights).
       loss_fn: ``loss_fn(model, batch) -> scalar loss`` (for a pytree: ``loss_fn(params,
         batch)``), computed as training computes it.
       batches: one batch or a list of batches (whatever `loss_fn` takes).

@@ -255,6 +255,18 @@ def apply_policy(model: Any, policy_map: PolicyMap) -> PolicyModule:
     return rebuild(model, "")
 
 
+def unwrapped(tree: Any) -> Any:
+    """`tree` (a model, or gradients shaped as one) without its `PolicyModule` wrappers, leaves as
+    they are: its paths are the layer paths `describe` prints."""
+    if isinstance(tree, PolicyModule):
+        tree = tree.module
+    if not isinstance(tree, eqx.Module):
+        return tree
+    leaves, treedef = _children(tree)
+    return jax.tree_util.tree_unflatten(treedef, [unwrapped(x) if isinstance(x, eqx.Module) else x
+                                                  for _, x in leaves])
+
+
 def remove_policy(model: Any) -> Any:
     """The module without its `PolicyModule` wrappers, arrays back in their dtypes."""
     if not isinstance(model, eqx.Module):
@@ -308,3 +320,8 @@ class EquinoxModels(ModelAdapter):
 
     def describe(self, model: Any) -> list:
         return describe(model)
+
+    def range_stats(self, model: Any, loss_fn: Any, batches: list, scales: tuple, activations: bool) -> dict:
+        from mixedpolicy.backends.jax.ranges import equinox_stats
+
+        return equinox_stats(model, unwrapped, loss_fn, batches, scales)

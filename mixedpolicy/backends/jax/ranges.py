@@ -1,7 +1,7 @@
 """`inspect_gradients` on JAX: per-layer ranges of the weights' gradients, on the device.
 
-Flax NNX modules (``nnx.grad``) and pytrees of parameters (``jax.grad``: linen's params,
-Equinox or plain functions' weights). A leaf's layer is its path without the last key
+Flax NNX modules (``nnx.grad``), Equinox modules (``eqx.filter_grad``, through their policies)
+and pytrees of parameters (``jax.grad``: linen's params, plain functions' weights). A leaf's layer is its path without the last key
 (``"dense.kernel"`` belongs to ``"dense"``), as `PolicyMap` resolves it; each leaf's stats
 vector (`mixedpolicy.ranges.layout`; a kernel's rows are its outputs') is computed in a
 jitted function with XLA's own float16/bfloat16 casts, one transfer per leaf, and merged. Activations
@@ -99,6 +99,16 @@ def pytree_stats(params: Any, loss_fn: Any, batches: list, scales: tuple) -> dic
                         f"Flax NNX module, a Keras 3 model or a JAX pytree of parameters (arrays).")
     grad = jax.grad(loss_fn)
     return _collect(params, [grad(params, batch) for batch in batches], scales)
+
+
+def equinox_stats(model: Any, plain: Any, loss_fn: Any, batches: list, scales: tuple) -> dict:
+    """An Equinox module's gradients through its policies (``eqx.filter_grad`` of `model`), by the
+    layer paths of `plain`: `plain(tree)` is a tree without its `PolicyModule` wrappers."""
+    import equinox as eqx
+
+    grad = eqx.filter_grad(loss_fn)
+    params = eqx.filter(plain(model), eqx.is_inexact_array)
+    return _collect(params, [plain(grad(model, batch)) for batch in batches], scales)
 
 
 def nnx_stats(model: Any, loss_fn: Any, batches: list, scales: tuple) -> dict:

@@ -334,3 +334,24 @@ def test_an_fp8_linear_takes_and_gives_the_shapes_of_equinoxs_own(sizes, bias):
     if sizes[0] != "scalar":
         with pytest.raises(ValueError, match=r"input of shape \(4, 32\).*under jax.vmap"):
             ours(jnp.ones((4, 32)))
+
+
+def test_inspect_gradients_reads_a_model_through_its_policies_by_the_paths_describe_prints():
+    """inspect_gradients on an Equinox module (it refused any: 'does not support MLP models'):
+    the gradients are those the policy computes, reported by describe's layer paths, with or
+    without a policy on the model."""
+    model = Net()
+    y = jnp.arange(8) % 3
+
+    def loss(m, batch):
+        return optax.softmax_cross_entropy_with_integer_labels(jax.vmap(m)(batch).astype(jnp.float32), y).mean()
+
+    ours = mp.apply_policy(model, "mixed_float16", {"head": "float32"})
+    layers = {p for p in rows(ours) if p and p not in ("blocks.0", "blocks.1")}
+    for m in (model, ours):
+        report = mp.inspect_gradients(m, loss, [jnp.asarray(X)], loss_scale=2.0**10)
+        got = {(r.path, r.kind) for r in report.rows}
+        assert got == {(p, kind) for p in layers for kind in ("weight", "weight_grad")}, got
+        assert all(r.amax > 0 and r.nonfinite == 0 for r in report.rows)
+        recommendation = report.recommend()
+        mp.apply_policy(model, "mixed_float16", recommendation.overrides)  # its keys paste back
