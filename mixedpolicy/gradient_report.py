@@ -223,6 +223,6 @@ def inspect_gradients(model: Any, loss_fn: Any, batches: Any, *, loss_scale: flo
         vectors = pytree_stats(model, loss_fn, batches, scales)
     else:
         raise TypeError(f"Received a model of type {type(model).__name__}; expected a torch.nn.Module, "
-                        f"a Flax NNX module, a Keras 3 model or a JAX pytree of parameters.")
+                        f"a Flax NNX or Equinox module, a Keras 3 model or a JAX pytree of parameters.")
     rows = [RangeStats.from_vector(path, kind, v, scales) for (path, kind), v in vectors.items()]
     return GradientReport(rows, scales, framework, len(batches))
