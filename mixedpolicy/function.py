@@ -23,12 +23,14 @@ class PolicyFunction:
     The array framework is read from the arguments at each call, so one wrapper
     serves numpy, JAX or PyTorch arrays alike.
 
-    Under an fp8 policy with the ``"tensorwise"`` recipe (current scaling: a plain function
-    has no variables to keep delayed scaling's amax histories in), a JAX function's weight
-    matmuls run in fp8: those of a leaf of ``params`` by an activation, but for the last one
-    (the output head) and those whose weight is not a multiple of 16 in both sizes, as the
-    layer adapters' rules say (docs/float8.md); ``PolicyMap(builtin_rules=False)`` puts them
-    in fp8 too, ``float8_auto_filter=True`` keeps out those too small to gain.
+    Under an fp8 policy a JAX function's weight matmuls run in fp8: those of a leaf of
+    ``params`` by an activation, but for the last one (the output head) and those whose weight
+    is not a multiple of 16 in both sizes, as the layer adapters' rules say (docs/float8.md);
+    ``PolicyMap(builtin_rules=False)`` puts them in fp8 too, ``float8_auto_filter=True`` keeps
+    out those too small to gain. Under ``"delayed"`` scaling the function has no variables for
+    the scales and amax histories, so the caller holds them: ``state =
+    f.init_float8(params, *inputs)``, then ``f(params, *inputs, float8_state=state)``, whose
+    gradient with respect to ``state`` is the next state (as Flax linen's fp8 variables move).
 
     >>> import numpy as np
     >>> f = PolicyFunction(lambda w, x: w * x, PolicyMap("p=f32,c=f16,o=f32"))
@@ -53,16 +55,38 @@ class PolicyFunction:
         self.policy = resolution.policy
         self.source = resolution.source
         recipe = self.policy.float8_recipe
-        if recipe is not None and recipe.recipe != "tensorwise":
+        if recipe is not None and recipe.recipe not in ("tensorwise", "delayed"):
             raise ValueError(
                 f"Received the fp8 policy {self.policy.name!r} (recipe {recipe.recipe!r}) for the plain "
                 f"function {getattr(fn, '__name__', fn)!r}: a plain function runs the 'tensorwise' "
-                f"recipe (current scaling) only, having no variables to keep amax histories in "
-                f"(Keras's float8_ names alone mean 'delayed'). Pass Policy({self.policy.name!r}, "
-                f"float8_recipe='tensorwise'), or put the policy on a Flax NNX, Keras or torch model.")
+                f"(current) and 'delayed' scalings; {recipe.recipe!r} runs on torch (torchao). Pass "
+                f"Policy({self.policy.source.name!r}, float8_recipe='tensorwise'), or put the policy "
+                f"on a torch model.")
         functools.update_wrapper(self, fn)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: Any, float8_state: Any = None, **kwargs: Any) -> Any:
+        recipe = self.policy.float8_recipe
+        if float8_state is not None and (recipe is None or recipe.recipe != "delayed"):
+            raise TypeError(f"Received float8_state for {self!r}, whose policy keeps no fp8 state (only "
+                            f"float8_recipe='delayed' does); call it without float8_state.")
+        return self._call(args, kwargs, float8_state, init=False)
+
+    def init_float8(self, *args: Any, **kwargs: Any) -> tuple:
+        """The fresh fp8 state of a delayed-scaling function, for these arguments' shapes: a
+        tuple with, for each of its fp8 matmuls in the order they run, a dict of Keras's six
+        names (``float8_inputs_scale``, ``float8_inputs_amax_history``, ``float8_kernel_...``,
+        ``float8_outputs_grad_...``): scales 1, histories of zeros.
+
+        Raises:
+          ValueError: the policy has no delayed fp8 recipe.
+        """
+        recipe = self.policy.float8_recipe
+        if recipe is None or recipe.recipe != "delayed":
+            raise ValueError(f"Received init_float8 on {self!r}, whose policy keeps no fp8 state; "
+                             f"only a policy with float8_recipe='delayed' has scales and histories to hold.")
+        return self._call(args, kwargs, None, init=True)
+
+    def _call(self, args: tuple, kwargs: dict, state: Any, init: bool) -> Any:
         args, kwargs = cast_tree((args, kwargs), self.policy.compute_dtype)
         recipe = self.policy.float8_recipe
         if recipe is None:
@@ -74,9 +98,10 @@ class PolicyFunction:
                 f"a plain function's matmuls run in fp8 on {_registry.float8_function_frameworks()} "
                 f"arrays only (jnp.asarray the arguments; on torch, put the policy on a "
                 f"torch.nn.Module, which runs torchao's fp8 layers).")
+        options = {"state": state, "init": True} if init else {"state": state} if recipe.recipe == "delayed" else {}
         out = call(self.fn, recipe, args, kwargs, builtin_rules=self.policy_map.builtin_rules,
-                   auto_filter=self.policy_map.float8_auto_filter)
-        return cast_tree(out, self.policy.output_dtype)
+                   auto_filter=self.policy_map.float8_auto_filter, **options)
+        return out if init else cast_tree(out, self.policy.output_dtype)
 
     def __repr__(self) -> str:
         return f"PolicyFunction({getattr(self.fn, '__name__', self.fn)!r}, {self.policy!r})"

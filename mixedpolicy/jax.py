@@ -39,14 +39,23 @@ def with_float8(params: Any = None) -> Any:
     return build(params)
 
 
-def update_float8(model: Any, grads: Any, optimizer: Any = None, axis_name: Any = None) -> None:
+def update_float8(model: Any, grads: Any, optimizer: Any = None, axis_name: Any = None) -> Any:
     """Overwrites the fp8 scales and amax histories of `model`'s delayed-scaling layers with
     the values `grads` holds for them (taken with `with_float8`), as Keras's optimizers and
     Flax's ``_overwrite_with_gradient`` collection do; exact, never an optimizer's update.
 
+    For a plain function under delayed scaling, `model` is the state it was called with
+    (``float8_state``, from ``init_float8``) and `grads` that state's gradient: the new state
+    is returned (the old one where the step was skipped), nothing is changed in place::
+
+        (loss, (g, new)) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params, state)
+        updates, opt_state = tx.update(g, opt_state, params)
+        state = mp.jax.update_float8(state, new, opt_state)
+
     Args:
-      model: the Flax NNX model.
-      grads: what ``nnx.grad(..., argnums=nnx.DiffState(0, mp.jax.with_float8()))`` returned.
+      model: the Flax NNX model, or a plain function's fp8 state.
+      grads: what ``nnx.grad(..., argnums=nnx.DiffState(0, mp.jax.with_float8()))`` returned,
+        or the gradient of the function's state.
       optimizer: the ``nnx.Optimizer`` (or its optax state) that has just applied the step:
         where a mixedpolicy `LossScaleOptimizer` skipped it (a non-finite gradient), the fp8
         state is kept too, as the parameters were. Call this after ``optimizer.update``.
@@ -56,9 +65,18 @@ def update_float8(model: Any, grads: Any, optimizer: Any = None, axis_name: Any 
         keeps the same scales. Under ``jax.jit`` with sharded arrays the amax is already the
         whole array's.
 
+    Returns:
+      The new state for a function's state; None for a model (updated in place).
+
     Raises:
-      ValueError: the model has delayed fp8 layers and `grads` holds none of their state.
+      ValueError: the model has delayed fp8 layers and `grads` holds none of their state, or a
+        function's state and its gradient differ in structure.
     """
+    if isinstance(model, tuple):
+        from mixedpolicy.backends.jax.float8_function import next_state
+
+        return next_state(model, grads, optimizer, axis_name)
     from mixedpolicy.backends.jax.float8 import update_float8 as overwrite
 
     overwrite(model, grads, optimizer, axis_name)
+    return None

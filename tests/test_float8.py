@@ -84,8 +84,8 @@ def test_keras_round_trip_of_its_fp8_policies():
 
 
 def test_a_framework_without_an_fp8_path_refuses_fp8_before_anything_changes():
-    with pytest.raises(ValueError, match="plain function .* runs the 'tensorwise' recipe"):
-        mp.apply_policy(lambda w, x: w @ x, "float8_from_mixed_bfloat16")  # delayed: no state
+    with pytest.raises(ValueError, match="plain function .* runs the 'tensorwise' .* and 'delayed'.*'rowwise' runs on torch"):
+        mp.apply_policy(lambda w, x: w @ x, mp.Policy("float8_from_float32", float8_recipe="rowwise"))
     f = mp.apply_policy(lambda w, x: w @ x, mp.Policy("float32", float8_recipe="tensorwise"))
     with pytest.raises(TypeError, match="Received numpy arrays .* plain function's matmuls run in fp8"):
         f(np.ones((16, 16), np.float32), np.ones((16, 16), np.float32))

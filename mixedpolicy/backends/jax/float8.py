@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mixedpolicy.backends._subclass import policy_subclass
-from mixedpolicy.backends.jax.float8_matmul import matmul as _matmul
+from mixedpolicy.backends.jax.float8_matmul import delayed as _delayed, matmul as _matmul
 from mixedpolicy.float8 import DELAYED_STATE, Float8Recipe
 
 def eligible(module: Any) -> bool:
@@ -162,53 +162,6 @@ def _differentiated(x: Any) -> bool:
     ad = sys.modules.get("jax._src.interpreters.ad")
     kinds = tuple(getattr(ad, n) for n in ("JVPTracer", "LinearizeTracer") if hasattr(ad, n))
     return bool(kinds) and isinstance(x, kinds)
-
-
-def _next(x: Any, scale: Any, history: Any, fmt: Any, margin: int) -> tuple[Any, Any]:
-    """Keras's order: the next scale from the history so far, then this amax into it."""
-    top = jnp.float32(jnp.finfo(fmt).max)
-    amax = jnp.max(history)
-    usable = (amax > 0) & jnp.isfinite(amax)
-    factor = top / amax / jnp.float32(2.0 ** margin)
-    new_scale = jnp.where(usable, 1.0 / factor, scale)
-    this = jnp.max(jnp.abs(x)).astype(jnp.float32)
-    return new_scale, jnp.roll(history, -1).at[0].set(this)
-
-
-def _quantize_by(x: Any, scale: Any, fmt: Any) -> Any:
-    top = jnp.float32(jnp.finfo(fmt).max)
-    return jnp.clip(x.astype(jnp.float32) / scale, -top, top).astype(fmt)
-
-
-def _scaled_dot(a: Any, b: Any, scale: Any, dtype: str) -> Any:
-    return (jax.lax.dot(a, b, preferred_element_type=jnp.float32) * scale).astype(dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _delayed(static: tuple, x: Any, w: Any, meta: tuple) -> Any:
-    return _delayed_fwd(static, x, w, meta)[0]
-
-
-def _delayed_fwd(static: tuple, x: Any, w: Any, meta: tuple) -> tuple:
-    forward, _, margin, x_dtype, _ = static
-    fmt = jnp.dtype(forward)
-    xs, xh, ws, wh, gs, gh = meta
-    xq, wq = _quantize_by(x, xs, fmt), _quantize_by(w, ws, fmt)
-    new_meta = _next(x, xs, xh, fmt, margin) + _next(w, ws, wh, fmt, margin)
-    return _scaled_dot(xq, wq, xs * ws, x_dtype), (xq, wq, xs, ws, gs, gh, new_meta)
-
-
-def _delayed_bwd(static: tuple, residuals: tuple, g: Any) -> tuple:
-    _, backward, margin, x_dtype, w_dtype = static
-    fmt = jnp.dtype(backward)
-    xq, wq, xs, ws, gs, gh, new_meta = residuals
-    gq = _quantize_by(g, gs, fmt)
-    dx = _scaled_dot(gq, wq.T, gs * ws, x_dtype)
-    dw = _scaled_dot(xq.T, gq, xs * gs, w_dtype)
-    return dx, dw, new_meta + _next(g, gs, gh, fmt, margin)
-
-
-_delayed.defvjp(_delayed_fwd, _delayed_bwd)
 
 
 class DelayedDotGeneral(TensorwiseDotGeneral):

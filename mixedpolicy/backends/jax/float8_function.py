@@ -18,6 +18,13 @@ rewritten bodies. What other primitives hold (``custom_jvp``/``custom_vjp`` rule
 loops) runs as it was. The scale is per tensor of the whole batch, also where the function is
 called under ``jax.vmap`` (float8_matmul.py folds the mapped axis back in). Traced at every
 call, eager ones too, it must be traceable as ``jax.jit`` needs it.
+
+Under ``delayed`` scaling each fp8 matmul has Keras's six state arrays (its inputs', its
+weight's and its output gradient's scale and amax history), which the caller holds and passes
+in (`init_state` makes them): a tuple of dicts in the order the matmuls run, the "gradient" of
+each array its next value, as the NNX layers' `Float8Meta` move. A matmul whose state could not
+move once per call (inside ``scan`` or ``cond``), and a call under ``jax.vmap`` (each example
+would enter its own amax), are refused.
 """
 
 from __future__ import annotations
@@ -31,8 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from mixedpolicy.backends.jax.float8_matmul import matmul
-from mixedpolicy.float8 import Float8Recipe, too_small_to_gain
+from mixedpolicy.backends.jax.float8_matmul import delayed, matmul
+from mixedpolicy.float8 import DELAYED_STATE, Float8Recipe, too_small_to_gain
 
 _P = jcore.primitives
 _DOT = _P.dot_general_p
@@ -50,10 +57,17 @@ def _is_array(x: Any) -> bool:
 
 
 def call(fn: Any, recipe: Float8Recipe, args: tuple, kwargs: dict, *, builtin_rules: bool = True,
-         auto_filter: bool = False) -> Any:
+         auto_filter: bool = False, state: Any = None, init: bool = False) -> Any:
     """``fn(*args, **kwargs)`` with its weight matmuls in fp8 (see the module docstring);
     without `builtin_rules` every one (the head and any size too), with `auto_filter` none that
-    `mixedpolicy.float8.too_small_to_gain` calls too small (the `PolicyMap` settings)."""
+    `mixedpolicy.float8.too_small_to_gain` calls too small (the `PolicyMap` settings). Under
+    ``delayed`` scaling `state` holds the matmuls' scales and histories; with `init` the fresh
+    state is returned instead of the output.
+
+    Raises:
+      TypeError: a delayed call without its state.
+      ValueError: a state of another shape, or a delayed matmul that cannot keep one.
+    """
     leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
     dynamic = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
     n_params = len(jax.tree_util.tree_leaves(args[0])) if args else 0
@@ -75,8 +89,67 @@ def call(fn: Any, recipe: Float8Recipe, args: tuple, kwargs: dict, *, builtin_ru
                       f"multiplies a leaf of params (its first positional argument) by an activation, so "
                       f"nothing runs in fp8. Pass the parameters first, by position: f(params, *inputs).",
                       stacklevel=3)
+    if recipe.recipe == "delayed":
+        plan.states = _delayed_states(fn, plan, recipe, state, init)
+        if init:
+            return plan.states
     outs, _ = _Evaluator(plan).run(closed.jaxpr, closed.consts, values, weights)
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shape), outs)
+
+
+def init_state(recipe: Float8Recipe, count: int) -> tuple:
+    """Fresh delayed-scaling state for `count` matmuls: scales 1, histories of zeros."""
+    def one() -> dict:
+        return {name: jnp.ones((), jnp.float32) if name.endswith("scale") else
+                jnp.zeros((recipe.amax_history_len,), jnp.float32) for name in DELAYED_STATE}
+    return tuple(one() for _ in range(count))
+
+
+def next_state(state: tuple, new: Any, optimizer: Any = None, axis_name: Any = None) -> tuple:
+    """`mp.jax.update_float8` for a function's state: `new` (the state's gradient), the largest
+    amax over `axis_name`'s replicas, `state` kept where `optimizer`'s step was skipped."""
+    if jax.tree_util.tree_structure(state) != jax.tree_util.tree_structure(new):
+        raise ValueError(f"Received a new fp8 state of structure {jax.tree_util.tree_structure(new)} for a "
+                         f"state of structure {jax.tree_util.tree_structure(state)}; pass the gradient of "
+                         f"the float8_state the function was called with.")
+    if axis_name is not None:
+        new = jax.lax.pmax(new, axis_name)
+    skipped = getattr(getattr(optimizer, "opt_state", optimizer), "last_step_skipped", None)
+    if skipped is not None:
+        new = jax.tree_util.tree_map(lambda n, o: jnp.where(skipped, o, n), new, state)
+    return new
+
+
+def _delayed_states(fn: Any, plan: Any, recipe: Float8Recipe, state: Any, init: bool) -> Any:
+    """The state of each chosen matmul by its equation, checked; the fresh state under `init`."""
+    name = getattr(fn, "__name__", fn)
+    under_vmap = getattr(jcore, "unsafe_am_i_under_a_vmap_DO_NOT_USE", None)
+    if under_vmap is not None and under_vmap():
+        raise ValueError(f"Received a call under jax.vmap of the delayed-scaling fp8 function {name!r}: each "
+                         f"example would enter an amax of its own into the histories. Call it on the whole "
+                         f"batch (vmap inside it), or use float8_recipe='tensorwise', whose scales see "
+                         f"the batch under vmap.")
+    chosen = [(eqn, nested) for eqn, takes, nested in plan.listed() if takes]
+    for eqn, nested in chosen:
+        if nested:
+            raise ValueError(f"Received the delayed-scaling fp8 function {name!r} with a weight matmul inside "
+                             f"{nested}: its scales and amax history must move once a call, and there it "
+                             f"runs once per iteration or branch. Use float8_recipe='tensorwise' (no state), "
+                             f"or an NNX model, whose stacked layers keep a state each.")
+    fresh = init_state(recipe, len(chosen))
+    if init:
+        return fresh
+    fix = (f"make it with state = fn.init_float8(params, *inputs) and pass fn(params, *inputs, "
+           f"float8_state=state); its \"gradient\" is the next state")
+    if state is None:
+        raise TypeError(f"Received no float8_state for the delayed-scaling fp8 function {name!r}, whose "
+                        f"{len(chosen)} fp8 matmuls keep scales and amax histories: {fix}.")
+    if jax.tree_util.tree_structure(state) != jax.tree_util.tree_structure(fresh) or any(
+            jnp.shape(a) != jnp.shape(b) for a, b in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(fresh))):
+        raise ValueError(f"Received a float8_state that does not fit the function {name!r}: expected "
+                         f"{len(chosen)} dicts of {', '.join(DELAYED_STATE)} (scales of shape (), "
+                         f"histories of shape ({recipe.amax_history_len},)); {fix}.")
+    return {id(eqn): meta for (eqn, _), meta in zip(chosen, state)}
 
 
 def _weight_operand(eqn: Any, marks: list) -> int | None:
@@ -102,6 +175,8 @@ class _Plan:
     def __init__(self, recipe: Float8Recipe, rules: bool = True, auto_filter: bool = False):
         self.recipe, self.order, self.chosen = recipe, [], None
         self.rules, self.auto_filter = rules, auto_filter
+        self.nested: list = []  # the loops and branches being walked ("scan", "cond")
+        self.states: Any = None  # delayed: equation id -> its state (dict)
 
     def walk(self, jaxpr: Any, marks: list) -> list:
         env = dict(zip(jaxpr.invars, marks))
@@ -120,25 +195,35 @@ class _Plan:
                 takes = not self.rules or (k % 16 == 0 and n % 16 == 0)
                 takes = takes and k > 0 and n > 0 and not (
                     self.auto_filter and too_small_to_gain(self.recipe.recipe, k, n))
-                self.order.append((eqn, takes))
+                self.order.append((eqn, takes, self.nested[-1] if self.nested else None))
             return [False]
         if eqn.primitive in _INLINE:
             return self.walk(_open(_called(params)), ins)
         if name == "scan":
+            self.nested.append("a jax.lax.scan")
             self.walk(params["jaxpr"].jaxpr, ins)
+            self.nested.pop()
             return [False] * len(eqn.outvars)
         if name == "cond":
+            self.nested.append("a jax.lax.cond")
             for branch in params["branches"]:
                 self.walk(branch.jaxpr, ins[1:])
+            self.nested.pop()
             return [False] * len(eqn.outvars)
         if name.startswith("remat"):
             return self.walk(params["jaxpr"], ins)
         keeps = name in _KEEPS_WEIGHT and ins and ins[0]
         return [bool(keeps)] * len(eqn.outvars)
 
+    def listed(self) -> list:
+        """(equation, in fp8, the loop or branch it sits in) for each weight matmul; the head
+        (the last one) never in fp8 under the built-in rules."""
+        last = len(self.order) - 1
+        return [(e, takes and not (self.rules and i == last), nested) for i, (e, takes, nested) in enumerate(self.order)]
+
     def fp8(self, eqn: Any) -> bool:
         if self.chosen is None:
-            self.chosen = {id(e) for e, takes in (self.order[:-1] if self.rules else self.order) if takes}
+            self.chosen = {id(e) for e, takes, _ in self.listed() if takes}
         return id(eqn) in self.chosen
 
 
@@ -179,7 +264,7 @@ class _Evaluator:
         name, params = eqn.primitive.name, eqn.params
         n_out = len(eqn.outvars)
         if eqn.primitive is _DOT and self.plan.fp8(eqn):
-            return [self._dot(eqn, *ins)], [False]
+            return [self._dot(eqn, *ins, weight_first=bool(marks[0]))], [False]
         if eqn.primitive in _INLINE:
             closed = _called(params)
             return self.run(_open(closed), getattr(closed, "consts", ()), ins, marks)
@@ -216,7 +301,7 @@ class _Evaluator:
                                      reverse=params["reverse"], unroll=params["unroll"])
         return [*carry_out, *ys]
 
-    def _dot(self, eqn: Any, lhs: Any, rhs: Any) -> Any:
+    def _dot(self, eqn: Any, lhs: Any, rhs: Any, weight_first: bool = False) -> Any:
         """The ``dot_general`` as ``(M, K) @ (K, N)`` through the fp8 matmul, in its own layout."""
         (contract_l, contract_r), _ = eqn.params["dimension_numbers"]
         free_l = [d for d in range(lhs.ndim) if d not in contract_l]
@@ -224,7 +309,15 @@ class _Evaluator:
         k = int(np.prod([lhs.shape[d] for d in contract_l]))
         a = jnp.transpose(lhs, (*free_l, *contract_l)).reshape(-1, k)
         b = jnp.transpose(rhs, (*contract_r, *free_r)).reshape(k, -1)
-        out = matmul(a, b, self.plan.recipe.forward_dtype, self.plan.recipe.backward_dtype,
-                     str(a.dtype), str(b.dtype))
+        r = self.plan.recipe
+        if self.plan.states is None:
+            out = matmul(a, b, r.forward_dtype, r.backward_dtype, str(a.dtype), str(b.dtype))
+        else:  # Keras's names: "inputs" the activation, "kernel" the weight, whichever side it is
+            meta = self.plan.states[id(eqn)]
+            first, second = ("kernel", "inputs") if weight_first else ("inputs", "kernel")
+            names = [f"float8_{operand}_{what}" for operand in (first, second, "outputs_grad")
+                     for what in ("scale", "amax_history")]
+            out = delayed((r.forward_dtype, r.backward_dtype, r.margin, str(a.dtype), str(b.dtype)), a, b,
+                          tuple(meta[n] for n in names))
         shape = (*(lhs.shape[d] for d in free_l), *(rhs.shape[d] for d in free_r))
         return out.reshape(shape).astype(eqn.outvars[0].aval.dtype)

@@ -15,6 +15,9 @@ activations and output gradients, as the unmapped matmul has, and the weight gra
 matmul over the batch (never a per-example product summed afterwards). Nested maps fold one
 after the other. Where both operands are mapped (a vmap over an ensemble of weights), each
 member is its own matmul with its own scales.
+
+``delayed`` is Keras's delayed scaling on the same fp8 matmul: the scales come in with the
+layer's amax histories, and the next scales and histories leave as their "gradients".
 """
 
 from __future__ import annotations
@@ -122,3 +125,54 @@ def _matmul_bwd(forward: str, backward: str, a_dtype: str, b_dtype: str, residua
 
 
 matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+# -- delayed scaling: Keras's algorithm (its state is the caller's: float8.py, float8_function.py)
+def _next(x: Any, scale: Any, history: Any, fmt: Any, margin: int) -> tuple[Any, Any]:
+    """Keras's order: the next scale from the history so far, then this amax into it."""
+    top = jnp.float32(jnp.finfo(fmt).max)
+    amax = jnp.max(history)
+    usable = (amax > 0) & jnp.isfinite(amax)
+    factor = top / amax / jnp.float32(2.0 ** margin)
+    new_scale = jnp.where(usable, 1.0 / factor, scale)
+    this = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    return new_scale, jnp.roll(history, -1).at[0].set(this)
+
+
+def _quantize_by(x: Any, scale: Any, fmt: Any) -> Any:
+    top = jnp.float32(jnp.finfo(fmt).max)
+    return jnp.clip(x.astype(jnp.float32) / scale, -top, top).astype(fmt)
+
+
+def _scaled_dot(a: Any, b: Any, scale: Any, dtype: str) -> Any:
+    return (jax.lax.dot(a, b, preferred_element_type=jnp.float32) * scale).astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def delayed(static: tuple, x: Any, w: Any, meta: tuple) -> Any:
+    """``x @ w`` in fp8 with Keras's delayed scaling: `meta` is (inputs' scale and amax history,
+    the kernel's, the output gradient's), `static` (forward and gradient formats, margin, the
+    operands' dtypes). The "gradient" of `meta` is its next value (see float8.py)."""
+    return _delayed_fwd(static, x, w, meta)[0]
+
+
+def _delayed_fwd(static: tuple, x: Any, w: Any, meta: tuple) -> tuple:
+    forward, _, margin, x_dtype, _ = static
+    fmt = jnp.dtype(forward)
+    xs, xh, ws, wh, gs, gh = meta
+    xq, wq = _quantize_by(x, xs, fmt), _quantize_by(w, ws, fmt)
+    new_meta = _next(x, xs, xh, fmt, margin) + _next(w, ws, wh, fmt, margin)
+    return _scaled_dot(xq, wq, xs * ws, x_dtype), (xq, wq, xs, ws, gs, gh, new_meta)
+
+
+def _delayed_bwd(static: tuple, residuals: tuple, g: Any) -> tuple:
+    _, backward, margin, x_dtype, w_dtype = static
+    fmt = jnp.dtype(backward)
+    xq, wq, xs, ws, gs, gh, new_meta = residuals
+    gq = _quantize_by(g, gs, fmt)
+    dx = _scaled_dot(gq, wq.T, gs * ws, x_dtype)
+    dw = _scaled_dot(xq.T, gq, xs * gs, w_dtype)
+    return dx, dw, new_meta + _next(g, gs, gh, fmt, margin)
+
+
+delayed.defvjp(_delayed_fwd, _delayed_bwd)

@@ -13,6 +13,7 @@ nnx = require_module("flax.nnx", "jax")
 jnp = jax.numpy
 
 FP8 = mp.Policy("float8_from_mixed_bfloat16", float8_recipe="tensorwise")
+DELAYED_STATE = mp.float8.DELAYED_STATE
 
 
 class MLP(nnx.Module):
@@ -197,10 +198,88 @@ def test_under_vmap_the_scales_are_the_whole_batchs_as_without_it():
     assert float(jnp.abs(by_example.astype(jnp.float32) - whole.astype(jnp.float32)).max()) > 1e-2
 
 
+DELAYED = mp.Policy("p=f32,c=bf16,float8=delayed,amax_history_len=4")
+
+
+def test_delayed_scaling_in_a_function_is_the_same_nnx_models_step_for_step():
+    """A function has no variables for delayed scaling's state, so the caller holds it: made by
+    init_float8, passed as float8_state, its gradient the next state. Three SGD steps of the
+    function and of the same NNX model under the same policy: the same losses, weights, scales
+    and amax histories (Keras's algorithm, state in Keras's names) within float32 rounding."""
+    model = MLP(nnx.Rngs(0))
+    params = _params(model)
+    mp.apply_policy(model, DELAYED)
+    x, y = jax.random.normal(jax.random.key(1), (8, 64)), jax.random.normal(jax.random.key(2), (8, 16))
+    fn = mp.apply_policy(mlp, DELAYED)
+    state = fn.init_float8(params, x)
+    assert len(state) == 2 and set(state[0]) == set(DELAYED_STATE)  # a and b; c is 24 wide, head kept
+
+    @jax.jit
+    def step(p, s):
+        loss = lambda p, s: jnp.mean((fn(p, x, float8_state=s).astype(jnp.float32) - y) ** 2)  # noqa: E731
+        value, (gp, gs) = jax.value_and_grad(loss, argnums=(0, 1))(p, s)
+        return jax.tree_util.tree_map(lambda w, g: w - 0.1 * g, p, gp), gs, value
+
+    @nnx.jit
+    def nnx_step(m):
+        loss = lambda m: jnp.mean((m(x).astype(jnp.float32) - y) ** 2)  # noqa: E731
+        value, grads = nnx.value_and_grad(loss, argnums=nnx.DiffState(0, mp.jax.with_float8()))(m)
+        nnx.update(m, jax.tree_util.tree_map(lambda w, g: w - 0.1 * g, nnx.state(m, nnx.Param), nnx.state(grads, nnx.Param)))
+        mp.jax.update_float8(m, grads)
+        return value
+
+    for _ in range(3):
+        params, state, value = step(params, state)
+        np.testing.assert_allclose(float(value), float(nnx_step(model)), rtol=1e-5)
+    for layer, own in zip((model.a, model.b), state):
+        for name, array in own.items():
+            np.testing.assert_allclose(np.asarray(array), np.asarray(getattr(layer, name)[...]), rtol=1e-5, err_msg=name)
+    np.testing.assert_allclose(np.asarray(params["a"]["w"]), np.asarray(model.a.kernel[...]), rtol=1e-4, atol=1e-6)
+    # the newest amax first: the input's, as the bfloat16 compute dtype holds it
+    assert float(state[0]["float8_inputs_amax_history"][0]) == float(jnp.abs(x.astype(jnp.bfloat16)).max())
+
+
+def test_delayed_names_the_weight_kernel_whichever_side_of_the_matmul_it_is():
+    w = jax.random.normal(jax.random.key(0), (32, 64)) * 3.0
+
+    def transposed(p, x):  # the weight on the left: (out, in) @ (in, batch)
+        return (p["w"] @ x.T).T
+
+    fn = mp.apply_policy(transposed, mp.PolicyMap(DELAYED, builtin_rules=False))
+    x = jax.random.normal(jax.random.key(1), (16, 64))
+    state = fn.init_float8({"w": w}, x)
+    new = jax.grad(lambda s: fn({"w": w}, x, float8_state=s).astype(jnp.float32).sum())(state)
+    amax = lambda a: float(jnp.abs(a.astype(jnp.bfloat16)).max())  # noqa: E731  (the compute dtype's values)
+    assert float(new[0]["float8_kernel_amax_history"][0]) == amax(w) and amax(w) != amax(x)
+    assert float(new[0]["float8_inputs_amax_history"][0]) == amax(x)
+
+
+def test_delayed_refusals_name_what_keeps_the_state_from_moving_once_a_call():
+    params = _params(MLP(nnx.Rngs(0)))
+    x = jnp.ones((4, 64))
+    fn = mp.apply_policy(mlp, "float8_from_mixed_bfloat16")  # Keras's name alone: delayed
+    with pytest.raises(TypeError, match="no float8_state .* 2 fp8 matmuls.*init_float8"):
+        fn(params, x)
+    with pytest.raises(ValueError, match="does not fit .*histories of shape \\(1024,\\)"):
+        fn(params, x, float8_state=fn.init_float8(params, x)[:1])
+    with pytest.raises(ValueError, match="under jax.vmap .*tensorwise"):
+        jax.vmap(lambda xi: fn(params, xi[None], float8_state=fn.init_float8(params, x)))(x)
+    stacked = {"w": jnp.ones((3, 32, 32)) / 32}
+
+    def scanned(p, x):
+        return jax.lax.scan(lambda h, w: (jax.nn.relu(h @ w), None), x, p["w"])[0]
+
+    looped = mp.apply_policy(scanned, mp.PolicyMap(DELAYED, builtin_rules=False))
+    with pytest.raises(ValueError, match="inside a jax.lax.scan.*once a call"):
+        looped.init_float8(stacked, jnp.ones((4, 32)))
+    with pytest.raises(TypeError, match="keeps no fp8 state"):
+        mp.apply_policy(mlp, FP8)(params, x, float8_state=())
+    with pytest.raises(ValueError, match="keeps no fp8 state"):
+        mp.apply_policy(mlp, FP8).init_float8(params, x)
+
+
 def test_refusals_say_what_was_received_and_the_fix():
-    with pytest.raises(ValueError, match="'tensorwise' recipe .* only.*float8_recipe='tensorwise'"):
-        mp.apply_policy(mlp, "float8_from_mixed_bfloat16")  # Keras's name alone: delayed
-    with pytest.raises(ValueError, match="rowwise"):
+    with pytest.raises(ValueError, match="'rowwise'.*runs on torch.*float8_recipe='tensorwise'"):
         mp.apply_policy(mlp, mp.Policy("float8_from_float32", float8_recipe="rowwise"))
     params = _params(MLP(nnx.Rngs(0)))
     fn = mp.apply_policy(mlp, FP8)
