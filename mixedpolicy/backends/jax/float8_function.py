@@ -22,9 +22,9 @@ call, eager ones too, it must be traceable as ``jax.jit`` needs it.
 Under ``delayed`` scaling each fp8 matmul has Keras's six state arrays (its inputs', its
 weight's and its output gradient's scale and amax history), which the caller holds and passes
 in (`init_state` makes them): a tuple of dicts in the order the matmuls run, the "gradient" of
-each array its next value, as the NNX layers' `Float8Meta` move. A matmul whose state could not
-move once per call (inside ``scan`` or ``cond``), and a call under ``jax.vmap`` (each example
-would enter its own amax), are refused.
+each array its next value, as the NNX layers' `Float8Meta` move (under ``jax.vmap`` too: the
+batch enters one amax). A matmul whose state could not move once per call (inside ``scan`` or
+``cond``) is refused.
 """
 
 from __future__ import annotations
@@ -123,12 +123,6 @@ def next_state(state: tuple, new: Any, optimizer: Any = None, axis_name: Any = N
 def _delayed_states(fn: Any, plan: Any, recipe: Float8Recipe, state: Any, init: bool) -> Any:
     """The state of each chosen matmul by its equation, checked; the fresh state under `init`."""
     name = getattr(fn, "__name__", fn)
-    under_vmap = getattr(jcore, "unsafe_am_i_under_a_vmap_DO_NOT_USE", None)
-    if under_vmap is not None and under_vmap():
-        raise ValueError(f"Received a call under jax.vmap of the delayed-scaling fp8 function {name!r}: each "
-                         f"example would enter an amax of its own into the histories. Call it on the whole "
-                         f"batch (vmap inside it), or use float8_recipe='tensorwise', whose scales see "
-                         f"the batch under vmap.")
     chosen = [(eqn, nested) for eqn, takes, nested in plan.listed() if takes]
     for eqn, nested in chosen:
         if nested:

@@ -148,31 +148,79 @@ def _scaled_dot(a: Any, b: Any, scale: Any, dtype: str) -> Any:
     return (jax.lax.dot(a, b, preferred_element_type=jnp.float32) * scale).astype(dtype)
 
 
+def _delayed_forward(static: tuple, a: Any, b: Any, sa: Any, ha: Any, sb: Any, hb: Any) -> tuple:
+    """(a @ b quantized with this step's scales, the fp8 operands, the next scales and histories)."""
+    forward, _, margin, a_dtype, _ = static
+    fmt = jnp.dtype(forward)
+    aq, bq = _quantize_by(a, sa, fmt), _quantize_by(b, sb, fmt)
+    return (_scaled_dot(aq, bq, sa * sb, a_dtype), aq, bq,
+            *_next(a, sa, ha, fmt, margin), *_next(b, sb, hb, fmt, margin))
+
+
+def _delayed_backward(static: tuple, aq: Any, bq: Any, sa: Any, sb: Any, sg: Any, hg: Any, g: Any) -> tuple:
+    """(the operands' gradients, the output gradient's next scale and history)."""
+    _, backward, margin, a_dtype, b_dtype = static
+    fmt = jnp.dtype(backward)
+    gq = _quantize_by(g, sg, fmt)
+    return (_scaled_dot(gq, bq.T, sg * sb, a_dtype), _scaled_dot(aq.T, gq, sa * sg, b_dtype),
+            *_next(g, sg, hg, fmt, margin))
+
+
+@functools.lru_cache(maxsize=None)
+def _delayed_cores(static: tuple) -> tuple:
+    """`_delayed_forward` and `_delayed_backward` of `static`, each whose vmap rule folds the
+    mapped operand into the matrix (as `_cores`): the amax entering a history is the batch's,
+    and the state moves once, unmapped."""
+    forward_raw = functools.partial(_delayed_forward, static)
+    backward_raw = functools.partial(_delayed_backward, static)
+    fwd, bwd = custom_vmap(forward_raw), custom_vmap(backward_raw)
+
+    @fwd.def_vmap
+    def fwd_rule(n: int, batched: list, a: Any, b: Any, *meta: Any) -> tuple:
+        ba, bb, *bmeta = batched
+        if ba == bb or any(bmeta):  # per member (an ensemble, or each its own state)
+            args = [_broadcast(x, f, n) for x, f in zip((a, b, *meta), batched)]
+            return jax.vmap(forward_raw)(*args), (True,) * 7
+        out, aq, bq, *new = fwd(_fold(a, True), b, *meta) if ba else fwd(a, _fold(b, False), *meta)
+        if ba:
+            return (_unfold(out, n, True), _unfold(aq, n, True), bq, *new), (True, True) + (False,) * 5
+        return (_unfold(out, n, False), aq, _unfold(bq, n, False), *new), (True, False, True) + (False,) * 4
+
+    @bwd.def_vmap
+    def bwd_rule(n: int, batched: list, aq: Any, bq: Any, sa: Any, sb: Any, sg: Any, hg: Any, g: Any) -> tuple:
+        baq, bbq, *bstate, bg = batched
+        if baq == bbq or any(bstate):
+            args = [_broadcast(x, f, n) for x, f in zip((aq, bq, sa, sb, sg, hg, g), batched)]
+            return jax.vmap(backward_raw)(*args), (True,) * 4
+        g = _broadcast(g, bg, n)
+        if baq:
+            da, db, *new = bwd(_fold(aq, True), bq, sa, sb, sg, hg, _fold(g, True))
+            return (_unfold(da, n, True), db, *new), (True, False, False, False)
+        da, db, *new = bwd(aq, _fold(bq, False), sa, sb, sg, hg, _fold(g, False))
+        return (da, _unfold(db, n, False), *new), (False, True, False, False)
+
+    return fwd, bwd
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def delayed(static: tuple, x: Any, w: Any, meta: tuple) -> Any:
     """``x @ w`` in fp8 with Keras's delayed scaling: `meta` is (inputs' scale and amax history,
     the kernel's, the output gradient's), `static` (forward and gradient formats, margin, the
-    operands' dtypes). The "gradient" of `meta` is its next value (see float8.py)."""
+    operands' dtypes). The "gradient" of `meta` is its next value (see float8.py); under
+    ``jax.vmap`` the batch enters one amax, as the unmapped product would."""
     return _delayed_fwd(static, x, w, meta)[0]
 
 
 def _delayed_fwd(static: tuple, x: Any, w: Any, meta: tuple) -> tuple:
-    forward, _, margin, x_dtype, _ = static
-    fmt = jnp.dtype(forward)
     xs, xh, ws, wh, gs, gh = meta
-    xq, wq = _quantize_by(x, xs, fmt), _quantize_by(w, ws, fmt)
-    new_meta = _next(x, xs, xh, fmt, margin) + _next(w, ws, wh, fmt, margin)
-    return _scaled_dot(xq, wq, xs * ws, x_dtype), (xq, wq, xs, ws, gs, gh, new_meta)
+    out, xq, wq, *new = _delayed_cores(static)[0](x, w, xs, xh, ws, wh)
+    return out, (xq, wq, xs, ws, gs, gh, tuple(new))
 
 
 def _delayed_bwd(static: tuple, residuals: tuple, g: Any) -> tuple:
-    _, backward, margin, x_dtype, w_dtype = static
-    fmt = jnp.dtype(backward)
     xq, wq, xs, ws, gs, gh, new_meta = residuals
-    gq = _quantize_by(g, gs, fmt)
-    dx = _scaled_dot(gq, wq.T, gs * ws, x_dtype)
-    dw = _scaled_dot(xq.T, gq, xs * gs, w_dtype)
-    return dx, dw, new_meta + _next(g, gs, gh, fmt, margin)
+    dx, dw, *new = _delayed_cores(static)[1](xq, wq, xs, ws, gs, gh, g)
+    return dx, dw, new_meta + tuple(new)
 
 
 delayed.defvjp(_delayed_fwd, _delayed_bwd)

@@ -198,6 +198,39 @@ def gspmd_step(net, opt, x):
 
 
 gspmd_step(net, opt, xs)
+
+
+# delayed fp8 on four shard_map replicas, each seeing inputs of its own magnitude: with
+# axis_name the amax entering every replica's history is the largest (1, 2, 3, 4 -> 4); without,
+# each keeps its own
+class Fp8Mlp(nnx.Module):
+    def __init__(self, rngs):
+        self.up, self.down = nnx.Linear(32, 64, rngs=rngs), nnx.Linear(64, 16, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(jax.nn.relu(self.up(x)))
+
+
+fp8_net = mp.apply_policy(Fp8Mlp(nnx.Rngs(0)), mp.Policy("float8_from_mixed_bfloat16", amax_history_len=4))
+graph, fp8_state = nnx.split(fp8_net)
+replica_inputs = jnp.arange(1.0, 5.0)[:, None, None] * jnp.ones((4, 8, 32))
+
+
+def fp8_histories(axis_name):
+    def body(x, state):
+        model = nnx.merge(graph, state)
+        grads = nnx.grad(lambda m: jnp.mean(m(x[0]).astype(jnp.float32)),
+                         argnums=nnx.DiffState(0, mp.jax.with_float8()))(model)
+        mp.jax.update_float8(model, grads, axis_name=axis_name)
+        return model.up.float8_inputs_amax_history[...][None], model.up.float8_outputs_grad_amax_history[...][None]
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("r"), P()), out_specs=(P("r"), P("r")),
+                                 check_vma=False))(replica_inputs, fp8_state)
+
+
+inputs, out_grads = fp8_histories("r")
+assert np.asarray(inputs)[:, 0].tolist() == [4.0] * 4 and np.all(np.asarray(out_grads)[:, 0] == out_grads[0, 0])
+alone, _ = fp8_histories(None)
+assert np.asarray(alone)[:, 0].tolist() == [1.0, 2.0, 3.0, 4.0], alone
 assert net.kernel[...].dtype == jnp.float32
 assert [net.kernel[...].sharding, net.bias[...].sharding] == shardings, (net.kernel[...].sharding, shardings)
 assert not net.kernel[...].sharding.is_fully_replicated and np.isfinite(np.asarray(net.kernel[...])).all()

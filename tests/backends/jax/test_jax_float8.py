@@ -312,27 +312,6 @@ def test_an_optimizer_given_the_fp8_state_to_train_is_refused_with_the_fix():
         tx.update(tree, tx.init(tree), tree)
 
 
-def test_replicas_keep_the_same_fp8_state_with_the_largest_amax():
-    """Inside a mapped axis each replica sees its own inputs; `axis_name` makes the amax that
-    enters every replica's history the largest of them (here two replicas under jax.vmap)."""
-    net = Mlp(nnx.Rngs(0))
-    mp.apply_policy(net, mp.Policy("float8_from_mixed_bfloat16", amax_history_len=4))
-    graph, state = nnx.split(net)
-    xs = jnp.stack([jnp.ones((8, 32)), 3 * jnp.ones((8, 32))])
-
-    def replica(x, state, axis_name):
-        model = nnx.merge(graph, state)
-        grads = nnx.grad(lambda m: jnp.mean(m(x).astype(jnp.float32)),
-                         argnums=nnx.DiffState(0, mp.jax.with_float8()))(model)
-        mp.jax.update_float8(model, grads, axis_name=axis_name)
-        return model.up.float8_inputs_amax_history[...], model.up.float8_outputs_grad_amax_history[...]
-
-    inputs, grads = jax.vmap(lambda x, s: replica(x, s, "replicas"), (0, None), axis_name="replicas")(xs, state)
-    assert inputs[:, 0].tolist() == [3.0, 3.0] and float(grads[0, 0]) == float(grads[1, 0]) > 0
-    alone, _ = jax.vmap(lambda x, s: replica(x, s, None), (0, None))(xs, state)
-    assert alone[:, 0].tolist() == [1.0, 3.0]
-
-
 def test_an_orbax_checkpoint_mid_run_resumes_the_fp8_state_bit_for_bit(tmp_path):
     ocp = require_module("orbax.checkpoint", "jax")
     policy = mp.Policy("float8_from_mixed_bfloat16", amax_history_len=4)
@@ -388,3 +367,23 @@ def test_delayed_layers_stacked_for_nnx_scan_keep_a_state_each():
     first = np.asarray(net.blocks.float8_inputs_amax_history[...])[:, 0]
     grads = np.asarray(net.blocks.float8_outputs_grad_amax_history[...])[:, 0]
     assert np.all(first > 0) and len(set(first.tolist())) == 3 and np.all(grads > 0)  # one per layer
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_a_model_called_under_jax_vmap_scales_by_the_batch_as_called_on_it(recipe):
+    """Under jax.vmap each layer sees one example; its fp8 scales (and, delayed, the amaxes
+    entering its histories) are still the batch's: the same outputs, gradients and next fp8
+    state as the model called on the batch. (Before, delayed histories summed the examples'.)"""
+    policy = mp.Policy(f"p=f32,c=bf16,float8={recipe}" + (",amax_history_len=4" if recipe == "delayed" else ""))
+    x = jax.random.normal(jax.random.key(1), (8, 32)) * jnp.linspace(0.1, 4.0, 8)[:, None]
+    grads = []
+    for mapped in (True, False):
+        model = mp.apply_policy(Mlp(nnx.Rngs(0)), policy)
+        loss = lambda m: jnp.sum(jnp.sin((jax.vmap(m)(x) if mapped else m(x)).astype(jnp.float32)))  # noqa: E731,B023
+        grads.append(nnx.grad(loss, argnums=nnx.DiffState(0, mp.jax.with_float8()))(model))
+    mapped, whole = (jax.tree_util.tree_leaves(g) for g in grads)
+    for a, b in zip(mapped, whole):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    if recipe == "delayed":  # the newest amax: the whole batch's input, as bfloat16 holds it
+        history = grads[0]["up"]["float8_inputs_amax_history"][...]
+        assert float(history[0]) == float(jnp.abs(x.astype(jnp.bfloat16)).max()) and float(history[1]) == 0

@@ -254,7 +254,7 @@ def test_delayed_names_the_weight_kernel_whichever_side_of_the_matmul_it_is():
     assert float(new[0]["float8_inputs_amax_history"][0]) == amax(x)
 
 
-def test_delayed_refusals_name_what_keeps_the_state_from_moving_once_a_call():
+def test_delayed_state_moves_once_a_call_under_vmap_too_and_what_cannot_is_refused():
     params = _params(MLP(nnx.Rngs(0)))
     x = jnp.ones((4, 64))
     fn = mp.apply_policy(mlp, "float8_from_mixed_bfloat16")  # Keras's name alone: delayed
@@ -262,8 +262,12 @@ def test_delayed_refusals_name_what_keeps_the_state_from_moving_once_a_call():
         fn(params, x)
     with pytest.raises(ValueError, match="does not fit .*histories of shape \\(1024,\\)"):
         fn(params, x, float8_state=fn.init_float8(params, x)[:1])
-    with pytest.raises(ValueError, match="under jax.vmap .*tensorwise"):
-        jax.vmap(lambda xi: fn(params, xi[None], float8_state=fn.init_float8(params, x)))(x)
+    state = fn.init_float8(params, x)
+    x = jax.random.normal(jax.random.key(1), (4, 64)) * jnp.arange(1.0, 5.0)[:, None]
+    mapped = jax.grad(lambda s: jax.vmap(lambda xi: fn(params, xi, float8_state=s))(x).astype(jnp.float32).sum())(state)
+    whole = jax.grad(lambda s: fn(params, x, float8_state=s).astype(jnp.float32).sum())(state)
+    for a, b in zip(jax.tree_util.tree_leaves(mapped), jax.tree_util.tree_leaves(whole)):  # under vmap: the
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5)  # batch's amax, moved once
     stacked = {"w": jnp.ones((3, 32, 32)) / 32}
 
     def scanned(p, x):

@@ -17,7 +17,8 @@ def test_every_reduce_dtype_over_four_host_devices():
     on one replica makes every replica skip, and the digits MLP trained on four replicas with
     8-bit gradients ends within 1 point of float32's accuracy, and under jax.jit with
     NamedSharding-sharded parameters (GSPMD) the policy's casts and the optimizer keep every
-    sharding (asserts in reduce_worker.py)."""
+    sharding, and delayed fp8 histories take the largest amax over the replicas with
+    axis_name, each replica's own without (asserts in reduce_worker.py)."""
     require_module("jax")
     require_module("optax", "jax")
     worker = Path(__file__).with_name("reduce_worker.py")
