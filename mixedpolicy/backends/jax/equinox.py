@@ -164,8 +164,9 @@ class PolicyModule(eqx.nn.StatefulLayer):
                 out = getattr(module, method)(*first, *rest, hidden=hidden, **kwargs)
             return jax.tree_util.tree_map(lambda new, old: new.astype(old.dtype), out, hidden)
         args, kwargs = _cast((args, kwargs), policy.compute_dtype)
-        if policy.float8_recipe is not None and method == "__call__" and _runs_float8(module):
-            out = _float8_linear(module, args[0] if args else kwargs["x"], policy.float8_recipe)
+        x = args[0] if args else kwargs.get("x")
+        if policy.float8_recipe is not None and method == "__call__" and _runs_float8(module) and x is not None:
+            out = _float8_linear(module, x, policy.float8_recipe)
         else:
             out = getattr(module, method)(*args, **kwargs)
         if policy.output_dtype == policy.compute_dtype:
@@ -223,13 +224,15 @@ def apply_policy(model: Any, policy_map: PolicyMap) -> PolicyModule:
     for step in steps.values():  # refused before anything changes
         recipe = step.policy.float8_recipe
         if recipe is not None and recipe.recipe != "tensorwise" and _runs_float8(step.layer):
-            where = ("keeps amax histories as layer variables, as Flax NNX and linen, Keras and torch "
-                     "models have them" if recipe.recipe == "delayed" else "runs on torch (torchao)")
+            where = ("keeps amax histories, which an Equinox module has no variables for: put the "
+                     "policy on the loss function loss(model, ...) that vmaps the model, whose state the "
+                     "caller holds (fn.init_float8, float8_state=; docs/float8.md), or pass "
+                     "Policy(..., float8_recipe='tensorwise')" if recipe.recipe == "delayed" else
+                     "runs on torch (torchao); pass Policy(..., float8_recipe='tensorwise')")
             raise ValueError(
                 f"Received the fp8 recipe {recipe.recipe!r} for the eqx.nn.Linear at "
-                f"{step.path or '(root)'!r}: on Equinox mixedpolicy runs 'tensorwise' (current "
-                f"scaling, no state to keep); {recipe.recipe!r} {where}. Pass Policy(..., "
-                f"float8_recipe='tensorwise'). Nothing was applied.")
+                f"{step.path or '(root)'!r}: on an Equinox model mixedpolicy runs 'tensorwise' "
+                f"(current scaling, no state to keep); {recipe.recipe!r} {where}. Nothing was applied.")
 
     def rebuild(module: Any, path: str) -> PolicyModule:
         step = steps[path]
