@@ -81,7 +81,7 @@ def _float8_linear(linear: Any, x: Any, recipe: Float8Recipe) -> Any:
                          f"under jax.vmap over the batch, as for the plain layer.")
     w = linear.weight.reshape(n_out, n_in)
     a = x.reshape(1, n_in)
-    out = matmul(a, w.T, recipe.forward_dtype, recipe.backward_dtype, str(a.dtype), str(w.dtype))
+    out = matmul(a, w.T, recipe.forward_dtype, recipe.backward_dtype, str(a.dtype), str(w.dtype), 1)
     out = out.reshape(n_out) + linear.bias if linear.use_bias else out.reshape(n_out)
     return out.reshape(()) if linear.out_features == "scalar" else out
 

@@ -112,7 +112,7 @@ class TensorwiseDotGeneral:
         return out if preferred_element_type is None else out.astype(preferred_element_type)
 
     def _matmul(self, x: Any, w: Any) -> Any:
-        return _matmul(x, w, self.recipe.forward_dtype, self.recipe.backward_dtype, str(x.dtype), str(w.dtype))
+        return _matmul(x, w, self.recipe.forward_dtype, self.recipe.backward_dtype, str(x.dtype), str(w.dtype), 1)
 
 
 # -- delayed scaling: Keras's algorithm, its state as variables on the layer -------------------
@@ -187,7 +187,7 @@ class DelayedDotGeneral(TensorwiseDotGeneral):
                 "grads = nnx.grad(loss_fn, argnums=nnx.DiffState(0, mp.jax.with_float8()))(model, ...); "
                 "optimizer.update(model, grads); mp.jax.update_float8(model, grads, optimizer).")
         r = self.recipe
-        return _delayed((r.forward_dtype, r.backward_dtype, r.margin, str(x.dtype), str(w.dtype)), x, w, meta)
+        return _delayed((r.forward_dtype, r.backward_dtype, r.margin, str(x.dtype), str(w.dtype), 1), x, w, meta)
 
 
 def with_float8(params: Any = None) -> Any:

@@ -303,15 +303,15 @@ class _Evaluator:
         k = int(np.prod([lhs.shape[d] for d in contract_l]))
         a = jnp.transpose(lhs, (*free_l, *contract_l)).reshape(-1, k)
         b = jnp.transpose(rhs, (*contract_r, *free_r)).reshape(k, -1)
-        r = self.plan.recipe
+        r, side = self.plan.recipe, 0 if weight_first else 1
         if self.plan.states is None:
-            out = matmul(a, b, r.forward_dtype, r.backward_dtype, str(a.dtype), str(b.dtype))
+            out = matmul(a, b, r.forward_dtype, r.backward_dtype, str(a.dtype), str(b.dtype), side)
         else:  # Keras's names: "inputs" the activation, "kernel" the weight, whichever side it is
             meta = self.plan.states[id(eqn)]
             first, second = ("kernel", "inputs") if weight_first else ("inputs", "kernel")
             names = [f"float8_{operand}_{what}" for operand in (first, second, "outputs_grad")
                      for what in ("scale", "amax_history")]
-            out = delayed((r.forward_dtype, r.backward_dtype, r.margin, str(a.dtype), str(b.dtype)), a, b,
+            out = delayed((r.forward_dtype, r.backward_dtype, r.margin, str(a.dtype), str(b.dtype), side), a, b,
                           tuple(meta[n] for n in names))
         shape = (*(lhs.shape[d] for d in free_l), *(rhs.shape[d] for d in free_r))
         return out.reshape(shape).astype(eqn.outvars[0].aval.dtype)

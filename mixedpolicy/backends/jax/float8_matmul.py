@@ -13,8 +13,9 @@ function may be vmapped over the batch. So the forward and the backward are each
 dimension and runs the same computation once, on the whole batch: one scale for the batch's
 activations and output gradients, as the unmapped matmul has, and the weight gradient as one
 matmul over the batch (never a per-example product summed afterwards). Nested maps fold one
-after the other. Where both operands are mapped (a vmap over an ensemble of weights), each
-member is its own matmul with its own scales.
+after the other. Which operand is the weight is given (`weight`, 0 or 1): where the weight is
+mapped (a vmap over an ensemble of models, ``nnx.vmap``), each member is its own matmul with its
+own scales, for its activations too.
 
 ``delayed`` is Keras's delayed scaling on the same fp8 matmul: the scales come in with the
 layer's amax histories, and the next scales and histories leave as their "gradients".
@@ -63,8 +64,9 @@ def _broadcast(x: Any, batched: bool, n: int) -> Any:
 
 
 @functools.lru_cache(maxsize=None)
-def _cores(forward: str, backward: str, a_dtype: str, b_dtype: str) -> tuple:
-    """The forward and backward of one (formats, dtypes), each with its whole-batch vmap rule."""
+def _cores(forward: str, backward: str, a_dtype: str, b_dtype: str, weight: int) -> tuple:
+    """The forward and backward of one (formats, dtypes, weight side), each with its whole-batch
+    vmap rule."""
     fwd_fmt, bwd_fmt = jnp.dtype(forward), jnp.dtype(backward)
 
     def forward_raw(a: Any, b: Any) -> tuple:
@@ -82,10 +84,10 @@ def _cores(forward: str, backward: str, a_dtype: str, b_dtype: str) -> tuple:
     @fwd.def_vmap
     def fwd_rule(n: int, batched: list, a: Any, b: Any) -> tuple:
         ba, bb = batched
-        if ba == bb:  # each member its own weights (or nothing mapped): its own scales
+        if batched[weight] or not (ba or bb):  # each member its own weights: its own scales
             a, b = _broadcast(a, ba, n), _broadcast(b, bb, n)
             return jax.vmap(forward_raw)(a, b), (True,) * 5
-        first = ba  # the mapped operand's free dimension takes the batch
+        first = ba  # the mapped activation's free dimension takes the batch
         out, aq, sa, bq, sb = fwd(_fold(a, True), b) if first else fwd(a, _fold(b, False))
         out = _unfold(out, n, first)
         if first:
@@ -95,7 +97,7 @@ def _cores(forward: str, backward: str, a_dtype: str, b_dtype: str) -> tuple:
     @bwd.def_vmap
     def bwd_rule(n: int, batched: list, aq: Any, sa: Any, bq: Any, sb: Any, g: Any) -> tuple:
         baq, bsa, bbq, bsb, bg = batched
-        if baq == bbq or bsa or bsb:
+        if (baq, bbq)[weight] or not (baq or bbq) or bsa or bsb:
             args = [_broadcast(x, b, n) for x, b in zip((aq, sa, bq, sb, g), batched)]
             return jax.vmap(backward_raw)(*args), (True, True)
         g = _broadcast(g, bg, n)
@@ -108,20 +110,22 @@ def _cores(forward: str, backward: str, a_dtype: str, b_dtype: str) -> tuple:
     return fwd, bwd
 
 
-# the formats and the operands' dtypes are static (names), the residuals arrays only
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def matmul(a: Any, b: Any, forward: str, backward: str, a_dtype: str, b_dtype: str) -> Any:
-    """``a @ b`` in fp8, tensorwise (see the module docstring); the output in `a_dtype`."""
-    return _cores(forward, backward, a_dtype, b_dtype)[0](a, b)[0]
+# the formats, the operands' dtypes and the weight's side are static, the residuals arrays only
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def matmul(a: Any, b: Any, forward: str, backward: str, a_dtype: str, b_dtype: str, weight: int) -> Any:
+    """``a @ b`` in fp8, tensorwise (see the module docstring); the output in `a_dtype`; `weight`
+    says which operand (0 or 1) is the weight."""
+    return _cores(forward, backward, a_dtype, b_dtype, weight)[0](a, b)[0]
 
 
-def _matmul_fwd(a: Any, b: Any, forward: str, backward: str, a_dtype: str, b_dtype: str) -> tuple:
-    out, *residuals = _cores(forward, backward, a_dtype, b_dtype)[0](a, b)
+def _matmul_fwd(a: Any, b: Any, forward: str, backward: str, a_dtype: str, b_dtype: str, weight: int) -> tuple:
+    out, *residuals = _cores(forward, backward, a_dtype, b_dtype, weight)[0](a, b)
     return out, tuple(residuals)
 
 
-def _matmul_bwd(forward: str, backward: str, a_dtype: str, b_dtype: str, residuals: tuple, g: Any) -> tuple:
-    return tuple(_cores(forward, backward, a_dtype, b_dtype)[1](*residuals, g))
+def _matmul_bwd(forward: str, backward: str, a_dtype: str, b_dtype: str, weight: int, residuals: tuple,
+                g: Any) -> tuple:
+    return tuple(_cores(forward, backward, a_dtype, b_dtype, weight)[1](*residuals, g))
 
 
 matmul.defvjp(_matmul_fwd, _matmul_bwd)
@@ -150,7 +154,7 @@ def _scaled_dot(a: Any, b: Any, scale: Any, dtype: str) -> Any:
 
 def _delayed_forward(static: tuple, a: Any, b: Any, sa: Any, ha: Any, sb: Any, hb: Any) -> tuple:
     """(a @ b quantized with this step's scales, the fp8 operands, the next scales and histories)."""
-    forward, _, margin, a_dtype, _ = static
+    forward, _, margin, a_dtype, _, _ = static
     fmt = jnp.dtype(forward)
     aq, bq = _quantize_by(a, sa, fmt), _quantize_by(b, sb, fmt)
     return (_scaled_dot(aq, bq, sa * sb, a_dtype), aq, bq,
@@ -159,7 +163,7 @@ def _delayed_forward(static: tuple, a: Any, b: Any, sa: Any, ha: Any, sb: Any, h
 
 def _delayed_backward(static: tuple, aq: Any, bq: Any, sa: Any, sb: Any, sg: Any, hg: Any, g: Any) -> tuple:
     """(the operands' gradients, the output gradient's next scale and history)."""
-    _, backward, margin, a_dtype, b_dtype = static
+    _, backward, margin, a_dtype, b_dtype, _ = static
     fmt = jnp.dtype(backward)
     gq = _quantize_by(g, sg, fmt)
     return (_scaled_dot(gq, bq.T, sg * sb, a_dtype), _scaled_dot(aq.T, gq, sa * sg, b_dtype),
@@ -174,11 +178,12 @@ def _delayed_cores(static: tuple) -> tuple:
     forward_raw = functools.partial(_delayed_forward, static)
     backward_raw = functools.partial(_delayed_backward, static)
     fwd, bwd = custom_vmap(forward_raw), custom_vmap(backward_raw)
+    weight = static[-1]
 
     @fwd.def_vmap
     def fwd_rule(n: int, batched: list, a: Any, b: Any, *meta: Any) -> tuple:
         ba, bb, *bmeta = batched
-        if ba == bb or any(bmeta):  # per member (an ensemble, or each its own state)
+        if batched[weight] or not (ba or bb) or any(bmeta):  # per member (an ensemble, its own state)
             args = [_broadcast(x, f, n) for x, f in zip((a, b, *meta), batched)]
             return jax.vmap(forward_raw)(*args), (True,) * 7
         out, aq, bq, *new = fwd(_fold(a, True), b, *meta) if ba else fwd(a, _fold(b, False), *meta)
@@ -189,7 +194,7 @@ def _delayed_cores(static: tuple) -> tuple:
     @bwd.def_vmap
     def bwd_rule(n: int, batched: list, aq: Any, bq: Any, sa: Any, sb: Any, sg: Any, hg: Any, g: Any) -> tuple:
         baq, bbq, *bstate, bg = batched
-        if baq == bbq or any(bstate):
+        if (baq, bbq)[weight] or not (baq or bbq) or any(bstate):
             args = [_broadcast(x, f, n) for x, f in zip((aq, bq, sa, sb, sg, hg, g), batched)]
             return jax.vmap(backward_raw)(*args), (True,) * 4
         g = _broadcast(g, bg, n)
@@ -206,7 +211,7 @@ def _delayed_cores(static: tuple) -> tuple:
 def delayed(static: tuple, x: Any, w: Any, meta: tuple) -> Any:
     """``x @ w`` in fp8 with Keras's delayed scaling: `meta` is (inputs' scale and amax history,
     the kernel's, the output gradient's), `static` (forward and gradient formats, margin, the
-    operands' dtypes). The "gradient" of `meta` is its next value (see float8.py); under
+    operands' dtypes, which operand is the weight). The "gradient" of `meta` is its next value (see float8.py); under
     ``jax.vmap`` the batch enters one amax, as the unmapped product would."""
     return _delayed_fwd(static, x, w, meta)[0]
 

@@ -282,6 +282,31 @@ def test_delayed_state_moves_once_a_call_under_vmap_too_and_what_cannot_is_refus
         mp.apply_policy(mlp, FP8).init_float8(params, x)
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_an_ensemble_under_vmap_scales_each_member_by_its_own_weights(recipe):
+    """A mapped weight is an ensemble's members, not a batch: each member's matmuls scale by its
+    own tensors (members a thousand times apart in magnitude compute as each alone)."""
+    policy = mp.PolicyMap(mp.Policy(f"p=f32,c=bf16,float8={recipe}"), builtin_rules=False)
+    members = [jax.tree_util.tree_map(lambda a, s=s: a * s, _params(MLP(nnx.Rngs(i)))) for i, s in enumerate((0.03, 1.0, 30.0))]
+    stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *members)
+    x = jax.random.normal(jax.random.key(1), (8, 64))
+    fn = mp.apply_policy(mlp, policy)
+    if recipe == "delayed":  # a state per member, stacked as its weights are: the next states
+        state = fn.init_float8(members[0], x)
+        stacked_state = jax.tree_util.tree_map(lambda a: jnp.stack([a] * 3), state)
+        step = lambda p, s: jax.grad(lambda s: fn(p, x, float8_state=s).astype(jnp.float32).sum())(s)  # noqa: E731
+        mapped = jax.tree_util.tree_leaves(jax.vmap(step)(stacked, stacked_state))
+        out = [jnp.concatenate([leaf[i].reshape(-1) for leaf in mapped]) for i in range(3)]
+        alone = [jnp.concatenate([leaf.reshape(-1) for leaf in jax.tree_util.tree_leaves(step(p, state))])
+                 for p in members]
+    else:
+        out = jax.vmap(fn, in_axes=(0, None))(stacked, x)
+        alone = [fn(p, x) for p in members]
+    for got, want in zip(out, alone):
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2,
+                                   atol=1e-2 * float(jnp.abs(want.astype(jnp.float32)).max()))
+
+
 def test_refusals_say_what_was_received_and_the_fix():
     with pytest.raises(ValueError, match="'rowwise'.*runs on torch.*float8_recipe='tensorwise'"):
         mp.apply_policy(mlp, mp.Policy("float8_from_float32", float8_recipe="rowwise"))
