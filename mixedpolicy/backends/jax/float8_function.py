@@ -131,8 +131,8 @@ def _delayed_states(fn: Any, plan: Any, recipe: Float8Recipe, state: Any, init: 
                              f"runs once per iteration or branch. Use float8_recipe='tensorwise' (no state), "
                              f"or an NNX model, whose stacked layers keep a state each.")
     fresh = init_state(recipe, len(chosen))
-    if init:
-        return fresh
+    if init or (not chosen and state is None):  # nothing in fp8 (already warned): no state to hold
+        return fresh if init else {}
     fix = (f"make it with state = fn.init_float8(params, *inputs) and pass fn(params, *inputs, "
            f"float8_state=state); its \"gradient\" is the next state")
     if state is None:

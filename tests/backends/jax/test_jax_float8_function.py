@@ -278,6 +278,8 @@ def test_delayed_state_moves_once_a_call_under_vmap_too_and_what_cannot_is_refus
         looped.init_float8(stacked, jnp.ones((4, 32)))
     with pytest.raises(TypeError, match="keeps no fp8 state"):
         mp.apply_policy(mlp, FP8)(params, x, float8_state=())
+    with pytest.warns(UserWarning, match="nothing runs in fp8"):  # no fp8 matmul: no state asked for
+        assert mp.apply_policy(lambda p, x: x * 2.0, DELAYED)(params, x).shape == x.shape
     with pytest.raises(ValueError, match="keeps no fp8 state"):
         mp.apply_policy(mlp, FP8).init_float8(params, x)
 
