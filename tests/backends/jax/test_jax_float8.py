@@ -387,3 +387,22 @@ def test_a_model_called_under_jax_vmap_scales_by_the_batch_as_called_on_it(recip
     if recipe == "delayed":  # the newest amax: the whole batch's input, as bfloat16 holds it
         history = grads[0]["up"]["float8_inputs_amax_history"][...]
         assert float(history[0]) == float(jnp.abs(x.astype(jnp.bfloat16)).max()) and float(history[1]) == 0
+
+
+def test_an_nnx_vmap_ensemble_scales_each_member_by_its_own_weights():
+    """nnx.vmap over members (kernels stacked, the input shared): each member's fp8 matmul is
+    its own, as that member alone computes it, though their kernels are 10^4 apart."""
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def make(key):
+        return Mlp(nnx.Rngs(key))
+
+    members = make(jax.random.split(jax.random.key(0), 3))
+    members.up.kernel.set_value(members.up.kernel[...] * jnp.asarray([0.01, 1.0, 100.0])[:, None, None])
+    mp.apply_policy(members, mp.Policy("p=f32,c=bf16,float8=tensorwise"))
+    x = jax.random.normal(jax.random.key(1), (8, 32))
+    together = nnx.vmap(lambda m, x: m(x), in_axes=(0, None))(members, x)
+    graph, state = nnx.split(members)
+    for i in range(3):
+        alone = nnx.merge(graph, jax.tree_util.tree_map(lambda a, i=i: a[i], state))(x)
+        np.testing.assert_allclose(np.asarray(together[i], np.float32), np.asarray(alone, np.float32),
+                                   rtol=1e-2, atol=1e-2 * float(jnp.abs(alone.astype(jnp.float32)).max()))
