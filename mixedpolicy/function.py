@@ -98,9 +98,8 @@ class PolicyFunction:
                 f"a plain function's matmuls run in fp8 on {_registry.float8_function_frameworks()} "
                 f"arrays only (jnp.asarray the arguments; on torch, put the policy on a "
                 f"torch.nn.Module, which runs torchao's fp8 layers).")
-        options = {"state": state, "init": True} if init else {"state": state} if recipe.recipe == "delayed" else {}
         out = call(self.fn, recipe, args, kwargs, builtin_rules=self.policy_map.builtin_rules,
-                   auto_filter=self.policy_map.float8_auto_filter, **options)
+                   auto_filter=self.policy_map.float8_auto_filter, state=state, init=init)
         return out if init else cast_tree(out, self.policy.output_dtype)
 
     def __repr__(self) -> str:

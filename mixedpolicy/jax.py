@@ -1,7 +1,7 @@
 """JAX: reducing gradients across replicas (``shard_map``, ``pmap``) in a policy's reduce dtype,
 the optax transformations that carry a policy's update recipe (the `LossScaleOptimizer`
 chains them itself; these are for a chain written by hand), and the training step of a Flax
-NNX model with delayed-scaling fp8 layers.
+NNX model with delayed-scaling fp8 layers or of a plain function's delayed fp8 state.
 
 Importing this module imports JAX and optax (Flax on the first call of the fp8 functions).
 """
@@ -73,7 +73,7 @@ def update_float8(model: Any, grads: Any, optimizer: Any = None, axis_name: Any 
         function's state and its gradient differ in structure.
     """
     if isinstance(model, tuple):
-        from mixedpolicy.backends.jax.float8_function import next_state
+        from mixedpolicy.backends.jax.float8_matmul import next_state
 
         return next_state(model, grads, optimizer, axis_name)
     from mixedpolicy.backends.jax.float8 import update_float8 as overwrite

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mixedpolicy.backends._subclass import policy_subclass
-from mixedpolicy.backends.jax.float8_matmul import delayed as _delayed, matmul as _matmul
+from mixedpolicy.backends.jax.float8_matmul import delayed as _delayed, matmul as _matmul, next_state
 from mixedpolicy.float8 import DELAYED_STATE, Float8Recipe
 
 def eligible(module: Any) -> bool:
@@ -211,12 +211,7 @@ def update_float8(model: Any, grads: Any, optimizer: Any = None, axis_name: Any 
         raise ValueError(
             "Received gradients without the fp8 state of the model's delayed-scaling layers; take "
             "them with nnx.grad(loss_fn, argnums=nnx.DiffState(0, mp.jax.with_float8())).")
-    if axis_name is not None:  # the replicas' histories differ only in this step's amax: the largest
-        new = jax.lax.pmax(new, axis_name)
-    skipped = getattr(getattr(optimizer, "opt_state", optimizer), "last_step_skipped", None)
-    if skipped is not None:
-        new = jax.tree_util.tree_map(lambda n, o: jnp.where(skipped, o, n), new, nnx.state(model, Float8Meta))
-    nnx.update(model, new)
+    nnx.update(model, next_state(nnx.state(model, Float8Meta), new, optimizer, axis_name))
 
 
 # -- Flax linen: Flax's own delayed-scaling op, and the tensorwise hook -------------------

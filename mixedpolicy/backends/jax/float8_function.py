@@ -105,21 +105,6 @@ def init_state(recipe: Float8Recipe, count: int) -> tuple:
     return tuple(one() for _ in range(count))
 
 
-def next_state(state: tuple, new: Any, optimizer: Any = None, axis_name: Any = None) -> tuple:
-    """`mp.jax.update_float8` for a function's state: `new` (the state's gradient), the largest
-    amax over `axis_name`'s replicas, `state` kept where `optimizer`'s step was skipped."""
-    if jax.tree_util.tree_structure(state) != jax.tree_util.tree_structure(new):
-        raise ValueError(f"Received a new fp8 state of structure {jax.tree_util.tree_structure(new)} for a "
-                         f"state of structure {jax.tree_util.tree_structure(state)}; pass the gradient of "
-                         f"the float8_state the function was called with.")
-    if axis_name is not None:
-        new = jax.lax.pmax(new, axis_name)
-    skipped = getattr(getattr(optimizer, "opt_state", optimizer), "last_step_skipped", None)
-    if skipped is not None:
-        new = jax.tree_util.tree_map(lambda n, o: jnp.where(skipped, o, n), new, state)
-    return new
-
-
 def _delayed_states(fn: Any, plan: Any, recipe: Float8Recipe, state: Any, init: bool) -> Any:
     """The state of each chosen matmul by its equation, checked; the fresh state under `init`."""
     name = getattr(fn, "__name__", fn)

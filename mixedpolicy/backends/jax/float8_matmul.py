@@ -229,3 +229,19 @@ def _delayed_bwd(static: tuple, residuals: tuple, g: Any) -> tuple:
 
 
 delayed.defvjp(_delayed_fwd, _delayed_bwd)
+
+
+def next_state(state: Any, new: Any, optimizer: Any = None, axis_name: Any = None) -> Any:
+    """The delayed state a step leaves: `new` (the state's "gradient"), with the largest amax over
+    `axis_name`'s replicas (their histories differ only in this step's amax), `state` kept where
+    `optimizer`'s step (an ``nnx.Optimizer`` or a `LossScaleOptimizer` state) was skipped."""
+    if jax.tree_util.tree_structure(state) != jax.tree_util.tree_structure(new):
+        raise ValueError(f"Received a new fp8 state of structure {jax.tree_util.tree_structure(new)} for a "
+                         f"state of structure {jax.tree_util.tree_structure(state)}; pass the gradient of "
+                         f"the fp8 state the step was computed with.")
+    if axis_name is not None:
+        new = jax.lax.pmax(new, axis_name)
+    skipped = getattr(getattr(optimizer, "opt_state", optimizer), "last_step_skipped", None)
+    if skipped is not None:
+        new = jax.tree_util.tree_map(lambda n, o: jnp.where(skipped, o, n), new, state)
+    return new

@@ -101,10 +101,12 @@ def pytree_stats(params: Any, loss_fn: Any, batches: list, scales: tuple) -> dic
     return _collect(params, [grad(params, batch) for batch in batches], scales)
 
 
-def equinox_stats(model: Any, plain: Any, loss_fn: Any, batches: list, scales: tuple) -> dict:
+def equinox_stats(model: Any, loss_fn: Any, batches: list, scales: tuple) -> dict:
     """An Equinox module's gradients through its policies (``eqx.filter_grad`` of `model`), by the
-    layer paths of `plain`: `plain(tree)` is a tree without its `PolicyModule` wrappers."""
+    layer paths `describe` prints (the trees without their `PolicyModule` wrappers)."""
     import equinox as eqx
+
+    from mixedpolicy.backends.jax.equinox import unwrapped as plain
 
     grad = eqx.filter_grad(loss_fn)
     params = eqx.filter(plain(model), eqx.is_inexact_array)
