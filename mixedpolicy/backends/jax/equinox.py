@@ -327,4 +327,4 @@ class EquinoxModels(ModelAdapter):
     def range_stats(self, model: Any, loss_fn: Any, batches: list, scales: tuple, activations: bool) -> dict:
         from mixedpolicy.backends.jax.ranges import equinox_stats
 
-        return equinox_stats(model, loss_fn, batches, scales)
+        return equinox_stats(model, unwrapped, loss_fn, batches, scales)

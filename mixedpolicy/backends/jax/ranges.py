@@ -101,12 +101,11 @@ def pytree_stats(params: Any, loss_fn: Any, batches: list, scales: tuple) -> dic
     return _collect(params, [grad(params, batch) for batch in batches], scales)
 
 
-def equinox_stats(model: Any, loss_fn: Any, batches: list, scales: tuple) -> dict:
+def equinox_stats(model: Any, plain: Any, loss_fn: Any, batches: list, scales: tuple) -> dict:
     """An Equinox module's gradients through its policies (``eqx.filter_grad`` of `model`), by the
-    layer paths `describe` prints (the trees without their `PolicyModule` wrappers)."""
+    layer paths of `plain`: `plain(tree)` is a tree without its `PolicyModule` wrappers (passed in
+    by the adapter, which imports this module: no import back)."""
     import equinox as eqx
-
-    from mixedpolicy.backends.jax.equinox import unwrapped as plain
 
     grad = eqx.filter_grad(loss_fn)
     params = eqx.filter(plain(model), eqx.is_inexact_array)
