@@ -90,6 +90,16 @@ def scale_from_settings(settings: Mapping[str, Any], loss_scale: Any = None, pol
     return DynamicLossScale(**{"loss_scale" if k == "initial_scale" else k: v for k, v in given.items()})
 
 
+def trainer_scale_settings(settings: Mapping[str, Any], initial_scale: float) -> dict:
+    """A trainer plugin's scale `settings` with `initial_scale` (the scale the trainer's own
+    float16 path starts from) where some are given but not that one; none given stay none, so
+    that the policy still decides whether to scale."""
+    settings = dict(settings)
+    if any(v is not None for v in settings.values()) and settings.get("initial_scale") is None:
+        settings["initial_scale"] = initial_scale
+    return settings
+
+
 def check_trainer_scale_settings(settings: Any, where: str) -> dict:
     """A trainer's ``scale_settings`` dict (`SCALE_SETTINGS`, ``loss_scale``, ``skip_nonfinite``),
     checked as `LossScaleOptimizer` would check them at the first step, but up front."""

@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from mixedpolicy.backends.torch.optimizer import TorchLossScaleOptimizer
-from mixedpolicy.backends.torch.scaler_view import GradScalerView
+from mixedpolicy.backends.torch.scaler_view import GRADSCALER_INITIAL_SCALE, GradScalerView
+from mixedpolicy.loss_scale import DynamicLossScale
 from mixedpolicy.policy_map import as_policy_map
 from mixedpolicy.scope import global_policy
 from mixedpolicy.table import NOT_APPLIED
@@ -43,7 +44,8 @@ class PolicyTrainer:
     Takes what ``transformers.Trainer`` takes, plus ``policy`` (a `Policy`, its name or a
     `PolicyMap`; None: the global policy), ``overrides`` (per-layer, as for `PolicyMap`) and
     the scale settings of `LossScaleOptimizer` (``initial_scale``, ``dynamic_growth_steps``,
-    ``loss_scale``...) in ``scale_settings``. Leave ``fp16`` and ``bf16`` off in
+    ``loss_scale``...) in ``scale_settings``; the scale starts from ``GradScaler``'s 2**16, as the
+    Trainer's own ``fp16`` does. Leave ``fp16`` and ``bf16`` off in
     ``TrainingArguments``: the policy decides the dtypes.
 
     Raises:
@@ -115,12 +117,19 @@ def _wrapped(optimizer: Any, policy_map: Any, scale_settings: dict) -> TorchLoss
     `scale_settings` set the scale; a wrapper is taken as it is."""
     if isinstance(optimizer, TorchLossScaleOptimizer):
         return optimizer
-    from mixedpolicy.optimizer import LossScaleOptimizer
+    from mixedpolicy.optimizer import SCALE_SETTINGS, LossScaleOptimizer, trainer_scale_settings
 
     settings = dict(scale_settings)
-    if "loss_scale" not in settings and not _names_nothing(policy_map):  # the policy decides
+    scale = trainer_scale_settings({k: settings.pop(k, None) for k in SCALE_SETTINGS}, GRADSCALER_INITIAL_SCALE)
+    settings.update({k: v for k, v in scale.items() if v is not None})
+    policy_decides = "loss_scale" not in settings and not any(k in settings for k in SCALE_SETTINGS)
+    if "loss_scale" not in settings and not _names_nothing(policy_map):
         settings["policy"] = policy_map if policy_map.default else policy_map.with_default(global_policy())
-    return LossScaleOptimizer(optimizer, **settings)
+    wrapper = LossScaleOptimizer(optimizer, **settings)
+    if policy_decides and isinstance(wrapper._scale_settings, DynamicLossScale):
+        # the policy chose to scale: from GradScaler's start, where the Trainer's own fp16 starts
+        wrapper._scale_settings = DynamicLossScale(loss_scale=GRADSCALER_INITIAL_SCALE)
+    return wrapper
 
 
 def _refuse_native_precision(received: str, where: str, default: Any) -> None:

@@ -28,7 +28,7 @@ import torch
 
 from mixedpolicy.backends.torch.regions import cast_floating, cast_inputs, region_context
 from mixedpolicy.backends.torch.optimizer import TorchLossScaleOptimizer, any_gradient
-from mixedpolicy.backends.torch.scaler_view import GradScalerView
+from mixedpolicy.backends.torch.scaler_view import GRADSCALER_INITIAL_SCALE, GradScalerView
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, summary
 from mixedpolicy.policy_map import PolicyMap, as_policy_map
 from mixedpolicy.scope import global_policy
@@ -43,19 +43,20 @@ _built: dict = {}
 
 
 def _loss_scale_for(policy_map: PolicyMap, settings: dict, loss_scale: LossScale | None) -> LossScale:
-    """The scale `settings` or `loss_scale` describe; else a bounded dynamic scale where a policy
-    computes in float16 over float32 variables; otherwise no scaling, non-finite steps skipped
+    """The scale `settings` or `loss_scale` describe; else a bounded dynamic scale from
+    GradScaler's start (Lightning's own ``16-mixed`` starts there) where a policy computes in
+    float16 over float32 variables; otherwise no scaling, non-finite steps skipped
     (under a pure float16 policy too, as Lightning's "16-true" has no scaler; a
     LossScaleOptimizer the user makes under that policy scales, as the optax and Keras ones do)."""
-    from mixedpolicy.optimizer import scale_from_settings
+    from mixedpolicy.optimizer import scale_from_settings, trainer_scale_settings
 
-    chosen = scale_from_settings(settings, loss_scale)
+    chosen = scale_from_settings(trainer_scale_settings(settings, GRADSCALER_INITIAL_SCALE), loss_scale)
     if chosen is not None:
         return chosen
     policies = (policy_map.default, *(p for _, p in policy_map.overrides))
     mixed16 = any(p is not None and p.compute_dtype == "float16" and p.variable_dtype != "float16"
                   for p in policies)
-    return DynamicLossScale() if mixed16 else NoLossScale()
+    return DynamicLossScale(loss_scale=GRADSCALER_INITIAL_SCALE) if mixed16 else NoLossScale()
 
 
 def _unwrap(optimizer: Any) -> Any:
@@ -80,7 +81,8 @@ class PolicyPrecision:
         `PolicyMap`; None takes the global policy.
       overrides: per-layer overrides, as for `PolicyMap` (not with a `PolicyMap`).
       initial_scale, dynamic_growth_steps, growth_factor, backoff_factor, min_scale,
-        max_scale: settings of the dynamic scale, as `LossScaleOptimizer` takes them.
+        max_scale: settings of the dynamic scale, as `LossScaleOptimizer` takes them; the
+        scale starts where Lightning's own ``16-mixed`` (a ``GradScaler``) starts, at 2**16.
       loss_scale: a ready `LossScale`, used as it is.
 
     Raises:

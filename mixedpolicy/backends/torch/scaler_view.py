@@ -8,6 +8,12 @@ import torch
 
 from mixedpolicy.backends.torch.optimizer import TorchLossScaleOptimizer
 
+#: the scale ``torch.amp.GradScaler()`` starts from: where a trainer's own float16 path is a
+#: GradScaler with its defaults (Lightning's ``16-mixed``, the Hugging Face Trainer's and
+#: Accelerate's ``fp16``), the plugin standing in for it starts there too, so that the same run
+#: skips the same steps and reads the same scale (the wrapper itself starts from Keras's 2**15)
+GRADSCALER_INITIAL_SCALE = 2.0 ** 16
+
 
 class GradScalerView:
     """``torch.amp.GradScaler``'s interface answered by a torch `LossScaleOptimizer`: what

@@ -94,7 +94,7 @@ def test_a_non_finite_step_is_skipped_the_scheduler_waits_and_overrides_reach_th
                                  policy="mixed_float16", overrides=overrides)
     trainer.train()
     opt = trainer.loss_scale_optimizer
-    assert opt.num_skipped_steps == 1 and float(opt.loss_scale) == 2.0**14
+    assert opt.num_skipped_steps == 1 and float(opt.loss_scale) == 2.0**15  # from GradScaler's 2**16
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
     rows = {row.path: row for row in mp.describe(trainer.model)}
     assert rows["transformer.h.1.mlp.c_fc"].compute_dtype == "float32"
@@ -103,7 +103,7 @@ def test_a_non_finite_step_is_skipped_the_scheduler_waits_and_overrides_reach_th
     lrs = [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h]
     assert lrs[POISON] == lrs[POISON + 1]
     # Accelerate's scaler is ours: the Trainer's own bookkeeping saw the skip
-    assert trainer.accelerator.scaler.get_scale() == 2.0**14
+    assert trainer.accelerator.scaler.get_scale() == 2.0**15
 
 
 def test_bad_arguments_are_refused_with_the_fix(tmp_path):
@@ -303,9 +303,9 @@ def test_an_accelerate_loop_under_mixed_float16_clips_true_gradients_and_resumes
     fresh_accelerate.state.AcceleratorState._reset_state(True)
     accelerator = Accelerator(cpu=True, policy="mixed_float16", overrides={"3": "float32"})
     losses, skipped, _, norms, opt = _accelerate_loop(accelerator)
-    # clip_grad_norm_ saw the unscaled gradients (scaled ones are 2**15 larger)
+    # clip_grad_norm_ saw the unscaled gradients (scaled ones are 2**16 larger)
     assert norms[0] == pytest.approx(reference[3][0], rel=2e-2)
-    assert skipped == [i == POISON for i in range(6)] and accelerator.scaler.get_scale() == 2.0**14
+    assert skipped == [i == POISON for i in range(6)] and accelerator.scaler.get_scale() == 2.0**15
     layers = {row.path: row for row in mp.describe(accelerator._models[0])}
     assert layers["3"].compute_dtype == "float32" and layers["0"].compute_dtype == "float16"  # the override reached it
     # save_state after step 3, load into a fresh run: the scale and skip count come back, and
@@ -317,7 +317,7 @@ def test_an_accelerate_loop_under_mixed_float16_clips_true_gradients_and_resumes
     fresh_accelerate.state.AcceleratorState._reset_state(True)
     resumed = Accelerator(cpu=True, policy="mixed_float16", overrides={"3": "float32"})
     after = _accelerate_loop(resumed, state=str(tmp_path / "ckpt"), start=4)
-    assert after[4].optimizer.num_skipped_steps == 1 and resumed.scaler.get_scale() == 2.0**14
+    assert after[4].optimizer.num_skipped_steps == 1 and resumed.scaler.get_scale() == 2.0**15
     assert after[0] == pytest.approx(losses[4:], rel=1e-6)
 
 
@@ -369,7 +369,7 @@ def test_the_accelerator_under_ddp_on_two_gloo_ranks_skips_together():
     from test_torch_distributed import _report
 
     report = _report("accelerate_ddp_worker.py")
-    assert report["skipped"] == [i == POISON for i in range(5)] and report["scale"] == 2.0**14
+    assert report["skipped"] == [i == POISON for i in range(5)] and report["scale"] == 2.0**15
     assert report["distributed_type"].endswith("MULTI_CPU")
 
 
@@ -386,7 +386,7 @@ def test_a_model_that_carries_a_policy_keeps_it_when_none_is_given(fresh_acceler
     model, opt = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
     layers = {row.path: row.compute_dtype for row in mp.describe(model)}
     assert layers["0"] == "float16" and layers["2"] == "float32"
-    assert accelerator.scaler.is_enabled() and accelerator.scaler.get_scale() == 2.0**15
+    assert accelerator.scaler.is_enabled() and accelerator.scaler.get_scale() == 2.0**16
 
     gpt = mp.apply_policy(_model(), "mixed_float16", overrides={"lm_head": "float32"})
     trainer = Trainer(model=gpt, args=_args(tmp_path, max_steps=1), train_dataset=_data())
@@ -409,7 +409,7 @@ def test_on_cuda_the_trainer_under_mixed_float16_skips_and_scales_as_its_own_fp1
                                              train_dataset=_data())
     theirs.train()
     ours = _poisoned(Trainer)(model=_model(), args=_args(tmp_path, **args), train_dataset=_data(),
-                              policy="16-mixed", scale_settings={"initial_scale": 2.0**16})
+                              policy="16-mixed")
     ours.train()
     opt = ours.loss_scale_optimizer
     assert opt.num_skipped_steps == 1 and next(ours.model.parameters()).is_cuda
@@ -436,6 +436,6 @@ def test_resume_from_checkpoint_brings_the_scale_and_skips_back_bit_for_bit(tmp_
     resumed = run(str(tmp_path / "checkpoint-4"))
     for trainer in (whole, resumed):
         opt = trainer.loss_scale_optimizer
-        assert (opt.num_skipped_steps, float(opt.loss_scale)) == (1, 2.0**15)  # halved at the skip, grown once
+        assert (opt.num_skipped_steps, float(opt.loss_scale)) == (1, 2.0**16)  # halved at the skip, grown once
     for a, b in zip(whole.model.parameters(), resumed.model.parameters()):
         assert torch.equal(a, b)

@@ -95,7 +95,7 @@ def test_16_mixed_matches_lightnings_own_plugin_losses_skips_and_scale(manual):
     # (Trainer(precision="16-mixed") turns itself into bf16-mixed on a CPU: the plugin by hand)
     _fit(theirs, plugins=[pl.plugins.precision.MixedPrecision("16-mixed", "cpu")])
     ours = Net(manual)
-    trainer = _fit(ours, plugins=[mpl.Precision("16-mixed", initial_scale=2.0**16)])  # GradScaler's start
+    trainer = _fit(ours, plugins=[mpl.Precision("16-mixed")])  # from GradScaler's start, as theirs
     plugin = trainer.precision_plugin
     assert isinstance(plugin, pl.plugins.precision.Precision) and trainer.precision == "16-mixed"
     assert ours.scales == theirs.scales and ours.scales[POISON] == ours.scales[0] / 2
@@ -119,7 +119,7 @@ def test_clipping_and_accumulation_equal_lightnings_own_plugin_step_for_step(tra
     # accumulate_grad_batches batches: the same losses, weights and scales as Lightning's own
     theirs, ours = Net(), Net()
     _fit(theirs, plugins=[pl.plugins.precision.MixedPrecision("16-mixed", "cpu")], **trainer_kw)
-    _fit(ours, plugins=[mpl.Precision("16-mixed", initial_scale=2.0**16)], **trainer_kw)
+    _fit(ours, plugins=[mpl.Precision("16-mixed")], **trainer_kw)
     assert ours.scales == theirs.scales and min(ours.scales) < max(ours.scales)  # the poisoned step backed off
     assert len(ours.losses) == len(theirs.losses)  # (equal here; close on any CPU's kernels)
     torch.testing.assert_close(torch.tensor(ours.losses), torch.tensor(theirs.losses), rtol=1e-5, atol=1e-6)
@@ -153,19 +153,19 @@ def test_a_policy_map_on_the_trainer_reaches_the_layers_it_names_and_the_callbac
     assert rows["head"].compute_dtype == "float32" and rows["body.0"].compute_dtype == "float16"
     assert rows["body.1"].compute_dtype == "float32"  # the built-in norm rule
     logged = trainer.callback_metrics
-    assert float(logged["loss_scale/skipped_steps"]) == 1.0 and float(logged["loss_scale/loss_scale"]) == 2.0**14
+    assert float(logged["loss_scale/skipped_steps"]) == 1.0 and float(logged["loss_scale/loss_scale"]) == 2.0**15
 
 
 def test_the_scale_is_saved_in_the_trainers_checkpoint_and_resumed(tmp_path):
     module = Net()
-    trainer = _fit(module, plugins=[mpl.Precision("16-mixed", dynamic_growth_steps=2)])
+    trainer = _fit(module, plugins=[mpl.Precision("16-mixed", initial_scale=2.0**15, dynamic_growth_steps=2)])
     scale = float(trainer.precision_plugin.optimizer.loss_scale)
     path = tmp_path / "run.ckpt"
     trainer.save_checkpoint(path)
     resumed = Net(poison=None)
     trainer = pl.Trainer(max_steps=9, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False,
-                         plugins=[mpl.Precision("16-mixed", dynamic_growth_steps=2)])
+                         plugins=[mpl.Precision("16-mixed", initial_scale=2.0**15, dynamic_growth_steps=2)])
     trainer.fit(resumed, _data(9), ckpt_path=path)
     plugin = trainer.precision_plugin
     assert plugin.optimizer.num_skipped_steps == 1  # the skip of the first run came along
@@ -209,7 +209,7 @@ def test_the_plugin_skips_a_batch_whose_training_step_returns_none_as_lightnings
     theirs = SkipsOddBatches(poison=-1)
     _fit(theirs, plugins=[pl.plugins.precision.MixedPrecision("16-mixed", "cpu")], gradient_clip_val=0.5)
     ours = SkipsOddBatches(poison=-1)
-    trainer = _fit(ours, plugins=[mpl.Precision("16-mixed", initial_scale=2.0**16)], gradient_clip_val=0.5)
+    trainer = _fit(ours, plugins=[mpl.Precision("16-mixed")], gradient_clip_val=0.5)
     assert ours.scales == theirs.scales and len(ours.scales) == 8
     assert trainer.precision_plugin.optimizer.num_skipped_steps == 0  # a skipped batch is no skipped step
     torch.testing.assert_close(torch.tensor(ours.losses), torch.tensor(theirs.losses), rtol=2e-2, atol=2e-2)
@@ -227,6 +227,12 @@ def test_bad_input_to_the_plugin_is_refused_with_the_fix():
     with pytest.raises(ValueError, match="every_n_steps=0"):
         mpl.LossScaleCallback(every_n_steps=0)
     assert mpl.Precision(32).precision == "32-true" and mpl.Precision("bf16-true").precision == "bf16-true"
+    # the scale starts where Lightning's own 16-mixed (a GradScaler) starts, also with other settings given
+    starts = [float(mpl.Precision(*args, **kw)._loss_scale.loss_scale) for args, kw in
+              ((("16-mixed",), {}), (("mixed_float16",), dict(dynamic_growth_steps=10)),
+               (("16-mixed",), dict(initial_scale=4.0)))]
+    assert starts == [2.0**16, 2.0**16, 4.0]
+    assert mpl.Precision("bf16-mixed").loss_scaling.startswith("no scaling")
     # what else a policy says (a reduce dtype, a recipe) leaves Lightning's name, which its summary reads
     assert mpl.Precision(mp.Policy("mixed_float16", reduce_dtype="bfloat16")).precision == "16-mixed"
 
@@ -356,7 +362,7 @@ def test_on_cuda_both_mixed_strings_match_lightnings_own_trainer(manual):
         pytest.skip("needs a CUDA GPU")
     theirs, ours = Net(manual), Net(manual)
     _fit(theirs, accelerator="gpu", precision="16-mixed")
-    trainer = _fit(ours, accelerator="gpu", plugins=[mpl.Precision("16-mixed", initial_scale=2.0**16)])
+    trainer = _fit(ours, accelerator="gpu", plugins=[mpl.Precision("16-mixed")])
     assert ours.scales == theirs.scales and ours.scales[POISON] == ours.scales[0] / 2
     assert trainer.precision_plugin.optimizer.num_skipped_steps == 1
     torch.testing.assert_close(torch.tensor(ours.losses), torch.tensor(theirs.losses), rtol=2e-2, atol=2e-2)

@@ -69,7 +69,7 @@ def _weights(model):
 @pytest.mark.parametrize("clip", [None, 0.5], ids=["plain", "clipped"])
 def test_16_mixed_under_fabric_matches_fabrics_own_plugin(clip):
     _, theirs_model, _, theirs_losses, theirs_scales = _run(_own_16_mixed(), clip=clip)
-    plugin = mpl.Precision("16-mixed", initial_scale=2.0**16)  # GradScaler's start
+    plugin = mpl.Precision("16-mixed")  # from GradScaler's start, as Fabric's own
     fabric, model, _, losses, scales = _run(plugin, clip=clip)
     assert scales == theirs_scales and scales[POISON] == scales[0] / 2
     assert plugin.optimizer.num_skipped_steps == 1
@@ -192,7 +192,7 @@ def test_two_optimizers_clipped_before_either_steps_each_step_with_their_own_gra
     in_turn = _two_optimizers(mpl.Precision("16-mixed"), False, poison)
     for a, b in zip(clipped_first[:2], in_turn[:2]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    assert clipped_first[2:] == in_turn[2:] == ((1, 2.0 ** 14) if poison is not None else (0, 2.0 ** 15))
+    assert clipped_first[2:] == in_turn[2:] == ((1, 2.0 ** 15) if poison is not None else (0, 2.0 ** 16))
     unclipped = _model()
     assert not torch.equal(clipped_first[0], _weights(unclipped))  # the generator trained
 
