@@ -1,6 +1,8 @@
 """`pip install .` in a fresh venv: the core alone works (numpy only), then `.[torch]` alone
 trains a torch model and names the extra for what it lacks."""
 
+import importlib.metadata
+import json
 import pathlib
 import subprocess
 import sys
@@ -14,14 +16,50 @@ pytestmark = pytest.mark.slow  # starts processes of its own (see docs/contribut
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def _pip_install(py: pathlib.Path, target: str) -> None:
+def _pip_install(py: pathlib.Path, target: str, *options: str) -> subprocess.CompletedProcess:
     # --no-compile: no bytecode for torch's thousands of modules (a third of the install time);
     # this suite's pip installs into the fresh venv (--python), which then needs no pip of its
     # own (ensurepip took 3.5 s)
     proc = subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "--quiet", "--no-compile",
-                           "-c", str(ROOT / "constraints.txt"), target],
+                           "-c", str(ROOT / "constraints.txt"), *options, target],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def _install_as_resolved(py: pathlib.Path, target: str, tmp_path: pathlib.Path) -> list[str]:
+    """`target` installed into the venv of `py` as pip resolves it there: pip's own report of
+    what it would install (names and versions), then each of those the suite's venv holds at
+    that very version linked in from there (unpacking torch's wheel again was 40 of this test's
+    50 s), the others installed by pip. Returns the names pip resolved."""
+    report = tmp_path / "report.json"
+    _pip_install(py, target, "--dry-run", "--report", str(report))
+    resolved = {item["metadata"]["name"]: item["metadata"]["version"]
+                for item in json.loads(report.read_text())["install"]}
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    rest = []
+    for name, version in resolved.items():
+        if name == "mixedpolicy":  # installed from the checkout below
+            continue
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            dist = None
+        if dist is None or dist.version != version or not dist.files:
+            rest.append(f"{name}=={version}")
+            continue
+        site = pathlib.Path(dist.locate_file(""))
+        for top in {f.parts[0] for f in dist.files if f.parts and f.parts[0] != ".."}:
+            if not (linked / top).exists() and (site / top).exists():
+                (linked / top).symlink_to(site / top)
+    purelib = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    (pathlib.Path(purelib) / "linked-from-the-suite.pth").write_text(f"{linked}\n")
+    for requirement in rest:
+        _pip_install(py, requirement, "--no-deps")
+    _pip_install(py, target, "--no-deps")  # the project itself, as pip installs it
+    return sorted(resolved)
 
 
 def _run(py: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
@@ -52,7 +90,8 @@ def test_pip_install_without_frameworks_then_with_the_torch_extra_alone(tmp_path
     assert printed == ["mixed_bfloat16 16384.0 float32"]
 
     # `.[torch]` brings torch (the CPU build the constraints pin) and nothing of the others
-    _pip_install(py, f"{ROOT}[torch]")
+    resolved = _install_as_resolved(py, f"{ROOT}[torch]", tmp_path)
+    assert "torch" in resolved and not {"jax", "tensorflow", "tensorflow-cpu", "keras", "scikit-learn"} & set(resolved)
     lines = _output(
         py,
         "import importlib.util, torch, mixedpolicy as mp",
