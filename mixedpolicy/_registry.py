@@ -71,8 +71,8 @@ ENTRIES: list[Entry] = [
 ]
 
 #: Lightning's two packages (their Callback classes differ), and what builds our callback for one
-LIGHTNING_CALLBACKS = (("pytorch_lightning", f"{_B}.torch.lightning:callback_class"),
-                       ("lightning.pytorch", f"{_B}.torch.lightning:callback_class"))
+LIGHTNING_CALLBACKS = (("pytorch_lightning", f"{_B}.torch.lightning_callback:callback_class"),
+                       ("lightning.pytorch", f"{_B}.torch.lightning_callback:callback_class"))
 
 _lock = threading.Lock()
 _loaded: dict[str, Any] = {}

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from mixedpolicy._registry import LIGHTNING_CALLBACKS
 
 if TYPE_CHECKING:  # what the API reference and type checkers read; at run time, __getattr__ below
-    from mixedpolicy.backends.torch.lightning import PolicyLossScaleCallback as LossScaleCallback
+    from mixedpolicy.backends.torch.lightning_callback import PolicyLossScaleCallback as LossScaleCallback
     from mixedpolicy.backends.torch.lightning import PolicyPrecision as Precision
 
 _PACKAGES = tuple(gate for gate, _ in LIGHTNING_CALLBACKS)
@@ -61,7 +61,7 @@ def __getattr__(name: str) -> Any:
 
         return precision_class(*_packages())
     if name == "LossScaleCallback":
-        from mixedpolicy.backends.torch.lightning import callback_class
+        from mixedpolicy.backends.torch.lightning_callback import callback_class
 
         return callback_class(*_packages())
     raise AttributeError(f"module 'mixedpolicy.lightning' has no attribute {name!r}")

@@ -1,27 +1,24 @@
 """Lightning's precision plugin and callback, built on the torch `LossScaleOptimizer`.
 
-`precision_class(*pls)` and `callback_class(*pls)` build, for the Lightning packages in use
-(``pytorch_lightning``, ``lightning.pytorch``, or both where a process imports both: their base
-classes differ, and each Trainer accepts only its own), a subclass of their ``Precision`` plugin
-and of their ``Callback``; `mixedpolicy.lightning` hands out the ones of the packages imported.
+`precision_class(*pls)` and `callback_class(*pls)` subclass the ``Precision`` plugin and the
+``Callback`` of the Lightning packages in use (``pytorch_lightning``, ``lightning.pytorch``, or
+both where a process imports both: each Trainer accepts only its own); `mixedpolicy.lightning`
+hands out those of the packages imported.
 
-What the plugin does where Lightning calls it (the order Lightning's own ``MixedPrecision`` keeps):
-``convert_module`` puts the policy (or `PolicyMap`) on the LightningModule before the optimizers
-are made; ``connect`` wraps the Trainer's optimizers in one `LossScaleOptimizer` (one scale for
-all, as one ``GradScaler``); ``pre_backward`` scales the loss; ``optimizer_step`` runs the closure,
-unscales (so clipping and ``on_before_optimizer_step`` see true gradients), then steps, skipping a
-step whose gradients are not all finite; the scale and skip count go into the Trainer's checkpoint.
-
-Under Lightning Fabric (``Fabric(plugins=[...])``), which never calls ``connect`` and hands the
-plugin each optimizer only when it steps (as Fabric's own ``MixedPrecision`` and its one
-``GradScaler``): ``backward`` scales the loss, ``unscale_gradients`` (``fabric.clip_gradients``) and
-``optimizer_step`` adopt the optimizer into the one wrapper and act on it alone, with the shared
-scale; ``fabric.save(path, {..., "precision": plugin})`` carries the scale.
+In a Trainer, in the order Lightning's own ``MixedPrecision`` keeps: ``convert_module`` puts the
+policy (or `PolicyMap`) on the LightningModule before the optimizers are made; ``connect`` wraps
+them in one `LossScaleOptimizer` (one scale, as one ``GradScaler``); ``pre_backward`` scales the
+loss; ``optimizer_step`` runs the closure, unscales (clipping and ``on_before_optimizer_step``
+see true gradients), then steps, skipping a non-finite step; the scale goes into the checkpoint.
+Under Fabric, which never calls ``connect`` and hands over each optimizer only at its step:
+``backward`` scales, ``unscale_gradients`` and ``optimizer_step`` adopt the optimizer into the one
+wrapper and act on it alone; ``fabric.save(path, {..., "precision": plugin})`` carries the scale.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any, Callable, Iterator
 
 import torch
@@ -32,7 +29,6 @@ from mixedpolicy.backends.torch.scaler_view import GRADSCALER_INITIAL_SCALE, Gra
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, summary
 from mixedpolicy.policy_map import PolicyMap, as_policy_map
 from mixedpolicy.scope import global_policy
-from mixedpolicy.telemetry import LightningLossScaleCallback, metrics
 
 #: a policy's (variable, compute) dtypes -> the precision string Lightning reports for it
 #: (``trainer.precision``, which its model summary reads), whatever else the policy says
@@ -40,6 +36,8 @@ _LIGHTNING_NAMES = {("float32", "float16"): "16-mixed", ("float32", "bfloat16"):
                     ("float32", "float32"): "32-true", ("float16", "float16"): "16-true",
                     ("bfloat16", "bfloat16"): "bf16-true", ("float64", "float64"): "64-true"}
 _built: dict = {}
+_THEIRS = "MixedPrecision"  # the checkpoint key of Lightning's own plugin (its GradScaler's state)
+_log = logging.getLogger("mixedpolicy")
 
 
 def _loss_scale_for(policy_map: PolicyMap, settings: dict, loss_scale: LossScale | None) -> LossScale:
@@ -301,6 +299,19 @@ class PolicyPrecision:
             return
         self.optimizer.load_scaler_state_dict(state_dict)
 
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # the scale also where Lightning's own 16-mixed keeps it, in GradScaler's format: a run
+        # resumed with Trainer(precision="16-mixed") goes on from it
+        if self.optimizer is not None and self.optimizer.is_enabled():
+            checkpoint[_THEIRS] = self.optimizer.scaler_state_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        # a checkpoint of Lightning's own 16-mixed (no state of ours): its GradScaler's scale
+        if checkpoint.get(_THEIRS) and type(self).__qualname__ not in checkpoint:
+            _log.info("Reading the loss scale Lightning's MixedPrecision saved in the checkpoint (%s)",
+                      checkpoint[_THEIRS].get("scale"))
+            self.load_state_dict(checkpoint[_THEIRS])
+
 
 def precision_class(*pls: Any) -> type:
     """The ``Precision`` plugin subclass for the Lightning packages `pls` (built once): `PolicyPrecision`
@@ -310,36 +321,4 @@ def precision_class(*pls: Any) -> type:
         _built[key] = type("Precision", (PolicyPrecision, *(pl.plugins.precision.Precision for pl in pls)),
                            {"__module__": "mixedpolicy.lightning", "__qualname__": "Precision",
                             "__doc__": PolicyPrecision.__doc__, "lightning_packages": pls})
-    return _built[key]
-
-
-class PolicyLossScaleCallback(LightningLossScaleCallback):
-    """Logs the loss scale, the skipped steps and whether the last step was skipped through
-    ``pl_module.log_dict`` every `every_n_steps` training batches: of the mixedpolicy
-    `Precision` plugin, else of each mixedpolicy `LossScaleOptimizer` among the Trainer's
-    optimizers (reading them syncs with the device once per log). A Lightning ``Callback``:
-    ``Trainer(callbacks=[mixedpolicy.lightning.LossScaleCallback(every_n_steps=50)])``.
-
-    Args:
-      every_n_steps: log every this many training batches.
-      prefix: put before each metric's name.
-    """
-
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        plugin = getattr(getattr(trainer, "strategy", None), "precision_plugin", None)
-        if not isinstance(getattr(plugin, "optimizer", None), TorchLossScaleOptimizer):
-            # no mixedpolicy plugin: each LossScaleOptimizer among the Trainer's optimizers
-            return LightningLossScaleCallback.on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx)
-        if batch_idx % self.every_n_steps == 0:
-            pl_module.log_dict({k: float(v) for k, v in metrics(plugin.optimizer, self.prefix).items()})
-
-
-def callback_class(*pls: Any) -> type:
-    """The ``Callback`` subclass for the Lightning packages `pls` (built once): `PolicyLossScaleCallback`
-    over each package's own ``Callback``."""
-    key = ("callback", *(pl.__name__ for pl in pls))
-    if key not in _built:
-        _built[key] = type("LossScaleCallback", (PolicyLossScaleCallback, *(pl.Callback for pl in pls)),
-                           {"__module__": "mixedpolicy.lightning", "__qualname__": "LossScaleCallback",
-                            "__doc__": PolicyLossScaleCallback.__doc__})
     return _built[key]

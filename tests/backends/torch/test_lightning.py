@@ -172,6 +172,26 @@ def test_the_scale_is_saved_in_the_trainers_checkpoint_and_resumed(tmp_path):
     assert float(plugin.optimizer.loss_scale) in (scale, scale * 2)  # one more step, growth every 2
 
 
+def test_a_checkpoint_moves_between_lightnings_own_16_mixed_and_the_plugin_with_its_scale(tmp_path, caplog):
+    # Lightning's MixedPrecision keeps its GradScaler's state under its own class name, the plugin
+    # under its own: each resumes the other's scale (the poisoned step halved it to 2**15)
+    def run(plugin, steps, ckpt=None):
+        trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, plugins=[plugin])
+        trainer.fit(Net(), _data(steps), ckpt_path=ckpt)
+        trainer.save_checkpoint(tmp_path / f"{type(plugin).__name__}-{steps}.ckpt")
+        return trainer.precision_plugin.scaler.get_scale(), tmp_path / f"{type(plugin).__name__}-{steps}.ckpt"
+
+    theirs = lambda: pl.plugins.precision.MixedPrecision("16-mixed", "cpu")  # noqa: E731
+    scale, path = run(theirs(), 5)
+    assert scale == 2.0**15
+    with caplog.at_level(logging.INFO, logger="mixedpolicy"):
+        resumed, path = run(mpl.Precision("16-mixed"), 6, path)
+    assert resumed == 2.0**15 and "loss scale Lightning's MixedPrecision saved" in caplog.text
+    back, _ = run(theirs(), 7, path)
+    assert back == 2.0**15  # (from 2**16 it would read 2**16: no step overflows after the poisoned one)
+
+
 def test_a_loss_scale_optimizer_from_configure_optimizers():
     # under a policy that needs no scale it trains in Lightning's own loop (step(closure))
     module = Net(optimizer=lambda ps: mp.LossScaleOptimizer(torch.optim.SGD(ps, lr=0.1), policy="float32"))
