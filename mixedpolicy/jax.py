@@ -58,7 +58,8 @@ def update_float8(model: Any, grads: Any, optimizer: Any = None, axis_name: Any 
         or the gradient of the function's state.
       optimizer: the ``nnx.Optimizer`` (or its optax state) that has just applied the step:
         where a mixedpolicy `LossScaleOptimizer` skipped it (a non-finite gradient), the fp8
-        state is kept too, as the parameters were. Call this after ``optimizer.update``.
+        state is kept too, as the parameters were; the wrapper's state is found wherever it
+        sits (inside ``optax.chain`` or ``MultiSteps`` too). Call this after ``optimizer.update``.
       axis_name: inside ``shard_map`` or ``pmap``, the replicas' axis: each replica saw its own
         inputs and output gradients, so the amax entering each history is the largest over the
         replicas (as ``DelayedFloat8Linear`` reduces it across torch ranks) and every replica
@@ -69,6 +70,7 @@ def update_float8(model: Any, grads: Any, optimizer: Any = None, axis_name: Any 
       The new state for a function's state; None for a model (updated in place).
 
     Raises:
+      TypeError: `optimizer` is an optax transformation rather than its state.
       ValueError: the model has delayed fp8 layers and `grads` holds none of their state, or a
         function's state and its gradient differ in structure.
     """

@@ -199,7 +199,8 @@ def with_float8(params: Any = None) -> Any:
 def update_float8(model: Any, grads: Any, optimizer: Any = None, axis_name: Any = None) -> None:
     """`mp.jax.update_float8` (mixedpolicy/jax.py): the values in `grads` into `model`'s fp8 state."""
     for name, value, kinds, expected in (
-            ("model", model, nnx.Module, "the Flax NNX model whose delayed fp8 layers the step trained"),
+            ("model", model, nnx.Module, "the Flax NNX model whose delayed fp8 layers the step trained, "
+                                         "or a plain function's fp8 state (the tuple its init_float8 made)"),
             ("grads", grads, (nnx.State, nnx.Module), "what nnx.grad(loss_fn, argnums=nnx.DiffState(0, "
                                                       "mp.jax.with_float8())) returned (an nnx.State)")):
         if not isinstance(value, kinds):

@@ -241,7 +241,27 @@ def next_state(state: Any, new: Any, optimizer: Any = None, axis_name: Any = Non
                          f"the fp8 state the step was computed with.")
     if axis_name is not None:
         new = jax.lax.pmax(new, axis_name)
-    skipped = getattr(getattr(optimizer, "opt_state", optimizer), "last_step_skipped", None)
+    skipped = _skipped(optimizer)
     if skipped is not None:
         new = jax.tree_util.tree_map(lambda n, o: jnp.where(skipped, o, n), new, state)
     return new
+
+
+def _skipped(optimizer: Any) -> Any:
+    """Whether the `LossScaleOptimizer` in `optimizer` (an ``nnx.Optimizer`` or an optax state,
+    the wrapper's own or one holding it: a chain, ``MultiSteps``) skipped its last step; None
+    where no such wrapper is found (an optimizer that never skips)."""
+    from mixedpolicy.backends.jax.optax_state import LossScaleState
+
+    if optimizer is None:
+        return None
+    if callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None)) \
+            and not hasattr(optimizer, "opt_state"):
+        raise TypeError(f"Received the optax transformation {type(optimizer).__name__} as the optimizer; "
+                        f"expected its state (the opt_state tx.update returned this step) or the "
+                        f"nnx.Optimizer, from which the skip of the step is read.")
+    tree = getattr(optimizer, "opt_state", optimizer)
+    states = [s for s in jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, LossScaleState))
+              if isinstance(s, LossScaleState)]
+    flags = [jnp.asarray(s.last_step_skipped) for s in states]
+    return functools.reduce(jnp.logical_or, flags) if flags else None

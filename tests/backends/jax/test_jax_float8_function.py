@@ -319,3 +319,32 @@ def test_refusals_say_what_was_received_and_the_fix():
         fn(jax.tree_util.tree_map(np.asarray, params), np.ones((4, 64), np.float32))
     with pytest.warns(UserWarning, match="no matmul multiplies a leaf of params.*by position"):
         fn(p=params, x=jnp.ones((4, 64)))  # by keyword: no parameters to find
+
+
+def test_a_skipped_step_keeps_the_state_where_the_wrapper_sits_inside_a_chain():
+    """update_float8 reads the skip of the LossScaleOptimizer wherever it sits in the optax
+    state (here inside a chain behind a scaling: the state is a tuple); given the transformation
+    itself instead of its state, it says so (it read no skip, and kept nothing, before)."""
+    optax = require_module("optax", "jax")
+    params = _params(MLP(nnx.Rngs(0)))
+    x = jnp.ones((4, 64))
+    fn = mp.apply_policy(mlp, DELAYED)
+    tx = optax.chain(optax.scale(1.0), mp.LossScaleOptimizer(optax.sgd(0.1), policy=fn.policy))
+    state, opt_state = fn.init_float8(params, x), tx.init(params)
+
+    def step(params, state, opt_state, poison):
+        loss = lambda p, s: jnp.mean(fn(p, x, float8_state=s).astype(jnp.float32) ** 2) * poison  # noqa: E731
+        grads, new = jax.grad(loss, argnums=(0, 1))(params, state)
+        _, opt_state = tx.update(grads, opt_state, params)
+        return mp.jax.update_float8(state, new, opt_state), opt_state
+
+    moved, _ = step(params, state, opt_state, 1.0)
+    kept, after = step(params, state, opt_state, jnp.inf)
+    assert int(after[1].num_skipped_steps) == 1
+    assert float(moved[0]["float8_inputs_amax_history"][0]) == 1.0
+    for a, b in zip(jax.tree_util.tree_leaves(kept), jax.tree_util.tree_leaves(state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(TypeError, match="optax transformation .*expected its state"):
+        mp.jax.update_float8(state, moved, tx)
+    with pytest.raises(TypeError, match="or a plain function's fp8 state"):
+        mp.jax.update_float8(None, None, opt_state)
