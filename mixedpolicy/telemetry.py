@@ -15,6 +15,7 @@ a subclass of Lightning's ``Callback``. The Keras callback is `mixedpolicy.keras
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 logger = logging.getLogger("mixedpolicy")
@@ -29,22 +30,40 @@ def metrics(source: Any, prefix: str = "") -> dict:
     """``{"loss_scale", "skipped_steps", "last_step_skipped"}`` as Python numbers.
 
     Args:
-      source: a mixedpolicy LossScaleOptimizer (torch, Keras), an optax ``LossScaleState``,
-        or an ``nnx.Optimizer`` / anything whose ``opt_state`` is one.
+      source: a mixedpolicy LossScaleOptimizer (torch, Keras), an optax ``LossScaleState``
+        (or a state holding one: an ``optax.chain``'s, ``MultiSteps``'), or an
+        ``nnx.Optimizer`` / anything whose ``opt_state`` is one.
       prefix: put before each key (``"train/"``).
 
     Raises:
       TypeError: `source` carries no loss-scale state.
     """
-    state = getattr(source, "opt_state", source)
-    if not all(hasattr(state, name) for name in ("loss_scale", "num_skipped_steps", "last_step_skipped")):
+    state = _scale_state(getattr(source, "opt_state", source))
+    if state is None:
         raise TypeError(f"Received {type(source).__name__}; expected a mixedpolicy LossScaleOptimizer "
-                        f"(torch, Keras), an optax LossScaleState, or an optimizer whose opt_state is one.")
+                        f"(torch, Keras), an optax LossScaleState (or a state holding one: a chain's, "
+                        f"MultiSteps'), or an optimizer whose opt_state is one.")
     scale = state.loss_scale
     scale = getattr(scale, "get_value", lambda: scale)() if not isinstance(scale, (int, float)) else scale
     out = {"loss_scale": float(_host(scale)), "skipped_steps": int(_host(state.num_skipped_steps)),
            "last_step_skipped": bool(_host(state.last_step_skipped))}
     return {prefix + k: v for k, v in out.items()}
+
+
+_FIELDS = ("loss_scale", "num_skipped_steps", "last_step_skipped")
+
+
+def _scale_state(obj: Any, depth: int = 0) -> Any:
+    """`obj` where it carries the loss-scale fields, else the first state inside it that does
+    (an optax chain's tuple, ``MultiSteps``' state, a dict of states); None where none does."""
+    if all(hasattr(obj, name) for name in _FIELDS):
+        return obj
+    children = obj.values() if isinstance(obj, Mapping) else obj if isinstance(obj, (tuple, list)) else ()
+    for child in children if depth < 8 else ():
+        found = _scale_state(child, depth + 1)
+        if found is not None:
+            return found
+    return None
 
 
 class LightningLossScaleCallback:

@@ -22,6 +22,11 @@ def test_metrics_of_a_torch_optimizer_and_an_optax_state():
     tx = mp.LossScaleOptimizer(optax.sgd(0.1), policy="mixed_float16")
     state = tx.init({"w": jnp.ones(2)})
     assert mp.metrics(state) == {"loss_scale": 32768.0, "skipped_steps": 0, "last_step_skipped": False}
+    # the wrapper's state inside a chain's or MultiSteps' state is found where it sits
+    for outer in (optax.chain(optax.clip_by_global_norm(1.0), tx), optax.MultiSteps(tx, 2)):
+        assert mp.metrics(outer.init({"w": jnp.ones(2)}))["loss_scale"] == 32768.0
+    with pytest.raises(TypeError, match="or a state holding one"):
+        mp.metrics(optax.sgd(0.1).init({"w": jnp.ones(2)}))
     with pytest.raises(TypeError, match="expected a mixedpolicy LossScaleOptimizer"):
         mp.metrics(torch.optim.SGD(model.parameters(), lr=0.1))
 
