@@ -48,7 +48,9 @@ def _loss_scale_for(policy_map: PolicyMap, settings: dict, loss_scale: LossScale
     LossScaleOptimizer the user makes under that policy scales, as the optax and Keras ones do)."""
     from mixedpolicy.optimizer import scale_from_settings, trainer_scale_settings
 
-    chosen = scale_from_settings(trainer_scale_settings(settings, GRADSCALER_INITIAL_SCALE), loss_scale)
+    if loss_scale is None:  # (a loss_scale given with settings is refused naming only those given)
+        settings = trainer_scale_settings(settings, GRADSCALER_INITIAL_SCALE)
+    chosen = scale_from_settings(settings, loss_scale)
     if chosen is not None:
         return chosen
     policies = (policy_map.default, *(p for _, p in policy_map.overrides))

@@ -242,6 +242,8 @@ def test_bad_input_to_the_plugin_is_refused_with_the_fix():
         mpl.Precision("16-mixed", loss_scale=2.0)
     with pytest.raises(TypeError, match=r"together with \['initial_scale'\]"):
         mpl.Precision("16-mixed", loss_scale=mp.StaticLossScale(8.0), initial_scale=4.0)
+    with pytest.raises(TypeError, match=r"together with \['dynamic_growth_steps'\]"):  # only what was given
+        mpl.Precision("16-mixed", loss_scale=mp.StaticLossScale(8.0), dynamic_growth_steps=4)
     with pytest.raises(TypeError, match="Received initial_scale='big'"):  # named as given
         mpl.Precision("16-mixed", initial_scale="big")
     with pytest.raises(ValueError, match="every_n_steps=0"):
