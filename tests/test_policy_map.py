@@ -106,7 +106,7 @@ def test_value_semantics():
 
 @pytest.mark.parametrize("overrides, exc, message", [
     ({3: "float32"}, TypeError, "override key 3 of type int.*layer path.*glob.*layer class"),
-    ({"x": "banana"}, ValueError, "banana"),
+    ({"x": "banana"}, ValueError, r"In overrides\['x'\]: Received policy name 'banana'"),
     ({"x": 1.5}, TypeError, r"overrides\['x'\]=1.5"),
     (["x"], TypeError, "overrides of type list"),
 ])
