@@ -295,6 +295,7 @@ def _eager_under_dynamo(method: Any) -> Any:
 
 for _name in ("scale_loss", "unscale_", "step"):
     setattr(TorchLossScaleOptimizer, _name, _eager_under_dynamo(getattr(TorchLossScaleOptimizer, _name)))
+TorchLossScaleOptimizer.scale = TorchLossScaleOptimizer.scale_loss  # GradScaler's name: its loops run as written
 
 
 class TorchOptimizers(TorchUpdates, OptimizerAdapter):

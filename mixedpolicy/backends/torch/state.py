@@ -77,6 +77,28 @@ class Checkpoints:
     def get_growth_interval(self) -> int:
         return self.scaler_state_dict()["growth_interval"]
 
+    def set_growth_factor(self, new_factor: float) -> None:
+        """GradScaler's setter: the factor the scale grows by from now on (a no-op where nothing
+        is scaled, as on a disabled ``GradScaler``)."""
+        self._set_setting("growth_factor", new_factor)
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """GradScaler's setter: the factor the scale backs off by from now on."""
+        self._set_setting("backoff_factor", new_factor)
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """GradScaler's setter: the finite steps in a row before the scale grows, from now on."""
+        self._set_setting("growth_interval", new_interval)
+
+    def _set_setting(self, key: str, value: Any) -> None:
+        if isinstance(self._scale_settings, NoLossScale):
+            return
+        if not isinstance(self._scale_settings, DynamicLossScale):
+            raise ValueError(f"Received set_{key}({value!r:.40}) for a LossScaleOptimizer with a static scale "
+                             f"({self.loss_scaling}), which never grows or backs off; use a dynamic one "
+                             f"(initial_scale=..., or loss_scale=mp.DynamicLossScale(...)).")
+        self.load_scaler_state_dict({**self.scaler_state_dict(), key: value})
+
     def update(self, new_scale: Any = None) -> None:
         """GradScaler's ``update``. The scale already moved in `step`, so a call without argument
         does nothing (a loop written for GradScaler, ``step`` then ``update``, runs as it is);

@@ -596,3 +596,46 @@ def test_a_flag_another_device_left_set_is_zeroed_before_that_device_is_checked_
     assert found.item() == 0
     checks.read_as_zero()
     assert other not in checks.clean and torch.device("cpu") in checks.clean
+
+
+def _gradscaler_loop(model, opt, scaler, poison, steps=14):
+    """A loop written for torch.amp.GradScaler, as its docs write it; `scaler` is a GradScaler
+    or the LossScaleOptimizer itself, standing in for one."""
+    scales = []
+    for i, (x, y) in enumerate(batches(steps)):
+        if i == 6:
+            scaler.set_growth_interval(2)  # settings changed mid-run, through GradScaler's setters
+            scaler.set_growth_factor(4.0)
+            scaler.set_backoff_factor(0.25)
+        scaler.scale(loss_of(model, x, y, i in poison)).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        scales.append(scaler.get_scale())
+    return scales
+
+
+def test_a_loop_written_for_grad_scaler_runs_as_written_with_the_wrapper_in_its_place():
+    """scale, unscale_(opt), step(opt), update and the setters answer as GradScaler's: the same
+    scales, skips and weights, with the settings changed mid-run (scale was missing, and the
+    set_growth_interval / set_growth_factor / set_backoff_factor setters)."""
+    poison = {1, 8}
+    ref = net()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    theirs = _gradscaler_loop(ref, ref_opt, torch.amp.GradScaler("cpu", init_scale=2.0**15, growth_interval=3), poison)
+    ours = net()
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9), initial_scale=2.0**15,
+                                dynamic_growth_steps=3, max_scale=2.0**40)  # (GradScaler has no ceiling)
+    assert _gradscaler_loop(ours, opt, opt, poison) == theirs and opt.num_skipped_steps == len(poison)
+    assert same_weights(ours, ref)
+    assert (opt.get_growth_interval(), opt.get_growth_factor(), opt.get_backoff_factor()) == (2, 4.0, 0.25)
+    with pytest.raises(ValueError, match="growth_factor"):
+        opt.set_growth_factor(0.5)  # checked as the constructor checks it
+    static = mp.LossScaleOptimizer(torch.optim.SGD(net().parameters(), lr=0.1), loss_scale=mp.StaticLossScale(8.0))
+    with pytest.raises(ValueError, match="static scale"):
+        static.set_growth_interval(5)
+    passing = mp.LossScaleOptimizer(torch.optim.SGD(net().parameters(), lr=0.1), policy="bfloat16")
+    passing.set_growth_factor(3.0)  # nothing scales: a no-op, as on a disabled GradScaler
+    assert not passing.is_enabled()
