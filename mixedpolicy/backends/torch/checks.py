@@ -218,15 +218,14 @@ def take_fused_kernel(opt: torch.optim.Optimizer) -> None:
 
 def is_own_optimizer(wrapper: Any, optimizer: Any, what: str = "unscale_") -> bool:
     """Is `optimizer` (GradScaler's ``unscale_(optimizer)`` / ``step(optimizer)`` argument) the
-    wrapper or its one inner optimizer? False for None or step's closure; anything else is refused
-    (another optimizer; a wrapper of several unscales and steps them together)."""
+    wrapper or its one inner optimizer? False for None or step's closure; an optimizer it does not
+    wrap is refused (one of several is taken before this: one_by_one.py)."""
     if optimizer is None or (what == "step" and callable(optimizer)):
         return False  # nothing, or step's closure (every step: nothing else looked at)
     inners = wrapper.inner_optimizers
     if optimizer is wrapper or (len(inners) == 1 and optimizer is inners[0]):
         return True
     raise ValueError(
-        f"Received {what}({type(optimizer).__name__}) for a LossScaleOptimizer over "
-        f"{[type(o).__name__ for o in inners]}; it unscales and steps all its optimizers at once: "
-        f"call opt.{what}(). To unscale and step one of several, use `with opt.acting_on(inner): "
-        f"opt.unscale_(); opt.step()`.")
+        f"Received {what}({type(optimizer).__name__}), an optimizer that this LossScaleOptimizer over "
+        f"{[type(o).__name__ for o in inners]} does not wrap: name one of its inner_optimizers (as "
+        f"GradScaler's {what}(optimizer) does), or call opt.{what}() for all of them.")

@@ -27,6 +27,7 @@ from mixedpolicy.backends.torch.checks import check_inner, is_own_optimizer, tak
 from mixedpolicy.backends.torch.closure import check_closure_optimizers, closure_step, reevaluates_closure
 from mixedpolicy.backends.torch.found_inf import FoundInf
 from mixedpolicy.backends.torch.inner import InnerView
+from mixedpolicy.backends.torch.one_by_one import OneByOne
 from mixedpolicy.backends.torch.updates import TorchUpdates
 from mixedpolicy.backends.torch.state import Checkpoints
 from mixedpolicy.scope import global_policy
@@ -38,7 +39,7 @@ def _global_hooks() -> bool:
     return bool(_torch_optimizer._global_optimizer_pre_hooks or _torch_optimizer._global_optimizer_post_hooks)
 
 
-class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
+class TorchLossScaleOptimizer(Checkpoints, InnerView, OneByOne, torch.optim.Optimizer):
     """Wraps one or several ``torch.optim.Optimizer`` with one shared loss scale.
 
     With several optimizers, one overflow anywhere skips every one of them.
@@ -151,6 +152,8 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
         Raises:
           RuntimeError: `unscale_` was already called since the last `step`.
         """
+        if self._one_of_several(optimizer):  # GradScaler's loop over several optimizers (one_by_one.py)
+            return self._unscale_one(optimizer)
         is_own_optimizer(self, optimizer)  # refuses another optimizer
         if self._unscaled:
             raise RuntimeError("unscale_() was already called since the last step(); the "
@@ -189,6 +192,8 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
     def _step(self, closure: Any = None) -> Any:
         # (the common case, no closure and one optimizer, in as few Python operations as it
         # takes: on a CPU a small model's step spends more time in Python than in the check)
+        if closure is not None and self._one_of_several(closure):  # GradScaler's step(optimizer) of several
+            return self._step_one(closure)
         if closure is not None and is_own_optimizer(self, closure, "step"):
             closure = None
         pass_through = is_pass_through(self._scale_settings)
@@ -255,6 +260,8 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, torch.optim.Optimizer):
         # found_inf is this step's flag (1 where skipped; a sum over devices may say 2), kept for
         # the next check, which zeroes it; `skipped`, where the step read it on the host already:
         # then the last step's answer and the count need no op
+        if self.__dict__.get("_defer_scale"):  # one of several stepped by name: at update()
+            return self._deferred(found_inf, skipped)
         if skipped is None:
             self._last_skipped = found_inf.clone()  # stays this step's after the flag is reused
             self._skipped.add_(found_inf.clamp(max=1) if self._checks.several else found_inf)

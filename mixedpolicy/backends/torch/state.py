@@ -101,13 +101,16 @@ class Checkpoints:
 
     def update(self, new_scale: Any = None) -> None:
         """GradScaler's ``update``. The scale already moved in `step`, so a call without argument
-        does nothing (a loop written for GradScaler, ``step`` then ``update``, runs as it is);
+        does nothing (a loop written for GradScaler, ``step`` then ``update``, runs as it is),
+        except after steps of several optimizers named one by one (``step(optimizer0)``,
+        ``step(optimizer1)``), whose scale moves here, once, as GradScaler's does;
         ``new_scale`` (a number or a one-element tensor) sets the scale, as GradScaler's does,
         the counters kept.
 
         Raises:
           ValueError: `new_scale` is not a finite number > 0, or this wrapper scales nothing.
         """
+        self._update_deferred()  # after GradScaler's loop over several optimizers (one_by_one.py)
         if new_scale is None:
             return
         if not self.is_enabled():

@@ -639,3 +639,56 @@ def test_a_loop_written_for_grad_scaler_runs_as_written_with_the_wrapper_in_its_
     passing = mp.LossScaleOptimizer(torch.optim.SGD(net().parameters(), lr=0.1), policy="bfloat16")
     passing.set_growth_factor(3.0)  # nothing scales: a no-op, as on a disabled GradScaler
     assert not passing.is_enabled()
+
+
+def _two_models_loop(scaler, models, optimizers, skip_iter=3, steps=8):
+    """GradScaler's documented loop over two models and two optimizers fed by two losses: one
+    optimizer unscaled on its own, each stepped by name, one update an iteration; at `skip_iter`
+    the second model's gradient is made infinite (torch's own test of it does the same)."""
+    scales = []
+    for i, (x, y) in enumerate(batches(steps)):
+        out0, out1 = models[0](x), models[1](x)
+        loss0 = torch.nn.functional.cross_entropy(out0 + out1, y)
+        loss1 = torch.nn.functional.cross_entropy(out0 - out1, y)
+        scaler.scale(loss0).backward(retain_graph=True)
+        scaler.scale(loss1).backward()
+        if i == skip_iter:
+            models[1][2].weight.grad.fill_(INF)
+        scaler.unscale_(optimizers[0])
+        torch.nn.utils.clip_grad_norm_(models[0].parameters(), 1.0)
+        scaler.step(optimizers[0])
+        scaler.step(optimizers[1])
+        scaler.update()
+        for opt in optimizers:
+            opt.zero_grad()
+        scales.append(scaler.get_scale())
+    return scales
+
+
+def test_several_optimizers_stepped_by_name_skip_alone_and_move_the_scale_once_as_grad_scaler():
+    """With the wrapper of both in the scaler's place, GradScaler's multi-optimizer loop runs as
+    written: the optimizer whose gradients overflowed skips, the other steps, and update() backs
+    the scale off once (it was refused: a wrapper of several took only step() of all)."""
+    make = lambda ms: [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in ms]  # noqa: E731
+    ref = [net(0), net(1)]
+    ref_opts = make(ref)
+    theirs = _two_models_loop(torch.amp.GradScaler("cpu", init_scale=2.0**15, growth_interval=2), ref, ref_opts)
+    ours = [net(0), net(1)]
+    opts = make(ours)
+    wrapper = mp.LossScaleOptimizer(opts, initial_scale=2.0**15, dynamic_growth_steps=2)
+    assert _two_models_loop(wrapper, ours, opts) == theirs
+    assert all(same_weights(a, b) for a, b in zip(ours, ref))
+    assert wrapper.num_skipped_steps == 1 and not wrapper.last_step_skipped
+    # refused as GradScaler refuses them: a second unscale_ or step of one optimizer before update()
+    x, y = batches(1)[0]
+    wrapper.scale(torch.nn.functional.cross_entropy(ours[0](x) + ours[1](x), y)).backward()
+    wrapper.unscale_(opts[0])
+    with pytest.raises(RuntimeError, match="already called for this optimizer since the last update"):
+        wrapper.unscale_(opts[0])
+    wrapper.step(opts[0])
+    with pytest.raises(RuntimeError, match="already called for this optimizer since the last update"):
+        wrapper.step(opts[0])
+    wrapper.step(opts[1])
+    wrapper.update()
+    with pytest.raises(ValueError, match="an optimizer that this LossScaleOptimizer over .* does not wrap"):
+        wrapper.step(torch.optim.SGD(net().parameters(), lr=0.1))  # an optimizer it does not hold
