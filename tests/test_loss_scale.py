@@ -93,7 +93,8 @@ def test_static_and_none_never_change():
     ({"loss_scale": -1.0}, "loss_scale=-1.0"),
     ({"loss_scale": float("inf")}, "loss_scale=inf"),
     ({"loss_scale": 1e39}, "larger than float32"),
-    ({"loss_scale": 2.0**30}, r"outside \[min_scale, max_scale\]"),
+    ({"loss_scale": 2.0**30, "max_scale": 2.0**24}, r"outside \[min_scale, max_scale\]"),  # bounds given
+    ({"loss_scale": 0.5, "min_scale": 1.0}, r"outside \[min_scale, max_scale\]"),
     ({"dynamic_growth_steps": 0}, "dynamic_growth_steps=0; expected a whole number >= 1"),
     ({"dynamic_growth_steps": 2.5}, "dynamic_growth_steps=2.5"),
     ({"growth_factor": 1.0}, "growth_factor=1.0; expected a number > 1"),
@@ -107,6 +108,16 @@ def test_static_and_none_never_change():
 def test_bad_settings_are_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message):
         DynamicLossScale(**kwargs)
+
+
+def test_default_bounds_hold_an_initial_scale_given_outside_them():
+    # GradScaler and Keras start anywhere (torch's own test starts at 1e38): a bound left to its
+    # default widens to the initial scale, where a bound given is kept (and checked)
+    high, low = DynamicLossScale(loss_scale=1e38), DynamicLossScale(loss_scale=0.25)
+    assert (high.min_scale, high.max_scale) == (1.0, float(np.float32(1e38)))
+    assert (low.min_scale, low.max_scale) == (0.25, 2.0**24)
+    assert float(high.adjust(True).adjust(False).loss_scale) == float(np.float32(1e38)) / 2
+    assert DynamicLossScale(loss_scale=2.0**30, period=10).max_scale > 1e38  # jmp's: float32's ceiling
 
 
 def test_bad_types_are_rejected():
