@@ -128,7 +128,7 @@ def _wrapped(optimizer: Any, policy_map: Any, scale_settings: dict) -> TorchLoss
     wrapper = LossScaleOptimizer(optimizer, **settings)
     if policy_decides and isinstance(wrapper._scale_settings, DynamicLossScale):
         # the policy chose to scale: from GradScaler's start, where the Trainer's own fp16 starts
-        wrapper._scale_settings = DynamicLossScale(loss_scale=GRADSCALER_INITIAL_SCALE)
+        wrapper._set_scale_state(DynamicLossScale(loss_scale=GRADSCALER_INITIAL_SCALE), None)
     return wrapper
 
 
