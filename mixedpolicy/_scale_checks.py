@@ -101,7 +101,7 @@ def check_finite_flag(grads_finite: Any, what: str = "grads_finite") -> Any:
         f"result of all_finite(grads).")
 
 
-def dynamic_settings(jmp: dict, ours: dict) -> dict:
+def dynamic_settings(jmp: dict, ours: dict, start: Any = None) -> dict:
     """A dynamic scale's five settings, from its keywords and jmp's spellings (``period``,
     ``factor``: growth by it and backoff by its inverse, ``min_loss_scale``), each given once.
 
@@ -126,4 +126,24 @@ def dynamic_settings(jmp: dict, ours: dict) -> dict:
     with_jmp = any(v is not None for v in jmp.values())
     defaults = dict(dynamic_growth_steps=2000, growth_factor=2.0, backoff_factor=0.5, min_scale=1.0,
                     max_scale=_F32_MAX if with_jmp else 2.0**24)
+    # bounds left to their defaults hold an initial scale `start` given outside them (GradScaler and
+    # Keras start anywhere: a port of init_scale=2.0**30 is not refused for a default ceiling)
+    first = _plain_scale(start)
+    if first is not None and settings["max_scale"] is None and not with_jmp:
+        defaults["max_scale"] = max(defaults["max_scale"], first)
+    if first is not None and settings["min_scale"] is None:
+        defaults["min_scale"] = min(defaults["min_scale"], first)
     return {k: default if settings[k] is None else settings[k] for k, default in defaults.items()}
+
+
+def _plain_scale(value: Any) -> float | None:
+    """`value` as a float where it is a plain finite number > 0 (a Python or numpy number, a
+    one-element numpy array); None otherwise (an array of a framework, a tracer, a bad value:
+    checked, and named, where the scale is checked)."""
+    if isinstance(value, np.ndarray) and value.size == 1:
+        value = value.reshape(()).item()
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) and value > 0 else None
+

@@ -172,18 +172,6 @@ class StaticLossScale(LossScale):
 _TOP = float(np.finfo(np.float32).max)
 
 
-def _plain_scale(value: Any) -> float | None:
-    """`value` as a float where it is a plain finite number > 0 (a Python or numpy number, a
-    one-element numpy array); None otherwise (an array of a framework, a tracer, a bad value:
-    checked, and named, where the scale is checked)."""
-    if isinstance(value, np.ndarray) and value.size == 1:
-        value = value.reshape(()).item()
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
-        return None
-    value = float(value)
-    return value if math.isfinite(value) and value > 0 else None
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class DynamicLossScale(LossScale):
     """A loss scale that finds the largest scale that keeps gradients finite.
@@ -243,16 +231,8 @@ class DynamicLossScale(LossScale):
                  backoff_factor: Any = None, min_scale: Any = None, max_scale: Any = None):
         settings = dynamic_settings(dict(period=period, factor=factor, min_loss_scale=min_loss_scale),
                                     dict(dynamic_growth_steps=dynamic_growth_steps, growth_factor=growth_factor,
-                                         backoff_factor=backoff_factor, min_scale=min_scale, max_scale=max_scale))
-        # bounds left to their defaults hold an initial scale given outside them (GradScaler's and
-        # Keras's start anywhere: a port of init_scale=2.0**30 is not refused for a default ceiling)
-        start = _plain_scale(loss_scale)
-        if start is not None:
-            jmp_spelled = any(v is not None for v in (period, factor, min_loss_scale))
-            if max_scale is None and not jmp_spelled and start > settings["max_scale"]:
-                settings["max_scale"] = start
-            if min_scale is None and min_loss_scale is None and start < settings["min_scale"]:
-                settings["min_scale"] = start
+                                         backoff_factor=backoff_factor, min_scale=min_scale, max_scale=max_scale),
+                                    start=loss_scale)
         for name, value in dict(settings, loss_scale=loss_scale, counter=counter).items():
             object.__setattr__(self, name, value)
         self.__post_init__()
