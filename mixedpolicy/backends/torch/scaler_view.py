@@ -62,3 +62,16 @@ class GradScalerView:
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_scaler_state_dict(state)
+
+
+def _delegate(name: str) -> Any:
+    def method(self: GradScalerView, *args: Any) -> Any:
+        return getattr(self.optimizer, name)(*args)
+    method.__name__ = name
+    method.__doc__ = f"GradScaler's ``{name}``, answered by the wrapper."
+    return method
+
+
+for _name in ("get_growth_factor", "get_backoff_factor", "get_growth_interval", "set_growth_factor",
+              "set_backoff_factor", "set_growth_interval"):
+    setattr(GradScalerView, _name, _delegate(_name))

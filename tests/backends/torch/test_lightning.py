@@ -103,6 +103,7 @@ def test_16_mixed_matches_lightnings_own_plugin_losses_skips_and_scale(manual):
     assert trainer.scaler.get_scale() == ours.scales[-1]  # Lightning's own property reads it
     state = plugin.scaler.state_dict()  # GradScaler's format, as Lightning's plugin's scaler gives it
     assert set(state) == {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
+    assert (plugin.scaler.get_growth_interval(), plugin.scaler.get_growth_factor()) == (2000, 2.0)  # its getters
     # the same steps taken: float16 compute in two orders of operations, so close, not equal
     torch.testing.assert_close(torch.tensor(ours.losses), torch.tensor(theirs.losses), rtol=2e-2, atol=2e-2)
     assert torch.isfinite(_weights(ours)).all()
