@@ -326,12 +326,12 @@ def as_policy(value: Any, *, what: str = "policy") -> Policy:
     if isinstance(value, Policy):
         return value
     if isinstance(value, str) or (type(value) is int and value in (16, 32, 64)):
-        if what == "policy":
+        try:
             return Policy(value)  # an int: Lightning's 32 and 64 (16 refused as ambiguous)
-        try:  # a name given for something else (an override): the message says for what
-            return Policy(value)
         except (TypeError, ValueError) as err:
-            raise type(err)(f"In {what}: {err}") from None
+            if what == "policy":
+                raise
+            raise type(err)(f"In {what}: {err}") from None  # given for an override, say: for what
     if isinstance(value, Mapping):  # a config dict (a Keras DTypePolicyMap is a Mapping too)
         return Policy.from_keras(value) if hasattr(value, "default_policy") else Policy.from_config(value)
     if hasattr(value, "param_dtype") and hasattr(value, "compute_dtype"):
