@@ -150,9 +150,9 @@ class PolicyMap:
       builtin_rules: apply the built-in rules (normalisation and losses in float32, and the
         layers a model keeps in float32; layer_kinds.py).
       float8_auto_filter: under an fp8 policy, also keep in the source precision the
-        matmuls too small for fp8 to outrun bf16 (torchao's auto-filter thresholds, measured
-        on H100s: `mixedpolicy.float8.too_small_to_gain`). Off by default, as in torchao and
-        Keras, which put every eligible matmul in fp8.
+        matmuls too small for fp8 to outrun bf16 (per tensor measured on an H200, per row
+        torchao's H100 thresholds: `mixedpolicy.float8.too_small_to_gain`). Off by default, as
+        in torchao and Keras, which put every eligible matmul in fp8.
 
     Raises:
       TypeError: a key is neither a string nor a class, or a value is not a policy.

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
 import mmap
 import os
@@ -33,13 +34,19 @@ def _xla_flags() -> str:
     lowest optimization level (the Keras-on-JAX suite 196 -> 145 s, with the one thread above),
     and XLA's older loop emitters where this jaxlib still has them (the MLIR fusion emitters
     cost a third more to compile a small program: the JAX flax, optax and memory tests 59 -> 43 s
-    with an empty cache). XLA aborts on a flag it does not know, so that one is added only where
-    jaxlib's library names it. The numerics are IEEE either way, and no test compares programs
-    compiled under different flags."""
+    with an empty cache). XLA aborts the process on a flag it does not know, so that one is added
+    only for the jaxlib 0.10 this project pins (constraints.txt) and only where its library names
+    it: jaxlib 0.11.2's library still holds the name but its parser refuses the flag, and every
+    JAX test died at its first compile on the GPU machine's jaxlib. The numerics are IEEE either
+    way, and no test compares programs compiled under different flags."""
     flags = "--xla_cpu_multi_thread_eigen=false --xla_backend_optimization_level=0"
     found = importlib.util.find_spec("jaxlib")
     library = os.path.join(list(found.submodule_search_locations or [""])[0], "libjax_common.so") if found else ""
-    if os.path.isfile(library):
+    try:
+        pinned = importlib.metadata.version("jaxlib").split(".")[:2] == ["0", "10"]
+    except importlib.metadata.PackageNotFoundError:
+        pinned = False
+    if pinned and os.path.isfile(library):
         with open(library, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as text:
             if text.find(b"xla_cpu_use_fusion_emitters") >= 0:
                 flags += " --xla_cpu_use_fusion_emitters=false"

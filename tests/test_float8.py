@@ -96,19 +96,20 @@ def test_a_framework_without_an_fp8_path_refuses_fp8_before_anything_changes():
 
 
 def test_the_auto_filter_keeps_matmuls_too_small_to_gain_and_a_key_still_wins():
-    """torchao's H100 thresholds: per tensor, in <= 4096 and out <= 1024 stay out; per row,
-    out <= 2048, in <= 1024, or out <= 4096 with in <= 2048."""
+    """Per tensor (measured on an H200), either size <= 1024 or both <= 2048 stay out; per row
+    (torchao's H100 thresholds), out <= 2048, in <= 1024, or out <= 4096 with in <= 2048."""
     from mixedpolicy.float8 import too_small_to_gain
     from mixedpolicy.policy_map import LayerInfo
 
-    assert too_small_to_gain("tensorwise", 3072, 768) and not too_small_to_gain("tensorwise", 768, 3072)
-    assert too_small_to_gain("delayed", 4096, 1024) and not too_small_to_gain("delayed", 4097, 1024)
+    assert too_small_to_gain("tensorwise", 3072, 768) and too_small_to_gain("tensorwise", 768, 3072)
+    assert too_small_to_gain("tensorwise", 2048, 2048) and not too_small_to_gain("tensorwise", 2048, 2064)
+    assert too_small_to_gain("delayed", 8192, 1024) and not too_small_to_gain("delayed", 1040, 4096)
     assert too_small_to_gain("rowwise", 4096, 2048) and too_small_to_gain("rowwise", 2048, 4096)
     assert not too_small_to_gain("rowwise", 2049, 4096) and not too_small_to_gain("rowwise_with_gw_hp", 8192, 8192)
     fp8 = Policy("p=f32,c=bf16,float8=tensorwise")
     auto = mp.PolicyMap(fp8, {"pinned": fp8}, float8_auto_filter=True)
     root = LayerInfo("", object)
-    small, big = LayerInfo("down", object, matmul=(3072, 768)), LayerInfo("up", object, matmul=(768, 3072))
+    small, big = LayerInfo("down", object, matmul=(3072, 768)), LayerInfo("up", object, matmul=(3072, 4096))
     kept = auto.resolve([root, small])
     assert kept.policy == Policy("mixed_bfloat16") and kept.origin == "rule"
     assert "3072 -> 768" in kept.source and "float8_auto_filter" in kept.source

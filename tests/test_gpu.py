@@ -271,3 +271,7 @@ def test_the_float8_sweep_runs_on_cuda():
                                min_block_time=0.005)
     assert row["first_loss"]["fp8"] == row["first_loss"]["torchao"]
     assert row["fp8 / bf16"]["median"] > 0 and row["fp8 / torchao"]["median"] > 0
+    assert set(row["gpu_ms"]) == {"bf16", "fp8", "torchao"} and min(row["gpu_ms"].values()) > 0
+    one = float8_sweep.measure_linear(256, 512, "tensorwise", "cuda", compile_on=True, repeats=2, warmup=1,
+                                      min_block_time=0.005, tokens=256)
+    assert set(one["gpu_ms"]) == {"bf16", "fp8"} and one["fp8 / bf16 (gpu time)"] > 0

@@ -4,8 +4,10 @@ The bench compares frameworks on whole models; this sweep answers the question a
 asks first: from which matmul size on does fp8 pay, and what does mixedpolicy's set-up cost
 against torchao's own? Each size builds one stack of transformer MLP blocks (LayerNorm,
 Linear d -> 4d, GELU, Linear 4d -> d) with a d -> d head (or, with ``--model gpt2``, the
-bench's GPT-2), copies it once per side with the same weights, and times a training step
-(forward, backward, SGD) of each side by side, interleaved, median of repeats:
+bench's GPT-2; with ``--model linear``, one ``nn.Linear(K, N)`` per ``--shapes KxN``: the
+question `float8_auto_filter`'s thresholds answer), copies it once per side with the same weights,
+and times a training step (forward, backward, SGD) of each side by side, interleaved, median of
+repeats:
 
 - ``bf16``: ``mp.apply_policy(net, "mixed_bfloat16")``;
 - ``fp8``: ``mp.apply_policy(net, "p=f32,c=bf16,float8=<recipe>")`` (the built-in rules keep
@@ -13,8 +15,8 @@ bench's GPT-2), copies it once per side with the same weights, and times a train
 - ``torchao``: torchao's own ``convert_to_float8_training`` with the same filter, under
   ``torch.autocast`` in bf16: what a user writes by hand;
 - with ``--auto-filter on`` (the default for gpt2), ``fp8 auto``: the fp8 policy in a
-  ``PolicyMap(..., float8_auto_filter=True)``, and ``torchao auto``: torchao's own
-  ``_auto_filter_for_recipe`` on top of the same filter.
+  ``PolicyMap(..., float8_auto_filter=True)``, and ``torchao auto``: torchao's conversion of
+  the same layers (the auto filter's sizes as its module filter).
 
 It prints, per size, ``fp8 / bf16`` (the speed-up; above 1 means fp8 is faster) and
 ``fp8 / torchao`` (mixedpolicy's overhead; 1 means none), and the same two for the auto
@@ -33,6 +35,8 @@ import sys
 import time
 from typing import Any, Callable
 
+from mixedpolicy.float8 import too_small_to_gain
+
 def block_stack(d: int, layers: int, seed: int = 0) -> Any:
     """``layers`` transformer MLP blocks of width ``d`` and a d -> d head, seeded."""
     import torch
@@ -45,19 +49,19 @@ def block_stack(d: int, layers: int, seed: int = 0) -> Any:
     return nn.Sequential(*blocks, nn.Linear(d, d))
 
 
-def _nets(base: Any, recipe: str, auto_filter: bool) -> dict[str, tuple[Any, bool]]:
+def _nets(base: Any, recipe: str, auto_filter: bool, torchao: bool = True) -> dict[str, tuple[Any, bool]]:
     """The sides, each (net, whether its step runs under torch.autocast in bf16)."""
     import mixedpolicy as mp
     from mixedpolicy.bench.runners.float8 import torchao_float8
 
     fp8 = mp.Policy(f"p=f32,c=bf16,float8={recipe}")
     nets = {"bf16": (mp.apply_policy(copy.deepcopy(base), "mixed_bfloat16"), False),
-            "fp8": (mp.apply_policy(copy.deepcopy(base), fp8), False),
-            "torchao": (torchao_float8(copy.deepcopy(base), recipe), True)}
+            "fp8": (mp.apply_policy(copy.deepcopy(base), mp.PolicyMap(fp8, builtin_rules=torchao)), False)}
+    if torchao:
+        nets["torchao"] = (torchao_float8(copy.deepcopy(base), recipe), True)
     if auto_filter:
         nets["fp8 auto"] = (mp.apply_policy(copy.deepcopy(base), mp.PolicyMap(fp8, float8_auto_filter=True)), False)
-        if recipe != "rowwise_with_gw_hp":  # torchao's auto filter has no thresholds for it
-            nets["torchao auto"] = (torchao_float8(copy.deepcopy(base), recipe, auto_filter=True), True)
+        nets["torchao auto"] = (torchao_float8(copy.deepcopy(base), recipe, auto_filter=True), True)
     return nets
 
 
@@ -66,6 +70,8 @@ def _sides(nets: dict[str, tuple[Any, bool]], batch: tuple, loss: Callable, devi
     import torch
 
     x, y = batch
+    if compile_on:  # each size compiles afresh: no recompile limit reached, no shape turned dynamic
+        torch._dynamo.reset()
     steps = {}
     for name, (net, autocast) in nets.items():
         net.to(device)
@@ -120,6 +126,22 @@ def measure(d: int, layers: int, recipe: str, device: str, compile_on: bool, rep
             **_timed(steps, repeats, warmup, min_block_time, device)}
 
 
+def measure_linear(k: int, n: int, recipe: str, device: str, compile_on: bool, repeats: int, warmup: int,
+                   min_block_time: float, tokens: int = 8192) -> dict:
+    """One ``nn.Linear(k, n)`` on ``tokens`` rows, bf16 against fp8 (no rule keeps it out: the
+    layer alone is the question; ours is torchao's conversion, so no torchao side)."""
+    import torch
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(k, n))
+    x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(1)).to(device)
+    steps = _sides(_nets(base, recipe, False, torchao=False), (x, None),
+                   lambda out, _y: out.float().pow(2).mean(), device, compile_on)
+    return {"model": f"Linear({k}, {n})", "d_model": k, "shape": [k, n], "tokens": tokens, "recipe": recipe,
+            "too_small_to_gain": too_small_to_gain(recipe, k, n),
+            **_timed(steps, repeats, warmup, min_block_time, device)}
+
+
 def measure_gpt2(batch_size: int, recipe: str, device: str, compile_on: bool, repeats: int, warmup: int,
                  min_block_time: float, auto_filter: bool = True) -> dict:
     """The bench's gpt2 (GPT-2 small's shape off the CPU) on synthetic tokens, the same sides."""
@@ -164,21 +186,45 @@ def _timed(steps: dict[str, Callable[[], Any]], repeats: int, warmup: int, min_b
         if num in times and den in times:
             mid, lo, hi = _spread([a / b for a, b in zip(times[num], times[den])])
             row[name] = {"median": mid, "q1": lo, "q3": hi}
+    if device == "cuda":
+        row["gpu_ms"] = {name: kernel_ms(step, 10) for name, step in steps.items()}
+        row["fp8 / bf16 (gpu time)"] = row["gpu_ms"]["bf16"] / row["gpu_ms"]["fp8"]
     return row
+
+
+def kernel_ms(step: Callable[[], Any], n: int) -> float:
+    """The GPU's busy time per step: the sum of the CUDA kernels' own times over ``n`` steps, as
+    the profiler's table totals them. Unlike the wall clock it leaves out the host's launch time,
+    which rules a small layer's step alone but hides behind the kernels in a model that keeps
+    the GPU busy: the figure a per-layer choice (the auto filter) needs."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+    total = sum(e.self_device_time_total for e in prof.key_averages()
+                if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False))
+    return total / 1e3 / n
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m mixedpolicy.bench.float8_sweep",
                                 description=__doc__.split("\n\n")[0] if __doc__ else None)
-    p.add_argument("--model", choices=("blocks", "gpt2"), default="blocks",
+    p.add_argument("--model", choices=("blocks", "gpt2", "linear"), default="blocks",
                    help="blocks: stacks of transformer MLP blocks at each --sizes; gpt2: the bench's gpt2 "
-                        "(GPT-2 small's shape off the CPU), which also times float8_auto_filter (default: blocks)")
+                        "(GPT-2 small's shape off the CPU), which also times float8_auto_filter; linear: one "
+                        "nn.Linear per --shapes (default: blocks)")
+    p.add_argument("--shapes", default="768x3072,3072x768,4096x4096",
+                   help="linear: in_features x out_features, comma-separated (default: 768x3072,3072x768,4096x4096)")
     p.add_argument("--sizes", default="1024,2048,4096,8192", help="blocks: d_model values, comma-separated")
     p.add_argument("--layers", type=int, default=2, help="blocks: MLP blocks per stack (default: 2)")
-    p.add_argument("--tokens", type=int, default=8192, help="blocks: rows per step (default: 8192)")
+    p.add_argument("--tokens", type=int, default=8192, help="blocks, linear: rows per step (default: 8192)")
     p.add_argument("--batch-size", type=int, default=8, help="gpt2: sequences per step (default: 8)")
     p.add_argument("--auto-filter", choices=("off", "on"), default=None,
-                   help="also time fp8 under PolicyMap(float8_auto_filter=True) against torchao's auto filter "
+                   help="also time fp8 under PolicyMap(float8_auto_filter=True) against torchao on the same layers "
                         "(default: on for gpt2, off for blocks)")
     p.add_argument("--recipe", default="tensorwise", help="torchao's recipe: tensorwise, rowwise, rowwise_with_gw_hp")
     p.add_argument("--device", default="cuda", help="cuda or cpu (default: cuda)")
@@ -201,6 +247,21 @@ def _sizes(text: str) -> list[int]:
     return sizes
 
 
+def _shapes(text: str) -> list[tuple[int, int]]:
+    shapes: list[tuple[int, int]] = []
+    for item in text.split(","):
+        try:
+            k, n = _sizes(item.strip().replace("x", ","))
+        except ValueError:
+            break
+        shapes.append((k, n))
+    else:
+        if shapes:
+            return shapes
+    raise ValueError(f"--shapes {text!r}: expected in_features x out_features pairs of positive multiples "
+                     "of 16, comma-separated, e.g. --shapes 768x3072,4096x4096")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     import torch
@@ -209,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         sizes = _sizes(args.sizes)
+        shapes = _shapes(args.shapes)
         mp.Policy(f"p=f32,c=bf16,float8={args.recipe}")
         if args.recipe not in ("tensorwise", "rowwise", "rowwise_with_gw_hp"):
             raise ValueError(f"--recipe {args.recipe!r}: torchao trains with tensorwise, rowwise or "
@@ -220,20 +282,30 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     auto = (args.auto_filter or ("on" if args.model == "gpt2" else "off")) == "on"
-    what = (f"gpt2, batch {args.batch_size}" if args.model == "gpt2"
-            else f"{args.layers} MLP blocks, {args.tokens} tokens")
+    what = {"gpt2": f"gpt2, batch {args.batch_size}", "linear": f"one Linear, {args.tokens} tokens"}.get(
+        args.model, f"{args.layers} MLP blocks, {args.tokens} tokens")
     print(f"# {where}, torch {torch.__version__}, {args.recipe}, {what}, compile {args.compile}; "
           f"ratios: median [q1, q3] of {args.repeats} interleaved rounds")
     rows = []
-    for d in ([0] if args.model == "gpt2" else sizes):
-        common = (args.recipe, args.device, args.compile == "on", args.repeats, args.warmup, args.min_block_time)
-        row = (measure_gpt2(args.batch_size, *common, auto_filter=auto) if args.model == "gpt2"
-               else measure(d, args.layers, *common, tokens=args.tokens, auto_filter=auto))
+    common = (args.recipe, args.device, args.compile == "on", args.repeats, args.warmup, args.min_block_time)
+    runs: list[Callable[[], dict]] = (
+        [lambda: measure_gpt2(args.batch_size, *common, auto_filter=auto)] if args.model == "gpt2" else
+        [lambda k=k, n=n: measure_linear(k, n, *common, tokens=args.tokens) for k, n in shapes]
+        if args.model == "linear" else
+        [lambda d=d: measure(d, args.layers, *common, tokens=args.tokens, auto_filter=auto) for d in sizes])
+    for run in runs:
+        row = run()
         rows.append(row)
         times = ", ".join(f"{k} {v:.2f} ms" for k, v in row["ms"].items())
         ratios = ", ".join(f"{k} {row[k]['median']:.3f} [{row[k]['q1']:.3f}, {row[k]['q3']:.3f}]"
                            for k in _RATIOS if k in row)
-        print(f"d_model {row['d_model']}: {times}\n    {ratios}", flush=True)
+        label = (f"{row['shape'][0]} -> {row['shape'][1]} (auto filter: "
+                 f"{'keeps it out' if row['too_small_to_gain'] else 'fp8'})" if "shape" in row
+                 else f"d_model {row['d_model']}")
+        if "gpu_ms" in row:
+            ratios += ", gpu time " + ", ".join(f"{k} {v:.3f} ms" for k, v in row["gpu_ms"].items())
+            ratios += f": fp8 / bf16 {row['fp8 / bf16 (gpu time)']:.3f}"
+        print(f"{label}: {times}\n    {ratios}", flush=True)
         if args.device == "cuda":
             torch.cuda.empty_cache()
     if args.out:

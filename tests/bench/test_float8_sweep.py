@@ -40,7 +40,24 @@ def test_gpt2_compares_the_built_in_rules_and_the_auto_filter():
     (["--sizes", "a,b"], "positive multiples of 16"),
     (["--recipe", "delayed"], "tensorwise, rowwise or rowwise_with_gw_hp"),
     (["--recipe", "nope"], "nope"),
+    (["--model", "linear", "--shapes", "768x100"], "in_features x out_features"),
+    (["--model", "linear", "--shapes", "768"], "in_features x out_features"),
+    (["--model", "linear", "--shapes", "16x16x16"], "in_features x out_features"),
 ])
 def test_bad_arguments_are_refused_with_the_fix(argv, says, capsys):
     assert float8_sweep.main(["--device", "cpu", *argv]) == 2
     assert says in capsys.readouterr().err
+
+
+def test_linear_times_each_shape_and_says_what_the_auto_filter_does_with_it(tmp_path, capsys):
+    out = tmp_path / "linear.json"
+    assert float8_sweep.main(["--device", "cpu", "--model", "linear", "--shapes", "32x64,4096x2048",
+                              "--tokens", "16", "--compile", "off", "--repeats", "2", "--warmup", "0",
+                              "--min-block-time", "0", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["shape"] for r in rows] == [[32, 64], [4096, 2048]]
+    assert [r["too_small_to_gain"] for r in rows] == [True, False]
+    for row in rows:  # the layer itself is in fp8 on that side: its first loss is not bf16's
+        assert set(row["ms"]) == {"bf16", "fp8"} and row["first_loss"]["fp8"] != row["first_loss"]["bf16"]
+    printed = capsys.readouterr().out
+    assert "32 -> 64 (auto filter: keeps it out)" in printed and "4096 -> 2048 (auto filter: fp8)" in printed

@@ -8,22 +8,20 @@ from typing import Any
 def torchao_float8(net: Any, recipe: str, auto_filter: bool = False) -> Any:
     """torchao's own fp8 set-up, as its users write it: every nn.Linear but the output head and
     those whose dimensions are not multiples of 16 (torchao's and torchtitan's filter); with
-    ``auto_filter``, also only those torchao's size-aware ``_auto_filter_for_recipe`` passes."""
+    ``auto_filter``, also only those large enough to gain (`mixedpolicy.float8.too_small_to_gain`,
+    the sizes of ``float8_auto_filter``, given to torchao as its module filter: the same layers on
+    both sides, so the bench's overhead ratio compares like with like)."""
     import torch
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    from mixedpolicy.float8 import too_small_to_gain
 
     linears = [name for name, m in net.named_modules() if isinstance(m, torch.nn.Linear)]
     head = linears[-1] if linears else None
 
-    sized = None
-    if auto_filter:
-        from torchao.float8.float8_linear_utils import _auto_filter_for_recipe
-
-        sized = _auto_filter_for_recipe(recipe, filter_fqns=[])
-
     def keep(module: Any, fqn: str) -> bool:
         shaped = fqn != head and not (module.in_features % 16 or module.out_features % 16)
-        return shaped and (sized is None or sized(module, fqn))
+        return shaped and not (auto_filter and too_small_to_gain(recipe, module.in_features, module.out_features))
 
     return convert_to_float8_training(net, config=Float8LinearConfig.from_recipe_name(recipe), module_filter_fn=keep)
 

@@ -226,25 +226,25 @@ def test_a_pure_bfloat16_source_keeps_fp8_scales_in_float32_and_trains(recipe):
     assert all(map(lambda v: v == v and abs(v) < 1e3, losses))
 
 
-def test_the_auto_filter_converts_the_layers_torchaos_auto_filter_converts_and_trains_alike():
+def test_the_auto_filter_converts_the_layers_it_passes_as_torchao_converts_them_and_trains_alike():
     require_module("torchao")
     from mixedpolicy.bench.runners.float8 import torchao_float8
 
     def sized(seed=0):
         torch.manual_seed(seed)
         nn = torch.nn
-        return nn.Sequential(nn.Linear(64, 1088), nn.ReLU(), nn.Linear(1088, 64), nn.ReLU(), nn.Linear(64, 64),
+        return nn.Sequential(nn.Linear(1040, 2064), nn.ReLU(), nn.Linear(2064, 64), nn.ReLU(), nn.Linear(64, 64),
                              nn.ReLU(), nn.Linear(64, 10))
 
     fp8 = mp.Policy("p=f32,c=bf16,float8=tensorwise")
     ours = mp.apply_policy(sized(), mp.PolicyMap(fp8, float8_auto_filter=True))
     theirs = torchao_float8(sized(), "tensorwise", auto_filter=True)
     converted = [name for name, m in theirs.named_modules() if type(m).__name__ == "Float8Linear"]
-    assert converted == ["0"]  # 64 -> 1088 passes torchao's filter; 1088 -> 64 and 64 -> 64 do not
+    assert converted == ["0"]  # 1040 -> 2064 is large enough; 2064 -> 64 and 64 -> 64 are not
     assert [n for n, m in ours.named_modules() if type(m).__name__ == "Float8Linear"] == converted
     assert "too small" in mp.describe(ours)[3].source
     g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(16, 64, generator=g), torch.randint(0, 10, (16,), generator=g)
+    x, y = torch.randn(16, 1040, generator=g), torch.randint(0, 10, (16,), generator=g)
     losses = []
     for net, autocast in ((ours, False), (theirs, True)):
         opt = torch.optim.SGD(net.parameters(), lr=0.1)

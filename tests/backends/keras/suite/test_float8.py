@@ -106,13 +106,13 @@ def test_a_saved_fp8_model_loads_with_its_policies_and_state():
 
 def test_the_auto_filter_keeps_dense_layers_too_small_to_gain():
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(1088, name="up"),
+    model = keras.Sequential([keras.Input((1040,)), keras.layers.Dense(2064, name="up"),
                               keras.layers.Dense(64, name="down"), keras.layers.Dense(10, name="head")])
     mp.apply_policy(model, mp.PolicyMap("float8_from_mixed_bfloat16", float8_auto_filter=True))
-    assert model.get_layer("up").quantization_mode == "float8"  # 64 -> 1088: out above 1024
-    assert model.get_layer("down").quantization_mode is None  # 1088 -> 64: too small to gain
+    assert model.get_layer("up").quantization_mode == "float8"  # 1040 -> 2064: large enough
+    assert model.get_layer("down").quantization_mode is None  # 2064 -> 64: too small to gain
     rows = {r.path.rpartition("/")[2]: r for r in mp.describe(model)}
-    assert "1088 -> 64 is too small" in rows["down"].source
+    assert "2064 -> 64 is too small" in rows["down"].source
 
 
 def _fake_quantize(x, fmt):
