@@ -15,6 +15,7 @@ from mixedpolicy._scale_checks import check_scale
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, summary
 
 _log = logging.getLogger("mixedpolicy")
+_EMPTY = " (an empty dict is what a disabled GradScaler saves: it holds no scale to load)"
 
 
 class Checkpoints:
@@ -169,7 +170,10 @@ class Checkpoints:
     def load_state_dict(self, state_dict: dict) -> None:
         """Restores what `state_dict` saved: inner state, scale, growth counter, skip count.
 
-        Everything is checked before anything loads: a refused dict changes nothing.
+        A ``torch.amp.GradScaler.state_dict()`` loads as the scale alone (`load_scaler_state_dict`,
+        logged), so a GradScaler loop's ``scaler.load_state_dict(...)`` resumes with the wrapper
+        in the scaler's place. Everything is checked before anything loads: a refused dict
+        changes nothing.
 
         Raises:
           TypeError: `state_dict` is not a dict.
@@ -179,6 +183,12 @@ class Checkpoints:
         if not isinstance(state_dict, dict):
             raise TypeError(f"Received a state of type {type(state_dict).__name__}; expected the "
                             f"dict from LossScaleOptimizer.state_dict().")
+        if _is_gradscaler_state(state_dict):  # a GradScaler loop's `scaler.load_state_dict(ckpt["scaler"])`
+            _log.info("LossScaleOptimizer.load_state_dict: received a torch.amp.GradScaler state (scale %s); "
+                      "loaded it as this wrapper's scale (load_scaler_state_dict); the optimizer state is "
+                      "unchanged", state_dict["scale"])
+            self.load_scaler_state_dict(state_dict)
+            return
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = hook(self, state_dict)
             if result is not None:
@@ -202,7 +212,7 @@ class Checkpoints:
                     f"Received an optimizer state without {missing} (keys: "
                     f"{sorted(sd) if isinstance(sd, dict) else type(sd).__name__}); expected the dict "
                     f"from LossScaleOptimizer.state_dict() (or the torch optimizer's own "
-                    f"state_dict()); nothing was loaded.")
+                    f"state_dict(), or GradScaler's){_EMPTY if sd == {} else ''}; nothing was loaded.")
         for opt, sd in zip(self._inners, inner_dicts, strict=True):
             was = state_kinds(sd)
             opt.load_state_dict(sd)
@@ -216,3 +226,8 @@ class Checkpoints:
             self._set_scale_state(*scale)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
+
+
+def _is_gradscaler_state(state: dict) -> bool:
+    """A ``torch.amp.GradScaler.state_dict()`` (its keys, no optimizer's), not a wrapper's state."""
+    return {"scale", "_growth_tracker"} <= set(state) and not {"state", "param_groups", "inner"} & set(state)

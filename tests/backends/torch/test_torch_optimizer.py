@@ -1,6 +1,7 @@
 """PyTorch LossScaleOptimizer: GradScaler parity, skipping, clipping, accumulation, checkpoints, DDP."""
 
 import contextlib
+import copy
 
 import pytest
 
@@ -639,6 +640,35 @@ def test_a_loop_written_for_grad_scaler_runs_as_written_with_the_wrapper_in_its_
     passing = mp.LossScaleOptimizer(torch.optim.SGD(net().parameters(), lr=0.1), policy="bfloat16")
     passing.set_growth_factor(3.0)  # nothing scales: a no-op, as on a disabled GradScaler
     assert not passing.is_enabled()
+
+
+def test_a_grad_scaler_checkpoint_resumes_with_the_wrapper_in_the_scalers_place(caplog):
+    """A GradScaler loop's checkpoint ({"optimizer": opt.state_dict(), "scaler":
+    scaler.state_dict()}) loads as that loop loads it, `scaler.load_state_dict(...)`, into the
+    wrapper standing in for the scaler: the scale and its growth counter come back (logged),
+    the optimizer state is left to the optimizer's own load, and training goes on as
+    GradScaler's would."""
+    poison = {1, 8}
+    ref = net()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**15, growth_interval=3)
+    _gradscaler_loop(ref, ref_opt, scaler, poison, steps=4)
+    ckpt = copy.deepcopy({"model": ref.state_dict(), "optimizer": ref_opt.state_dict(),
+                          "scaler": scaler.state_dict()})  # as torch.save would keep it
+    theirs = _gradscaler_loop(ref, ref_opt, scaler, {2}, steps=6)
+
+    ours = net(seed=3)
+    ours.load_state_dict(ckpt["model"])
+    inner = torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9)
+    opt = mp.LossScaleOptimizer(inner, policy="mixed_float16")
+    inner.load_state_dict(ckpt["optimizer"])
+    with caplog.at_level("INFO", logger="mixedpolicy"):
+        opt.load_state_dict(ckpt["scaler"])
+    assert "GradScaler state (scale 16384.0)" in caplog.text
+    assert opt.get_growth_interval() == 3
+    assert _gradscaler_loop(ours, opt, opt, {2}, steps=6) == theirs and same_weights(ours, ref)
+    with pytest.raises(ValueError, match="an empty dict is what a disabled GradScaler saves"):
+        opt.load_state_dict(torch.amp.GradScaler("cpu", enabled=False).state_dict())
 
 
 def _two_models_loop(scaler, models, optimizers, skip_iter=3, steps=8):
