@@ -36,6 +36,11 @@ class ArrayOps(abc.ABC):
     def tree_map(self, fn: Callable[[Any], Any], tree: Any) -> Any:
         """Applies `fn` to every leaf, keeping the container structure."""
 
+    def structure(self, tree: Any) -> Any:
+        """The container structure of `tree` without its leaves, comparable with ``==``: two
+        trees of one structure (the same keys, types and nesting) compare equal."""
+        return _skeleton(tree)
+
     @abc.abstractmethod
     def asarray(self, value: Any, dtype: str, like: Any = None) -> Any:
         """A scalar or array of `dtype` ("float32", "int32", "bool"...), on `like`'s device."""
@@ -152,3 +157,12 @@ class OptimizerAdapter(abc.ABC):
         """(the policies the optimizer's variables are trained under, where that was read),
         or None where the framework cannot tell (the global policy then decides)."""
         return None
+
+
+def _skeleton(tree: Any) -> Any:
+    """Nested dicts, lists and tuples with each leaf replaced by None (the numpy backend's trees)."""
+    if isinstance(tree, dict):
+        return (type(tree), tuple((k, _skeleton(v)) for k, v in tree.items()))
+    if isinstance(tree, (list, tuple)):
+        return (type(tree), tuple(_skeleton(v) for v in tree))
+    return None

@@ -39,7 +39,7 @@ def select_tree(pred: Any, a: Any, b: Any) -> Any:
 
     Raises:
       TypeError: `pred` is not a boolean scalar.
-      ValueError: `a` and `b` differ in their number of leaves or in a leaf's shape.
+      ValueError: `a` and `b` differ in their structure (keys, nesting) or in a leaf's shape.
 
     >>> select_tree(np.bool_(False), {"w": np.ones(2)}, {"w": np.zeros(2)})
     {'w': array([0., 0.])}
@@ -50,6 +50,10 @@ def select_tree(pred: Any, a: Any, b: Any) -> Any:
     if len(a_leaves) != len(b_leaves):
         raise ValueError(f"Received trees of {len(a_leaves)} and {len(b_leaves)} leaves; select_tree "
                          f"picks between two trees of one structure (new and old parameters).")
+    if ops.structure(a) != ops.structure(b):  # as many leaves, in other places (other keys)
+        raise ValueError(f"Received trees of two structures, {show(ops.structure(a), 120)} and "
+                         f"{show(ops.structure(b), 120)}; select_tree picks between two trees of one "
+                         f"structure (the same keys and nesting: new and old parameters).")
     for i, (x, y) in enumerate(zip(a_leaves, b_leaves)):
         if (x is None) != (y is None) or tuple(getattr(x, "shape", ())) != tuple(getattr(y, "shape", ())):
             raise ValueError(f"Received leaves of shapes {show(tuple(getattr(x, 'shape', ())))} and "

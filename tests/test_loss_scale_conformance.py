@@ -424,3 +424,17 @@ def test_cast_to_full_and_half_are_jmps_on_every_frameworks_trees(backend):
     halved = mp.cast_to_half(tree)
     assert mp.half_dtype(tree) == halved["f"].dtype == halved["h"].dtype and halved["i"].dtype == xp.int16
     assert halved["o"] is o and mp.cast_to_half([1.5])[0] == 1.5  # a Python number is not an array
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch", "jax", "tensorflow"])
+def test_select_tree_refuses_trees_of_as_many_leaves_under_other_keys(backend):
+    """{"a": new} against {"b": old} has one leaf each: it was picked leaf for leaf, the old
+    values landing under the new keys; jmp (JAX's tree_map) refuses it, and so does this."""
+    xp = pytest.importorskip({"numpy": "numpy", "torch": "torch", "jax": "jax.numpy",
+                              "tensorflow": "tensorflow"}[backend])
+    flag = xp.constant(False) if backend == "tensorflow" else xp.asarray(False)
+    with pytest.raises(ValueError, match=r"two structures.*\bthe same keys and nesting"):
+        mp.select_tree(flag, {"a": xp.ones(2)}, {"b": xp.ones(2)})
+    with pytest.raises(ValueError, match="two structures"):
+        mp.select_tree(flag, [xp.ones(2)], (xp.ones(2),))
+    assert list(mp.select_tree(flag, {"a": [xp.ones(2)]}, {"a": [xp.ones(2)]})) == ["a"]

@@ -117,6 +117,9 @@ class JaxArrays(ArrayOps):
     def tree_map(self, fn: Callable[[Any], Any], tree: Any) -> Any:
         return jax.tree_util.tree_map(fn, tree)
 
+    def structure(self, tree: Any) -> Any:
+        return jax.tree_util.tree_structure(tree)
+
     def asarray(self, value: Any, dtype: str, like: Any = None) -> Any:
         return jnp.asarray(value, dtype=jnp_dtype(dtype))
 

@@ -30,6 +30,9 @@ class TensorFlowArrays(ArrayOps):
     def tree_map(self, fn: Callable[[Any], Any], tree: Any) -> Any:
         return tf.nest.map_structure(fn, tree)
 
+    def structure(self, tree: Any) -> Any:
+        return tf.nest.map_structure(lambda _: None, tree)
+
     def asarray(self, value: Any, dtype: str, like: Any = None) -> Any:
         if _is_tensor(value):
             return tf.cast(value, TF_DTYPES[dtype])

@@ -51,6 +51,9 @@ class TorchArrays(ArrayOps):
     def tree_map(self, fn: Callable[[Any], Any], tree: Any) -> Any:
         return pytree.tree_map(fn, tree)
 
+    def structure(self, tree: Any) -> Any:
+        return pytree.tree_structure(tree)
+
     def asarray(self, value: Any, dtype: str, like: Any = None) -> Any:
         device = like.device if isinstance(like, torch.Tensor) else None
         if isinstance(value, torch.Tensor):
