@@ -98,6 +98,12 @@ class Checkpoints:
             raise ValueError(f"Received set_{key}({value!r:.40}) for a LossScaleOptimizer with a static scale "
                              f"({self.loss_scaling}), which never grows or backs off; use a dynamic one "
                              f"(initial_scale=..., or loss_scale=mp.DynamicLossScale(...)).")
+        cfg = self._scale_settings  # checked as the constructor checks it, before anything changes
+        try:
+            DynamicLossScale(loss_scale=cfg.loss_scale, min_scale=cfg.min_scale, max_scale=cfg.max_scale,
+                             **{"dynamic_growth_steps" if key == "growth_interval" else key: value})
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"In set_{key}({value!r:.40}): {err}") from None
         self.load_scaler_state_dict({**self.scaler_state_dict(), key: value})
 
     def update(self, new_scale: Any = None) -> None:

@@ -3,6 +3,7 @@
 import contextlib
 import copy
 
+import numpy as np
 import pytest
 
 from conftest import require_module
@@ -634,6 +635,11 @@ def test_a_loop_written_for_grad_scaler_runs_as_written_with_the_wrapper_in_its_
     assert (opt.get_growth_interval(), opt.get_growth_factor(), opt.get_backoff_factor()) == (2, 4.0, 0.25)
     with pytest.raises(ValueError, match="growth_factor"):
         opt.set_growth_factor(0.5)  # checked as the constructor checks it
+    with pytest.raises(ValueError, match=r"In set_growth_factor\(array\(\[1., 1.\]\)\): Received growth_factor"):
+        opt.set_growth_factor(np.ones(2))  # (an array's truth value was asked for)
+    with pytest.raises(ValueError, match=r"In set_growth_interval\(2.5\): .*whole number"):
+        opt.set_growth_interval(2.5)
+    assert (opt.get_growth_interval(), opt.get_growth_factor()) == (2, 4.0)  # nothing changed
     static = mp.LossScaleOptimizer(torch.optim.SGD(net().parameters(), lr=0.1), loss_scale=mp.StaticLossScale(8.0))
     with pytest.raises(ValueError, match="static scale"):
         static.set_growth_interval(5)
