@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 from mixedpolicy.float8 import too_small_to_gain
 
+
 def block_stack(d: int, layers: int, seed: int = 0) -> Any:
     """``layers`` transformer MLP blocks of width ``d`` and a d -> d head, seeded."""
     import torch
@@ -49,15 +50,17 @@ def block_stack(d: int, layers: int, seed: int = 0) -> Any:
     return nn.Sequential(*blocks, nn.Linear(d, d))
 
 
-def _nets(base: Any, recipe: str, auto_filter: bool, torchao: bool = True) -> dict[str, tuple[Any, bool]]:
-    """The sides, each (net, whether its step runs under torch.autocast in bf16)."""
+def _nets(base: Any, recipe: str, auto_filter: bool, one_layer: bool = False) -> dict[str, tuple[Any, bool]]:
+    """The sides, each (net, whether its step runs under torch.autocast in bf16). With
+    `one_layer`, `base` is the layer alone: no built-in rule keeps it out (it would be the
+    head), and no torchao side (ours is torchao's conversion: `fp8 / torchao` is the blocks')."""
     import mixedpolicy as mp
     from mixedpolicy.bench.runners.float8 import torchao_float8
 
     fp8 = mp.Policy(f"p=f32,c=bf16,float8={recipe}")
     nets = {"bf16": (mp.apply_policy(copy.deepcopy(base), "mixed_bfloat16"), False),
-            "fp8": (mp.apply_policy(copy.deepcopy(base), mp.PolicyMap(fp8, builtin_rules=torchao)), False)}
-    if torchao:
+            "fp8": (mp.apply_policy(copy.deepcopy(base), mp.PolicyMap(fp8, builtin_rules=not one_layer)), False)}
+    if not one_layer:
         nets["torchao"] = (torchao_float8(copy.deepcopy(base), recipe), True)
     if auto_filter:
         nets["fp8 auto"] = (mp.apply_policy(copy.deepcopy(base), mp.PolicyMap(fp8, float8_auto_filter=True)), False)
@@ -128,14 +131,14 @@ def measure(d: int, layers: int, recipe: str, device: str, compile_on: bool, rep
 
 def measure_linear(k: int, n: int, recipe: str, device: str, compile_on: bool, repeats: int, warmup: int,
                    min_block_time: float, tokens: int = 8192) -> dict:
-    """One ``nn.Linear(k, n)`` on ``tokens`` rows, bf16 against fp8 (no rule keeps it out: the
-    layer alone is the question; ours is torchao's conversion, so no torchao side)."""
+    """One ``nn.Linear(k, n)`` on ``tokens`` rows, bf16 against fp8: the question the auto filter
+    answers for that shape (its answer is the row's ``too_small_to_gain``)."""
     import torch
 
     torch.manual_seed(0)
     base = torch.nn.Sequential(torch.nn.Linear(k, n))
     x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(1)).to(device)
-    steps = _sides(_nets(base, recipe, False, torchao=False), (x, None),
+    steps = _sides(_nets(base, recipe, False, one_layer=True), (x, None),
                    lambda out, _y: out.float().pow(2).mean(), device, compile_on)
     return {"model": f"Linear({k}, {n})", "d_model": k, "shape": [k, n], "tokens": tokens, "recipe": recipe,
             "too_small_to_gain": too_small_to_gain(recipe, k, n),
