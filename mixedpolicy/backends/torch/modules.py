@@ -101,17 +101,15 @@ class TorchModels(ModelAdapter):
         if unwrap(model) is not model:  # torch.compile's module, a checkpoint wrapper: the model inside
             self.apply_policy(unwrap(model), policy_map)
             return model
+        if any(getattr(m, _STATE, None) is not None for m in model.modules()):
+            # a policy is on: the new one is checked before the old comes off (with the dtypes
+            # the old one found), so a refused one leaves the model as it was
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # (its warnings come once, from the plan below)
+                _planned(model, policy_map, _before_policy)
         remove_policy(model)
-        head = _head(model)
-        kept, unsaved = declared.kept_float32(model), declared.unsaved_buffers(model)
-        real = {}  # the user's path -> named_modules()'s (wrappers inside the model left out)
-        listed = []
-        for path, named, module in named_layers(model):
-            real[path] = named
-            kind = kept.get(id(module)) or _kind(module, head)
-            listed.append((path, module, LayerInfo(path, type(module), kind, matmul=_matmul(module))))
-        steps = plan(policy_map, dotted_chains(listed), variables=_own_parameters, fix="Call model.float()",
-                     adjust=_follow_attention)
+        real, steps = _planned(model, policy_map, _own_parameters)
+        unsaved = declared.unsaved_buffers(model)
         # fp8 layers become torchao's Float8Linear (same parameters) before anything else changes
         swapped = float8.convert(model, [(real[step.path], step.policy.float8_recipe) for step in steps
                                          if step.policy.float8_recipe is not None and float8.eligible(step.layer)])
@@ -210,6 +208,28 @@ def _refuse_torchscript(model: Any) -> None:
             f"torch.compile; torch.jit.script cannot compile a module under a policy.")
 
 
+def _refuse_sharded_changes(model: torch.nn.Module, steps: list, variables: Any) -> None:
+    """FSDP2 (``fully_shard``) gathers each parameter in the dtype it had when it was sharded,
+    so a policy that stores a parameter in another dtype, or swaps a layer for fp8, after it
+    could not take effect: refused before anything changes. A mixed policy (float32 variables,
+    a compute region) works on a sharded model as on any other."""
+    fsdp = getattr(getattr(torch.distributed, "fsdp", None), "FSDPModule", None)
+    if fsdp is None or not any(isinstance(m, fsdp) for m in model.modules()):
+        return
+    for step in steps:
+        changed = [where for where, dtype in variables(step.layer, step.path)
+                   if dtype is not None and dtype != step.policy.variable_dtype]
+        if changed or step.policy.float8_recipe is not None:
+            what = (f"stores {', '.join(changed)} in {step.policy.variable_dtype}" if changed
+                    else f"computes in fp8 ({step.policy.float8_recipe})")
+            raise ValueError(
+                f"Received a model sharded by FSDP2 (fully_shard) and a policy under which layer {step.path!r} "
+                f"{what} ({step.policy}): FSDP2 gathers parameters in the dtype they had when they were "
+                f"sharded, so this cannot take effect after it. Apply the policy before fully_shard "
+                f"(mp.apply_policy(model, ...), then fully_shard each block), or keep float32 variables and "
+                f"pass mp_policy=policy.to_fsdp() to fully_shard; nothing was changed.")
+
+
 def _is_ddp(model: Any) -> bool:
     parallel = getattr(getattr(torch, "nn", None), "parallel", None)
     return parallel is not None and isinstance(model, parallel.DistributedDataParallel)
@@ -230,8 +250,31 @@ def _follow_attention(module: torch.nn.Module, chain: Any, resolution: Resolutio
     return Resolution(parent.policy, f"follows its MultiheadAttention {parent.path!r}", "inherited")
 
 
+def _planned(model: torch.nn.Module, policy_map: Any, variables: Any) -> tuple:
+    """(the user's paths -> named_modules()'s, the plan's steps) for `model`: checked, nothing changed."""
+    head = _head(model)
+    kept = declared.kept_float32(model)
+    real = {}  # the user's path -> named_modules()'s (wrappers inside the model left out)
+    listed = []
+    for path, named, module in named_layers(model):
+        real[path] = named
+        kind = kept.get(id(module)) or _kind(module, head)
+        listed.append((path, module, LayerInfo(path, type(module), kind, matmul=_matmul(module))))
+    steps = plan(policy_map, dotted_chains(listed), variables=variables, fix="Call model.float()",
+                 adjust=_follow_attention)
+    _refuse_sharded_changes(model, steps, variables)
+    return real, steps
+
+
 def _own_parameters(module: torch.nn.Module, path: str) -> list:
     return [(join(path, name), _NAMES.get(p.dtype)) for name, p in module.named_parameters(recurse=False)]
+
+
+def _before_policy(module: torch.nn.Module, path: str) -> list:
+    """`_own_parameters` as they were before the policy on `module` (what `remove_policy` restores)."""
+    before = (getattr(module, _STATE, None) or {}).get("dtypes", {})
+    return [(join(path, name), _NAMES.get(before.get(name, p.dtype)))
+            for name, p in module.named_parameters(recurse=False)]
 
 
 class _LayerState(dict):

@@ -6,6 +6,7 @@
 Each rank asserts; rank 0 prints {"ok": true} once both passed.
 """
 
+import copy
 import json
 import os
 import sys
@@ -18,13 +19,17 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import mixedpolicy as mp
 
 
-def _sharded(mp_policy):
+def _sharded(mp_policy, model=None):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    if model is None:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    else:
+        model = copy.deepcopy(model)
+    kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mp_policy=mp_policy)
-    fully_shard(model, mp_policy=mp_policy)
+            fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
     return model
 
 
@@ -41,6 +46,31 @@ def _train(model, rank, poison_step=None, steps=3):
         opt.zero_grad()
         skipped.append(opt.last_step_skipped)
     return skipped, out, opt
+
+
+def _policy_on_a_sharded_model():
+    """apply_policy after fully_shard: a mixed policy, per-layer overrides included, computes as
+    on the unsharded model (the regions run around FSDP's gathered parameters); one that would
+    store parameters in another dtype is refused, the policy the model had kept."""
+    torch.manual_seed(0)  # the same weights on both ranks: each keeps its shard of them
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+    sharded = _sharded(None, plain)
+    rules = mp.PolicyMap("mixed_bfloat16", {"2": "float32"})
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    for policy in ("mixed_bfloat16", rules):
+        mp.apply_policy(sharded, policy)
+        mp.apply_policy(plain, policy)
+        assert torch.equal(sharded(x), plain(x)), policy
+        assert [r.policy for r in mp.describe(sharded)] == [r.policy for r in mp.describe(plain)]
+    sharded(x).float().sum().backward()
+    assert all(p.grad.dtype == torch.float32 and type(p.grad).__name__ == "DTensor" for p in sharded.parameters())
+    try:
+        mp.apply_policy(sharded, "bfloat16")
+    except ValueError as err:
+        assert "sharded by FSDP2" in str(err) and "before fully_shard" in str(err), err
+    else:
+        raise AssertionError("a pure policy on a sharded model was not refused")
+    assert mp.describe(sharded)[3].policy == mp.Policy("float32") and sharded(x).dtype == torch.float32
 
 
 def run(rank, world, port):
@@ -64,6 +94,7 @@ def run(rank, world, port):
     both = [torch.zeros(1), torch.zeros(1)]
     dist.all_gather(both, scale)
     assert torch.equal(both[0], both[1]), both
+    _policy_on_a_sharded_model()
     dist.barrier()
     if rank == 0:
         print(json.dumps({"ok": True}), flush=True)

@@ -99,7 +99,9 @@ def test_delayed_fp8_amaxes_are_reduced_across_ddp_ranks():
 @pytest.mark.slow
 def test_fsdp2_under_to_fsdp_trains_as_by_hand_and_ranks_skip_together():
     """to_fsdp() equals the MixedPrecisionPolicy one writes by hand and trains bit for bit
-    the same; an overflow in one rank's shard makes both ranks skip (fsdp_worker.py)."""
+    the same; an overflow in one rank's shard makes both ranks skip; apply_policy on a sharded
+    model computes a mixed policy (overrides too) as on the unsharded one and refuses one that
+    would store parameters in another dtype (fsdp_worker.py)."""
     require_module("torch")
     assert _report("fsdp_worker.py") == {"ok": True}
 

@@ -315,3 +315,23 @@ def test_a_torchscript_module_is_refused_with_the_order_that_works():
             with pytest.raises(TypeError, match="TorchScript module .* Apply the policy to the nn.Module, then trace it"):
                 call()
         assert mp.remove_policy(compiled) is compiled  # nothing to remove
+
+
+def test_a_refused_policy_leaves_the_model_under_the_policy_it_had():
+    """The new policy is checked before the old one comes off: a refusal (here, float16 weights
+    a mixed_float16 policy would train as master weights) changes nothing, where the old policy
+    was taken off first and lost. Checked with the dtypes the old policy found, so a pure
+    policy's half weights are not mistaken for the user's."""
+    model = make()
+    mp.apply_policy(model, mp.PolicyMap("mixed_bfloat16", {"head": "float32"}))
+    before = [(r.path, r.policy) for r in mp.describe(model)]
+    x = torch.randn(3, 8)
+    model.encoder[0].half()  # the user's own change, after the policy
+    with pytest.raises(ValueError, match="already float16"):
+        mp.apply_policy(model, "mixed_float16")
+    assert [(r.path, r.policy) for r in mp.describe(model)] == before
+    model.encoder[0].float()  # still computing as before: the encoder in bfloat16, the head in float32
+    assert model.encoder(x).dtype == torch.bfloat16 and model(x).dtype == torch.float32
+    mp.apply_policy(model, "bfloat16")  # bfloat16 weights, then a mixed policy: not the user's
+    mp.apply_policy(model, "mixed_bfloat16")
+    assert all(p.dtype == torch.float32 for p in model.parameters())
