@@ -3,7 +3,8 @@
 - ``numpy/arrays.py``
 - ``torch/arrays.py``, ``torch/modules.py``, ``torch/optimizer.py`` (and ``checks.py``,
   ``state.py``: what the optimizer refuses, and what it saves)
-- ``jax/arrays.py``, ``jax/flax.py``, ``jax/equinox.py``, ``jax/optax.py``
+- ``jax/arrays.py``, ``jax/flax.py`` (NNX's in ``flax_nnx.py``, what NNX and linen share in
+  ``flax_common.py``), ``jax/equinox.py``, ``jax/optax.py``
 - ``keras/layers.py``, ``keras/optimizer.py`` (Keras tensors use their backend's arrays)
 - ``tensorflow/arrays.py``, ``tensorflow/modules.py``
 

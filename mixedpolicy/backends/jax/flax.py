@@ -4,11 +4,7 @@ Every Flax layer takes a compute ``dtype`` (inputs and parameters are cast to it
 math) and a ``param_dtype`` (what new parameters are created in); a policy sets both per layer
 from the `PolicyMap`, so the math is what a hand-written Flax model with those arguments does.
 
-- NNX modules are mutable: `apply_policy` sets ``dtype`` / ``param_dtype`` on each submodule
-  that has them, casts existing parameters to the variable dtype, gives a layer whose output
-  dtype differs a subclass that casts its outputs, and fp8 layers a ``dot_general`` hook
-  (float8.py); a static record of it (kept through ``nnx.jit``, ``nnx.split`` / ``nnx.merge``)
-  lets `remove_policy` restore it all.
+- NNX modules are mutable: `apply_policy` changes them in place (flax_nnx.py).
 - linen modules are immutable and build their submodules lazily, so `apply_policy` returns a
   `PolicyLinen` whose ``init`` and ``apply`` run the module under a method interceptor that
   resolves each submodule's policy at its first call and sets its fields for the call (fp8
@@ -22,35 +18,17 @@ from __future__ import annotations
 import dataclasses
 import sys
 import threading
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 
 from mixedpolicy._adapter import ModelAdapter
-from mixedpolicy.backends._subclass import policy_subclass
 from mixedpolicy.backends.jax import float8
-from mixedpolicy.backends.jax.arrays import Kept, cast_leaf, dtype_name, jnp_dtype, restore_leaf
-from mixedpolicy.table import NOT_APPLIED, LayerPolicy
-from mixedpolicy.policy import Policy
-from mixedpolicy.layer_plan import dotted_chains, join, plan
-from mixedpolicy.policy_map import NORMALIZATION, LayerInfo, PolicyMap, Resolution
-
-_STATE = "_mixedpolicy"
-_NORM_NAMES = ("LayerNorm", "BatchNorm", "RMSNorm", "GroupNorm", "InstanceNorm", "SpectralNorm",
-               "WeightNorm")
-
-
-def _kind(cls: type, namespace: Any) -> str | None:
-    norms = tuple(getattr(namespace, n) for n in _NORM_NAMES if hasattr(namespace, n))
-    return NORMALIZATION if issubclass(cls, norms) else None
-
-
-def _path(keys: tuple) -> str:
-    return ".".join(str(k) for k in keys)
-
-
-def _cast_tree(tree: Any, dtype: str) -> Any:
-    return jax.tree_util.tree_map(lambda x: cast_leaf(x, dtype), tree)
+from mixedpolicy.backends.jax.arrays import jnp_dtype
+from mixedpolicy.backends.jax.flax_common import cast_tree, dotted_path, layer_kind
+from mixedpolicy.backends.jax.flax_nnx import nnx_apply, nnx_describe, nnx_remove
+from mixedpolicy.policy_map import LayerInfo, PolicyMap, Resolution
+from mixedpolicy.table import LayerPolicy
 
 
 # -- dispatch ------------------------------------------------------------------
@@ -71,7 +49,7 @@ class FlaxModels(ModelAdapter):
 
     def apply_policy(self, model: Any, policy_map: PolicyMap) -> Any:
         if _is_nnx(model):
-            return _nnx_apply(model, policy_map)
+            return nnx_apply(model, policy_map)
         if isinstance(model, PolicyLinen):
             model = model.module
         float8.linen_check(policy_map)
@@ -79,7 +57,7 @@ class FlaxModels(ModelAdapter):
 
     def remove_policy(self, model: Any) -> Any:
         if _is_nnx(model):
-            return _nnx_remove(model)
+            return nnx_remove(model)
         if isinstance(model, PolicyLinen):
             return model.module
         return model  # a bare linen module carries no policy
@@ -95,129 +73,13 @@ class FlaxModels(ModelAdapter):
 
     def describe(self, model: Any) -> list:
         if _is_nnx(model):
-            return _nnx_describe(model)
+            return nnx_describe(model)
         if isinstance(model, PolicyLinen):
             return model.describe_rows()
         raise TypeError(
             f"Received a bare linen module {type(model).__name__}: linen builds its submodules "
             f"only when called, so describe needs the PolicyLinen that apply_policy returns, "
             f"after one init or apply call.")
-
-
-# -- NNX -----------------------------------------------------------------------
-class _Applied(NamedTuple):
-    """What apply_policy changed on one NNX module: static, hashable, restorable."""
-
-    policy: Policy
-    source: str
-    dtype: Any               # the module's dtype attribute before, or a sentinel
-    param_dtype: Any         # ... and its param_dtype
-    cls: type                # its class before a swap
-    variables: tuple         # (attribute, dtype name) of variables cast
-    originals: Any = None    # a Kept of their values before a narrowing cast
-    dot_general: Any = "<missing>"  # an nnx.Linear's own dot_general, where fp8 replaced it
-
-
-_MISSING = "<missing>"
-
-
-def _cast_outputs(module: Any, call_super: Any, args: tuple, kwargs: dict) -> Any:
-    """``__call__`` of a swapped NNX class: floating outputs leave in the output dtype."""
-    return _cast_tree(call_super(*args, **kwargs), getattr(module, _STATE).policy.output_dtype)
-
-
-def _nnx_modules(model: Any) -> list[tuple[str, Any]]:
-    """(dotted path, module) for the module and every submodule, parents first."""
-    from flax import nnx
-
-    found = list(nnx.iter_modules(model))
-    found.sort(key=lambda item: len(item[0]))
-    return [(_path(keys), module) for keys, module in found]
-
-
-def _own_variables(module: Any) -> list[tuple[str, Any]]:
-    """The parameters and batch statistics held directly by `module` (not by a submodule)."""
-    from flax import nnx
-
-    return [(name, value) for name, value in vars(module).items()
-            if isinstance(value, (nnx.Param, nnx.BatchStat))]
-
-
-def _nnx_apply(model: Any, policy_map: PolicyMap) -> Any:
-    from flax import nnx
-
-    _nnx_remove(model)
-    modules = list(_nnx_modules(model))
-    head = float8.head(model)
-    layers = dotted_chains((path, module, LayerInfo(path, type(module), _kind(type(module), nnx)
-                                                    or float8.kind(module, head, bool(_own_variables(module))),
-                                                    matmul=float8.matmul(module)))
-                           for path, module in modules)
-    steps = plan(policy_map, layers, fix="Create the module with param_dtype=jnp.float32",
-                 variables=lambda module, path: [(join(path, name), dtype_name(var.get_value().dtype))
-                                                 for name, var in _own_variables(module)])
-    fp8 = {step.path: step.policy.float8_recipe for step in steps
-           if step.policy.float8_recipe is not None and float8.eligible(step.layer)}
-    for path, recipe in fp8.items():  # refused before anything changes
-        float8.check(recipe, path)
-    for step in steps:
-        module, policy, resolution = step.layer, step.policy, step.resolution
-        before_dtype = getattr(module, "dtype", _MISSING)
-        before_param = getattr(module, "param_dtype", _MISSING)
-        if before_dtype is not _MISSING:
-            module.dtype = jnp_dtype(policy.compute_dtype)
-        if before_param is not _MISSING:
-            module.param_dtype = jnp_dtype(policy.variable_dtype)
-        cast, kept = [], {}
-        for name, var in _own_variables(module):
-            dtype = dtype_name(var.get_value().dtype)
-            if dtype is not None and dtype != policy.variable_dtype:
-                cast.append((name, dtype))
-                kept[name] = var.get_value()
-                var.set_value(var.get_value().astype(jnp_dtype(policy.variable_dtype)))
-        cls = type(module)
-        region = step.changes_policy or before_dtype is not _MISSING
-        if region and policy.output_dtype != policy.compute_dtype:
-            module.__class__ = policy_subclass("jax", cls, _cast_outputs)
-        before_dot = float8.attach(module, fp8[step.path]) if step.path in fp8 else _MISSING
-        setattr(module, _STATE, _Applied(policy, resolution.source, before_dtype, before_param,
-                                         cls, tuple(cast), Kept(kept) if kept else None, before_dot))
-    return model
-
-
-def _nnx_remove(model: Any) -> Any:
-    for _, module in _nnx_modules(model):
-        applied = vars(module).get(_STATE)
-        if applied is None:
-            continue
-        delattr(module, _STATE)
-        module.__class__ = applied.cls
-        if applied.dtype is not _MISSING:
-            module.dtype = applied.dtype
-        if applied.param_dtype is not _MISSING:
-            module.param_dtype = applied.param_dtype
-        if applied.dot_general is not _MISSING:
-            float8.detach(module, applied.dot_general)
-        kept = applied.originals.arrays if applied.originals is not None else {}
-        for name, dtype in applied.variables:
-            var = getattr(module, name)
-            var.set_value(restore_leaf(var.get_value(), kept.get(name), dtype))
-    return model
-
-
-def _nnx_describe(model: Any) -> list:
-    rows = []
-    for path, module in _nnx_modules(model):
-        applied = vars(module).get(_STATE)
-        if applied is not None:
-            policy, source, cls = applied.policy, applied.source, applied.cls
-        else:
-            variable = dtype_name(getattr(module, "param_dtype", None)) or "float32"
-            compute = dtype_name(getattr(module, "dtype", None)) or variable
-            policy = Policy(f"params={variable},compute={compute},output={compute}")
-            source, cls = NOT_APPLIED, type(module)
-        rows.append(LayerPolicy(path, cls.__name__, policy, source, applied is not None and applied.dot_general is not _MISSING))
-    return rows
 
 
 # -- linen -----------------------------------------------------------------------
@@ -264,7 +126,7 @@ class PolicyLinen:
 
             def record(next_fun: Any, a: tuple, k: dict, context: Any) -> Any:
                 if type(context.module) is nn.Dense and context.method_name == "__call__":
-                    dense.append(_path(tuple(context.module.path)))
+                    dense.append(dotted_path(tuple(context.module.path)))
                 return next_fun(*a, **k)
 
             with nn.intercept_methods(record):
@@ -280,7 +142,7 @@ class PolicyLinen:
     def _infos(self) -> list[LayerInfo]:
         import flax.linen as nn
 
-        return [LayerInfo(path, cls, _kind(cls, nn)) for path, (cls, _) in self._seen.items()]
+        return [LayerInfo(path, cls, layer_kind(cls, nn)) for path, (cls, _) in self._seen.items()]
 
     def _resolve(self, module: Any, inputs: Any = None) -> Resolution:
         import flax.linen as nn
@@ -288,14 +150,14 @@ class PolicyLinen:
         keys = tuple(module.path)
         chain = []
         for i in range(len(keys)):
-            seen = self._seen.get(_path(keys[:i]))
+            seen = self._seen.get(dotted_path(keys[:i]))
             if seen is not None:
-                chain.append(LayerInfo(_path(keys[:i]), seen[0], _kind(seen[0], nn)))
-        kind = _kind(type(module), nn) or float8.linen_kind(module, inputs, self._head, _path(keys))
-        chain.append(LayerInfo(_path(keys), type(module), kind))
+                chain.append(LayerInfo(dotted_path(keys[:i]), seen[0], layer_kind(seen[0], nn)))
+        kind = layer_kind(type(module), nn) or float8.linen_kind(module, inputs, self._head, dotted_path(keys))
+        chain.append(LayerInfo(dotted_path(keys), type(module), kind))
         resolution = self.policy_map.resolve(chain)
         with self._lock:
-            self._seen[_path(keys)] = (type(module), resolution)
+            self._seen[dotted_path(keys)] = (type(module), resolution)
         return resolution
 
     def _intercept(self, next_fun: Any, args: tuple, kwargs: dict, context: Any) -> Any:
@@ -325,8 +187,8 @@ class PolicyLinen:
             # Only a layer that computes in its dtype casts its inputs: a float32 layer inside a
             # half-precision model sees unrounded inputs (as Flax's dtype=float32 and NNX's do).
             if "dtype" in changed:
-                args = (*carry, *_cast_tree(args[len(carry):], policy.compute_dtype))
-                kwargs = _cast_tree(kwargs, policy.compute_dtype)
+                args = (*carry, *cast_tree(args[len(carry):], policy.compute_dtype))
+                kwargs = cast_tree(kwargs, policy.compute_dtype)
             out = next_fun(*args, **kwargs)
         finally:
             for name, value in changed.items():
@@ -334,8 +196,8 @@ class PolicyLinen:
         out_dtype = None if policy.output_dtype == policy.compute_dtype else policy.output_dtype
         if carry and isinstance(out, tuple) and len(out) == 2:
             return (jax.tree_util.tree_map(lambda new, old: new.astype(old.dtype), out[0], carry[0]),
-                    out[1] if out_dtype is None else _cast_tree(out[1], out_dtype))
-        return out if out_dtype is None else _cast_tree(out, out_dtype)  # None: as the layers made it
+                    out[1] if out_dtype is None else cast_tree(out[1], out_dtype))
+        return out if out_dtype is None else cast_tree(out, out_dtype)  # None: as the layers made it
 
     def describe_rows(self) -> list:
         if not self._seen:

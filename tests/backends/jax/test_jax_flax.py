@@ -375,3 +375,26 @@ def test_an_orbax_checkpoint_of_model_and_scaling_optimizer_resumes_bit_for_bit(
     assert [float(step(fresh_model, fresh_optimizer, x, y)) for _ in range(4)] == expected
     assert mp.metrics(fresh_optimizer) == mp.metrics(optimizer)
     assert float(optimizer.opt_state.loss_scale) > 2.0**15  # the scale grew, and came back grown
+
+
+def test_nnx_a_refused_policy_leaves_the_model_under_the_policy_it_had():
+    """The new policy is checked before the old one comes off (with the dtypes the old one
+    found): a refusal changes nothing, where the old policy was taken off first and lost."""
+
+    class Two(nnx.Module):
+        def __init__(self, rngs):
+            self.a, self.b = nnx.Linear(16, 32, rngs=rngs), nnx.Linear(32, 4, rngs=rngs)
+
+        def __call__(self, x):
+            return self.b(self.a(x))
+
+    model = Two(nnx.Rngs(0))
+    mp.apply_policy(model, mp.PolicyMap("mixed_bfloat16", {"b": "float32"}))
+    before = [(r.path, r.policy) for r in mp.describe(model)]
+    with pytest.raises(ValueError, match="rowwise"):
+        mp.apply_policy(model, mp.Policy("mixed_bfloat16", float8_recipe="rowwise"))
+    assert [(r.path, r.policy) for r in mp.describe(model)] == before
+    assert model.a(jnp.ones((2, 16))).dtype == jnp.bfloat16
+    mp.apply_policy(model, "bfloat16")  # bfloat16 parameters, then a mixed policy: not the user's
+    mp.apply_policy(model, "mixed_bfloat16")
+    assert model.a.kernel.get_value().dtype == jnp.float32
