@@ -11,7 +11,7 @@ from mixedpolicy.backends.jax.arrays import cast_leaf
 from mixedpolicy.policy_map import NORMALIZATION
 
 NORM_NAMES = ("LayerNorm", "BatchNorm", "RMSNorm", "GroupNorm", "InstanceNorm", "SpectralNorm",
-               "WeightNorm")
+              "WeightNorm")
 
 
 def layer_kind(cls: type, namespace: Any) -> str | None:

@@ -21,6 +21,7 @@ from mixedpolicy.table import NOT_APPLIED, LayerPolicy
 
 _STATE = "_mixedpolicy"
 
+
 class _Applied(NamedTuple):
     """What apply_policy changed on one NNX module: static, hashable, restorable."""
 
