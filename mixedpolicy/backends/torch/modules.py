@@ -50,6 +50,7 @@ from mixedpolicy.backends.torch import declared, float8
 from mixedpolicy.layer_kinds import MODEL_KEPT
 from mixedpolicy.backends.torch.paths import named_layers, unwrap
 from mixedpolicy.backends.torch.regions import STATE as _STATE, _autocasts, install, uninstall
+from mixedpolicy.backends.torch.sharded import fsdp_units, refuse_sharded_changes
 
 _FLOAT32 = Policy("float32")
 
@@ -101,6 +102,8 @@ class TorchModels(ModelAdapter):
         if unwrap(model) is not model:  # torch.compile's module, a checkpoint wrapper: the model inside
             self.apply_policy(unwrap(model), policy_map)
             return model
+        for unit in fsdp_units(model):  # its sharded parameters registered, in the dtype they are kept in
+            unit.reshard()
         if any(getattr(m, _STATE, None) is not None for m in model.modules()):
             # a policy is on: the new one is checked before the old comes off (with the dtypes
             # the old one found), so a refused one leaves the model as it was
@@ -208,28 +211,6 @@ def _refuse_torchscript(model: Any) -> None:
             f"torch.compile; torch.jit.script cannot compile a module under a policy.")
 
 
-def _refuse_sharded_changes(model: torch.nn.Module, steps: list, variables: Any) -> None:
-    """FSDP2 (``fully_shard``) gathers each parameter in the dtype it had when it was sharded,
-    so a policy that stores a parameter in another dtype, or swaps a layer for fp8, after it
-    could not take effect: refused before anything changes. A mixed policy (float32 variables,
-    a compute region) works on a sharded model as on any other."""
-    fsdp = getattr(getattr(torch.distributed, "fsdp", None), "FSDPModule", None)
-    if fsdp is None or not any(isinstance(m, fsdp) for m in model.modules()):
-        return
-    for step in steps:
-        changed = [where for where, dtype in variables(step.layer, step.path)
-                   if dtype is not None and dtype != step.policy.variable_dtype]
-        if changed or step.policy.float8_recipe is not None:
-            what = (f"stores {', '.join(changed)} in {step.policy.variable_dtype}" if changed
-                    else f"computes in fp8 ({step.policy.float8_recipe})")
-            raise ValueError(
-                f"Received a model sharded by FSDP2 (fully_shard) and a policy under which layer {step.path!r} "
-                f"{what} ({step.policy}): FSDP2 gathers parameters in the dtype they had when they were "
-                f"sharded, so this cannot take effect after it. Apply the policy before fully_shard "
-                f"(mp.apply_policy(model, ...), then fully_shard each block), or keep float32 variables and "
-                f"pass mp_policy=policy.to_fsdp() to fully_shard; nothing was changed.")
-
-
 def _is_ddp(model: Any) -> bool:
     parallel = getattr(getattr(torch, "nn", None), "parallel", None)
     return parallel is not None and isinstance(model, parallel.DistributedDataParallel)
@@ -262,7 +243,7 @@ def _planned(model: torch.nn.Module, policy_map: Any, variables: Any) -> tuple:
         listed.append((path, module, LayerInfo(path, type(module), kind, matmul=_matmul(module))))
     steps = plan(policy_map, dotted_chains(listed), variables=variables, fix="Call model.float()",
                  adjust=_follow_attention)
-    _refuse_sharded_changes(model, steps, variables)
+    refuse_sharded_changes(model, steps, variables)
     return real, steps
 
 

@@ -64,6 +64,7 @@ def _policy_on_a_sharded_model():
         assert [r.policy for r in mp.describe(sharded)] == [r.policy for r in mp.describe(plain)]
     sharded(x).float().sum().backward()
     assert all(p.grad.dtype == torch.float32 and type(p.grad).__name__ == "DTensor" for p in sharded.parameters())
+    mp.apply_policy(sharded, rules)  # after a step, the root's gathered parameters still registered
     try:
         mp.apply_policy(sharded, "bfloat16")
     except ValueError as err:
