@@ -286,6 +286,12 @@ def test_one_torch_loop_behaves_alike_under_every_policy_string(policy):
             opt.unscale_()
         opt.step()
     assert opt.num_skipped_steps == 1 and all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    # GradScaler's update(new_scale): set where it scales, checked and ignored where not (as a
+    # disabled GradScaler ignores it)
+    opt.update(2.0**10)
+    assert opt.get_scale() == (2.0**10 if opt.is_enabled() else 1.0)
+    with pytest.raises(ValueError, match="new_scale"):
+        opt.update(float("nan"))
     # half master weights the policy does not store: refused under every policy, up front
     if mp.Policy(policy).variable_dtype == "float32":
         half = _torch_model(torch).half()

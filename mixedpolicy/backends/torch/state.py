@@ -112,20 +112,24 @@ class Checkpoints:
         except after steps of several optimizers named one by one (``step(optimizer0)``,
         ``step(optimizer1)``), whose scale moves here, once, as GradScaler's does;
         ``new_scale`` (a number or a one-element tensor) sets the scale, as GradScaler's does,
-        the counters kept.
+        the counters kept. A wrapper that scales nothing (a float32 or bfloat16 policy) checks
+        the value and sets nothing, as a disabled GradScaler ignores it: the loop that runs
+        under mixed_float16 runs under every policy (logged once).
 
         Raises:
-          ValueError: `new_scale` is not a finite number > 0, or this wrapper scales nothing.
+          ValueError: `new_scale` is not a finite number > 0.
         """
         self._update_deferred()  # after GradScaler's loop over several optimizers (one_by_one.py)
         if new_scale is None:
             return
-        if not self.is_enabled():
-            raise ValueError(f"Received update(new_scale={new_scale!r:.40}) for a LossScaleOptimizer that "
-                             f"scales nothing ({self.loss_scaling}); give it a scale to set one "
-                             f"(initial_scale=..., or policy='mixed_float16').")
         value = float(check_scale(new_scale.detach().cpu() if hasattr(new_scale, "detach") else new_scale,
                                   "new_scale"))
+        if not self.is_enabled():
+            if not getattr(self, "_logged_update_ignored", False):
+                self._logged_update_ignored = True
+                _log.info("LossScaleOptimizer.update(new_scale=%s) ignored: this wrapper scales nothing (%s), "
+                          "as a disabled GradScaler ignores it", value, self.loss_scaling)
+            return
         self.load_scaler_state_dict({**self.scaler_state_dict(), "scale": value})
 
     def load_scaler_state_dict(self, state: dict) -> None:
