@@ -161,65 +161,57 @@ def unpack(packed: np.ndarray, bits: int, numel: int) -> np.ndarray:
     return unpack_codes(np, np.asarray(packed, np.uint8), _bits(bits), numel)
 
 
-# The table-N kernels, written once for numpy, jax.numpy and torch as `xp` (the backends' reduce
-# hooks call them on the device; the reference functions above, on the host).
-
-def _as(xp: Any, x: Any, dtype: str) -> Any:
-    return x.to(getattr(xp, dtype)) if xp.__name__ == "torch" else x.astype(dtype)
-
-
-def _pad(xp: Any, x: Any, n: int) -> Any:
-    """`x` (1-D) with `n` zeros after it."""
-    if xp.__name__ == "torch":
-        return xp.nn.functional.pad(x, (0, n))
-    return xp.pad(x, (0, n))
-
+# The table-N kernels, written once for an array namespace `xp`: numpy, jax.numpy, or torch's
+# backend's `ARRAY_NAMESPACE` (torch with the array API's `astype(x, dtype)` and `pad(x, width)`,
+# backends/torch/arrays.py); the backends' reduce hooks call them on the device, the reference
+# functions above on the host.
 
 def table_codes(xp: Any, flat: Any, table: Any, bits: int) -> tuple[Any, Any]:
     """(each value's N-bit code, uint8: its sign bit over the index of the nearest magnitude in
     `table`; the index alone), for a 1-D float32 `flat`."""
-    index = _as(xp, nearest_index(xp, table, xp.abs(flat)), "uint8")
-    return (_as(xp, xp.signbit(flat), "uint8") << (bits - 1)) | index, index
+    index = xp.astype(nearest_index(xp, table, xp.abs(flat)), "uint8")
+    return (xp.astype(xp.signbit(flat), "uint8") << (bits - 1)) | index, index
 
 
 def table_values(xp: Any, codes: Any, table: Any, bits: int) -> Any:
     """The float32 values N-bit `codes` stand for, with `table`'s magnitudes."""
-    codes = _as(xp, codes, "int32") if xp.__name__ != "torch" else codes.long()
+    codes = xp.astype(codes, "int32")
     sign = xp.where((codes >> (bits - 1)) == 1, -1.0, 1.0)
-    return _as(xp, sign, "float32") * table[codes & ((1 << (bits - 1)) - 1)]
+    return xp.astype(sign, "float32") * table[codes & ((1 << (bits - 1)) - 1)]
 
 
 def pack_codes(xp: Any, codes: Any, bits: int) -> Any:
     """`pack` for `xp`: 1-D uint8 codes packed 8/N to a byte."""
     per = 8 // bits
-    lanes = _as(xp, _pad(xp, codes, -codes.shape[0] % per), "int32").reshape(-1, per)
+    lanes = xp.astype(xp.pad(codes, (0, -codes.shape[0] % per)), "int32").reshape(-1, per)
     packed = lanes[:, 0]
     for j in range(1, per):
         packed = packed | (lanes[:, j] << (bits * j))
-    return _as(xp, packed, "uint8")
+    return xp.astype(packed, "uint8")
 
 
 def unpack_codes(xp: Any, packed: Any, bits: int, numel: int) -> Any:
     """`unpack` for `xp`: the first `numel` N-bit codes (uint8) of packed bytes."""
-    wide = _as(xp, packed, "int32")
+    wide = xp.astype(packed, "int32")
     lanes = [(wide >> (bits * j)) & ((1 << bits) - 1) for j in range(8 // bits)]
-    return _as(xp, xp.stack(lanes, 1).reshape(-1)[:numel], "uint8")
+    return xp.astype(xp.stack(lanes, 1).reshape(-1)[:numel], "uint8")
 
 
 def float8_scale(xp: Any, amax: Any, reduce_dtype: str) -> Any:
     """`float8_scale_exponent`'s power-of-two scale, computed where `amax` lives (no host sync),
-    for numpy, jax.numpy or torch as `xp`: 1 for a tensor of zeros or one that is not finite."""
+    for an array namespace `xp` (see `table_codes`): 1 for a tensor of zeros or one that is not finite."""
     ok = xp.isfinite(amax) & (amax > 0)
     exponent = xp.floor(xp.log2(FLOAT8_MAX[reduce_dtype] / xp.where(ok, amax, xp.ones_like(amax))))
     exponent = xp.where(ok, xp.clip(exponent, -126, 126), xp.zeros_like(exponent))
-    exponent = exponent.astype(xp.int32) if hasattr(exponent, "astype") else exponent.to(xp.int32)
+    exponent = xp.astype(exponent, "int32")
     return xp.ldexp(xp.ones_like(amax), exponent)  # exact (XLA's exp2 is not: 2**115 off by 4 ulp)
 
 
 def nearest_index(xp: Any, table: Any, a: Any) -> Any:
-    """The index of the table entry nearest each |value| (ties: the lower), for numpy, jax.numpy
-    or torch as `xp`. Neighbours are compared by their differences, which float32 computes
-    exactly for close values, where a float32 midpoint can round onto a value and misplace it."""
+    """The index of the table entry nearest each |value| (ties: the lower), for an array
+    namespace `xp` (see `table_codes`). Neighbours are compared by their differences, which
+    float32 computes exactly for close values, where a float32 midpoint can round onto a value
+    and misplace it."""
     last = table.shape[0] - 1
     hi = xp.searchsorted(table, a)
     hi = xp.clip(hi, 0, last)

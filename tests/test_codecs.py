@@ -135,17 +135,24 @@ def test_table_codec_zeros_stay_zero_and_a_non_finite_tensor_arrives_nan():
         mp.Policy("float32", reduce_dtype="table-3")
 
 
+def _namespace(name: str):
+    """The array namespace a backend hands the codec kernels: numpy, jax.numpy, or torch's own."""
+    import importlib
+
+    if name == "torch":
+        return importlib.import_module("mixedpolicy.backends.torch.arrays").ARRAY_NAMESPACE
+    return importlib.import_module(name)
+
+
 @pytest.mark.parametrize("xp_name", ["numpy", "torch", "jax.numpy"])
 @pytest.mark.parametrize("fmt", ["float8_e5m2", "float8_e4m3fn"])
 def test_the_on_device_float8_scale_is_the_reference_power_of_two(xp_name, fmt):
     """DDP's hook and JAX's all_reduce share one scale kernel over the array namespace; it
     gives the reference exponent's scale for every magnitude, zeros and non-finite ones."""
-    import importlib
-
     from conftest import require_module
 
     require_module(xp_name.split(".")[0])
-    xp = importlib.import_module(xp_name)
+    xp = _namespace(xp_name)
     # (no amax whose ratio to the format's maximum is a power of two: a log2 there may land a
     # rounding below the integer on another CPU's vector math, a scale half as large, still valid)
     for amax in [0.0, 1e-30, 1e-3, 0.7, 1.0, 440.0, 5e4, 3e38, float("inf"), float("nan")]:
@@ -159,12 +166,10 @@ def test_the_on_device_float8_scale_is_the_reference_power_of_two(xp_name, fmt):
 def test_the_table_kernels_are_the_references_bytes_on_each_array_namespace(xp_name, bits):
     """DDP's hook and JAX's all_reduce encode, pack, unpack and decode table-N with the kernels
     the numpy reference uses: the same bytes and the same values from the same table."""
-    import importlib
-
     from conftest import require_module
 
     require_module(xp_name.split(".")[0])
-    xp = importlib.import_module(xp_name)
+    xp = _namespace(xp_name)
     x = np.random.default_rng(bits).normal(size=37).astype(np.float32)  # not a multiple of 8/N
     x[3] = 0.0
     packed, table = codecs.encode_table(x, bits)

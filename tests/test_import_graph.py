@@ -169,3 +169,50 @@ def test_every_framework_folder_has_the_same_file_names_for_the_same_parts():
                 module = target.partition(":")[0]
                 assert module.count(".") == 3 and module.rsplit(".", 1)[1] in names, target
                 assert (ROOT.parent / (module.replace(".", "/") + ".py")).exists(), target
+
+
+FRAMEWORK_MODULES = {"torch", "jax", "jaxlib", "tensorflow", "keras", "flax", "optax", "equinox", "jmp"}
+
+
+def _framework_probes(path: Path) -> list:
+    """Where `path` imports a framework, reaches one by its module's name (an import_module /
+    __import__ / sys.modules probe) or tells one by it (``xp.__name__ == "torch"``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        texts = []
+        if isinstance(node, ast.Import):
+            texts = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            texts = [node.module]
+        elif isinstance(node, ast.Compare):
+            texts = [n.value for n in (node.left, *node.comparators) if isinstance(n, ast.Constant)]
+        elif isinstance(node, (ast.Call, ast.Subscript)):
+            texts = [t for t in [_named_text(node)] if t]
+        found += [f"{path.name}:{node.lineno}" for t in texts
+                  if isinstance(t, str) and t.partition(".")[0] in FRAMEWORK_MODULES]
+    return found
+
+
+def _named_text(node) -> str | None:
+    if isinstance(node, ast.Call) and node.args:
+        func = node.func
+        called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+        if called in ("import_module", "__import__", "find_spec") or (
+                called == "get" and isinstance(func.value, ast.Attribute) and func.value.attr == "modules"):
+            return _literal_prefix(node.args[0])
+    elif isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "modules":
+        return _literal_prefix(node.slice)
+    return None
+
+
+def test_the_core_names_no_framework(tmp_path):
+    """The core (floor 1) neither imports a framework nor reaches or tells one by its name: the
+    registry (ground floor) holds the one table of frameworks, and each backend hands the core
+    what it needs (an ArrayOps, an array namespace) instead of the core asking which it is."""
+    core = [p for m, p in _modules().items() if _floor(m) == 1]
+    assert len(core) > 10
+    assert [hit for p in core for hit in _framework_probes(p)] == []
+    sample = tmp_path / "sample.py"  # the probe sees what it is meant to see
+    sample.write_text('import sys\nif xp.__name__ == "torch": pass\nsys.modules.get("jax")\n'
+                      'def f():\n    from tensorflow import nest\n')
+    assert _framework_probes(sample) == ["sample.py:2", "sample.py:3", "sample.py:5"]

@@ -18,6 +18,25 @@ NAMES = {v: k for k, v in TORCH_DTYPES.items() if k in FLOATING_DTYPES}
 PARAMETER_POLICY = "_mixedpolicy_policy"
 
 
+class _ArrayNamespace:
+    """torch as an array namespace for the core's codec kernels (mixedpolicy/codecs.py): torch's
+    functions, with the two the kernels use that torch spells otherwise, `astype` and `pad`."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def astype(x: torch.Tensor, dtype: str) -> torch.Tensor:
+        return x.to(getattr(torch, dtype))
+
+    @staticmethod
+    def pad(x: torch.Tensor, width: tuple[int, int]) -> torch.Tensor:
+        return torch.nn.functional.pad(x, width)
+
+
+ARRAY_NAMESPACE = _ArrayNamespace()
+
+
 def _group_of(x: torch.Tensor) -> Any:
     """What tensors checked together share: a device and a dtype (a sparse tensor goes alone)."""
     return (x.device, x.dtype) if x.layout == torch.strided else id(x)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from mixedpolicy.backends.torch.arrays import PARAMETER_POLICY, TORCH_DTYPES
+from mixedpolicy.backends.torch.arrays import ARRAY_NAMESPACE, PARAMETER_POLICY, TORCH_DTYPES
 from mixedpolicy.backends.torch.paths import named_layers
 from mixedpolicy.codecs import (float8_scale, is_float8, pack_codes, table_bits, table_codes, table_quantiles,
                                 table_values, unpack_codes, wire_bytes)
@@ -238,7 +238,7 @@ def _reduce(flat: torch.Tensor, dtype: str, group: Any, world: int) -> tuple:
     if is_float8(dtype):
         wide = flat.float()
         amax = wide.abs().max() if wide.numel() else torch.zeros((), device=flat.device)
-        scale = float8_scale(torch, amax, dtype)
+        scale = float8_scale(ARRAY_NAMESPACE, amax, dtype)
         q = (wide * scale).to(_TORCH[dtype])
         qs = [torch.empty_like(q.view(torch.uint8)) for _ in range(world)]
         scales = [torch.empty_like(scale) for _ in range(world)]
@@ -277,15 +277,15 @@ def _table_sum(flat: torch.Tensor, bits: int, group: Any, world: int) -> tuple:
     q = torch.as_tensor(table_quantiles(bits), dtype=torch.float32, device=flat.device)
     table = _percentiles(torch.where(torch.isfinite(a), a, torch.zeros_like(a)), q)
     table = torch.where(finite, table, torch.full_like(table, float("nan")))  # NaN: every rank skips
-    codes, _ = table_codes(torch, flat.contiguous(), table.contiguous(), bits)
-    packed = pack_codes(torch, codes, bits)
+    codes, _ = table_codes(ARRAY_NAMESPACE, flat.contiguous(), table.contiguous(), bits)
+    packed = pack_codes(ARRAY_NAMESPACE, codes, bits)
     all_packed = [torch.empty_like(packed) for _ in range(world)]
     all_tables = [torch.empty_like(table) for _ in range(world)]
     dist.all_gather(all_packed, packed, group=group)
     dist.all_gather(all_tables, table, group=group)
-    total = sum(table_values(torch, unpack_codes(torch, got, bits, flat.numel()), tab, bits)
+    total = sum(table_values(ARRAY_NAMESPACE, unpack_codes(ARRAY_NAMESPACE, got, bits, flat.numel()), tab, bits)
                 for got, tab in zip(all_packed, all_tables))
-    return total, table_values(torch, codes, table, bits)
+    return total, table_values(ARRAY_NAMESPACE, codes, table, bits)
 
 
 def to_fsdp(policy: Any) -> Any:
