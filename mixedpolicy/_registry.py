@@ -226,6 +226,21 @@ def supported(role: str) -> str:
     return "; ".join(w for w in words if w) or "none yet"
 
 
+#: Frameworks' objects mixedpolicy does not take, told by their class's module, and the fix.
+UNSUPPORTED_MODULES = ((("tf_keras", "tensorflow.python.keras", "keras.src.legacy", "tensorflow.keras."),
+                        "a Keras 2 object ({where}); mixedpolicy supports Keras 3 (`import keras` with "
+                        "keras>=3). Build the {role} with Keras 3, or use tf_keras's own mixed_precision "
+                        "API with Keras 2."),)
+
+
+def unsupported(cls: type, role: str) -> str | None:
+    """Words for an error message where `cls` comes from a framework mixedpolicy does not take."""
+    for prefixes, words in UNSUPPORTED_MODULES:
+        if cls.__module__.startswith(prefixes):
+            return words.format(where=f"{cls.__module__}.{cls.__qualname__}", role=role)
+    return None
+
+
 def loss_scale_wrapper_types() -> tuple:
     """The wrapper classes of the frameworks whose wrapper module is loaded. Imports nothing."""
     found = []

@@ -15,18 +15,13 @@ from mixedpolicy.scope import global_policy
 _log = logging.getLogger("mixedpolicy")
 
 
-_KERAS_2_MODULES = ("tf_keras", "tensorflow.python.keras", "keras.src.legacy", "tensorflow.keras.")
-
-
 def _no_adapter(obj: Any, role: str, expected: str = "") -> TypeError:
     """The error for an object no adapter owns: its type, what is supported, and the fix."""
     cls = type(obj)
     where = f"{cls.__module__}.{cls.__qualname__}"
-    if cls.__module__.startswith(_KERAS_2_MODULES):
-        return TypeError(
-            f"Received a Keras 2 object ({where}); mixedpolicy supports Keras 3 (`import keras` "
-            f"with keras>=3). Build the {role} with Keras 3, or use tf_keras's own "
-            f"mixed_precision API with Keras 2.")
+    refused = _registry.unsupported(cls, role)
+    if refused:
+        return TypeError(f"Received {refused}")
     hint = ""
     if role == "optimizer" and callable(obj) and hasattr(obj, "__qualname__"):
         hint = (f" {obj.__module__}.{obj.__qualname__} builds an optimizer: call it first, for "
