@@ -220,15 +220,16 @@ def _parser() -> argparse.ArgumentParser:
                    help="blocks: stacks of transformer MLP blocks at each --sizes; gpt2: the bench's gpt2 "
                         "(GPT-2 small's shape off the CPU), which also times float8_auto_filter; linear: one "
                         "nn.Linear per --shapes (default: blocks)")
-    p.add_argument("--shapes", default="768x3072,3072x768,4096x4096",
+    p.add_argument("--shapes", default=None,
                    help="linear: in_features x out_features, comma-separated (default: 768x3072,3072x768,4096x4096)")
-    p.add_argument("--sizes", default="1024,2048,4096,8192", help="blocks: d_model values, comma-separated")
-    p.add_argument("--layers", type=int, default=2, help="blocks: MLP blocks per stack (default: 2)")
-    p.add_argument("--tokens", type=int, default=8192, help="blocks, linear: rows per step (default: 8192)")
-    p.add_argument("--batch-size", type=int, default=8, help="gpt2: sequences per step (default: 8)")
+    p.add_argument("--sizes", default=None,
+                   help="blocks: d_model values, comma-separated (default: 1024,2048,4096,8192)")
+    p.add_argument("--layers", type=int, default=None, help="blocks: MLP blocks per stack (default: 2)")
+    p.add_argument("--tokens", type=int, default=None, help="blocks, linear: rows per step (default: 8192)")
+    p.add_argument("--batch-size", type=int, default=None, help="gpt2: sequences per step (default: 8)")
     p.add_argument("--auto-filter", choices=("off", "on"), default=None,
-                   help="also time fp8 under PolicyMap(float8_auto_filter=True) against torchao on the same layers "
-                        "(default: on for gpt2, off for blocks)")
+                   help="blocks, gpt2: also time fp8 under PolicyMap(float8_auto_filter=True) against torchao on "
+                        "the same layers (default: on for gpt2, off for blocks)")
     p.add_argument("--recipe", default="tensorwise", help="torchao's recipe: tensorwise, rowwise, rowwise_with_gw_hp")
     p.add_argument("--device", default="cuda", help="cuda or cpu (default: cuda)")
     p.add_argument("--compile", choices=("off", "on"), default="on", help="torch.compile every side (default: on)")
@@ -265,6 +266,33 @@ def _shapes(text: str) -> list[tuple[int, int]]:
                      "of 16, comma-separated, e.g. --shapes 768x3072,4096x4096")
 
 
+#: the options each --model reads, with their defaults; one given for another model is refused
+_MODEL_OPTIONS = {"blocks": {"sizes": "1024,2048,4096,8192", "layers": 2, "tokens": 8192, "auto_filter": "off"},
+                  "linear": {"shapes": "768x3072,3072x768,4096x4096", "tokens": 8192},
+                  "gpt2": {"batch_size": 8, "auto_filter": "on"}}
+_COUNTS = {"layers": 1, "tokens": 1, "batch_size": 1, "repeats": 1, "warmup": 0}  # the least each may be
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    """Fills in the chosen model's defaults; refuses an option it does not read (it would do
+    nothing) and a count or time out of range."""
+    own = _MODEL_OPTIONS[args.model]
+    for name in sorted({n for opts in _MODEL_OPTIONS.values() for n in opts} - set(own)):
+        if getattr(args, name) is not None:
+            users = [m for m, opts in _MODEL_OPTIONS.items() if name in opts]
+            raise ValueError(f"--{name.replace('_', '-')} is for --model {' or '.join(users)}; --model {args.model} "
+                             f"does not read it. Drop it, or pick that model.")
+    for name, default in own.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    for name, least in _COUNTS.items():
+        value = getattr(args, name, None)
+        if value is not None and value < least:
+            raise ValueError(f"--{name.replace('_', '-')} {value}: expected a whole number >= {least}")
+    if not 0 <= args.min_block_time <= 60:
+        raise ValueError(f"--min-block-time {args.min_block_time}: expected seconds from 0 to 60")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     import torch
@@ -272,8 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     import mixedpolicy as mp
 
     try:
-        sizes = _sizes(args.sizes)
-        shapes = _shapes(args.shapes)
+        _check_options(args)
+        sizes = _sizes(args.sizes) if args.model == "blocks" else []
+        shapes = _shapes(args.shapes) if args.model == "linear" else []
         mp.Policy(f"p=f32,c=bf16,float8={args.recipe}")
         if args.recipe not in ("tensorwise", "rowwise", "rowwise_with_gw_hp"):
             raise ValueError(f"--recipe {args.recipe!r}: torchao trains with tensorwise, rowwise or "
@@ -284,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"float8_sweep: error: {err}", file=sys.stderr)
         return 2
     where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    auto = (args.auto_filter or ("on" if args.model == "gpt2" else "off")) == "on"
+    auto = args.auto_filter == "on"
     what = {"gpt2": f"gpt2, batch {args.batch_size}", "linear": f"one Linear, {args.tokens} tokens"}.get(
         args.model, f"{args.layers} MLP blocks, {args.tokens} tokens")
     print(f"# {where}, torch {torch.__version__}, {args.recipe}, {what}, compile {args.compile}; "

@@ -43,6 +43,17 @@ def test_gpt2_compares_the_built_in_rules_and_the_auto_filter():
     (["--model", "linear", "--shapes", "768x100"], "in_features x out_features"),
     (["--model", "linear", "--shapes", "768"], "in_features x out_features"),
     (["--model", "linear", "--shapes", "16x16x16"], "in_features x out_features"),
+    (["--repeats", "0"], "--repeats 0: expected a whole number >= 1"),
+    (["--model", "linear", "--tokens", "0"], "--tokens 0: expected a whole number >= 1"),
+    (["--model", "gpt2", "--batch-size", "0"], "--batch-size 0: expected a whole number >= 1"),
+    (["--warmup", "-1"], "--warmup -1: expected a whole number >= 0"),
+    (["--min-block-time", "-1"], "--min-block-time -1.0: expected seconds from 0 to 60"),
+    # an option the chosen model does not read would do nothing: refused
+    (["--shapes", "16x16"], "--shapes is for --model linear; --model blocks does not read it"),
+    (["--model", "linear", "--sizes", "64"], "--sizes is for --model blocks"),
+    (["--model", "gpt2", "--layers", "3"], "--layers is for --model blocks"),
+    (["--model", "linear", "--auto-filter", "on"], "--auto-filter is for --model blocks or gpt2"),
+    (["--model", "gpt2", "--tokens", "64"], "--tokens is for --model blocks or linear"),
 ])
 def test_bad_arguments_are_refused_with_the_fix(argv, says, capsys):
     assert float8_sweep.main(["--device", "cpu", *argv]) == 2
