@@ -136,9 +136,21 @@ def check_out(out: str) -> None:
                          f"folder you can write to.") from None
 
 
-def _check_replicas(args: argparse.Namespace, frameworks: tuple, model: str) -> tuple:
+def given_options(argv: list[str] | None) -> set[str]:
+    """The destinations of the options the command line gives (abbreviated or not), defaults aside."""
+    p, unset = parser(), object()
+    given = vars(p.parse_args(argv, argparse.Namespace(**dict.fromkeys(vars(p.parse_args([])), unset))))
+    return {name for name, value in given.items() if value is not unset}  # (argparse fills in only the absent)
+
+
+#: the framework comparison's timing options, which the replica comparison does not read
+_NOT_FOR_REPLICAS = ("compile", "repeats", "min_block_time", "threads")
+
+
+def _check_replicas(args: argparse.Namespace, frameworks: tuple, model: str, given: set) -> tuple:
     """The --reduce dtypes where --replicas is on, after checking both; --reduce and --bandwidth
-    without --replicas would change nothing, so they are refused."""
+    without --replicas would change nothing, so they are refused, as are the framework
+    comparison's timing options with it."""
     if args.replicas < 0 or args.replicas > 64:
         raise ValueError(f"Received --replicas {args.replicas}; expected a whole number from 1 to 64 "
                          f"(or 0, the default: the framework comparison).")
@@ -150,6 +162,11 @@ def _check_replicas(args: argparse.Namespace, frameworks: tuple, model: str) -> 
                              f"comparison's reduce dtypes and link, and the framework comparison has no "
                              f"replicas. Add --replicas N (e.g. --replicas 4), or drop them.")
         return ()
+    idle = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in _NOT_FOR_REPLICAS if name in given]
+    if idle:
+        raise ValueError(f"Received {', '.join(idle)} with --replicas: the replica comparison times each "
+                         f"policy's steps on JAX host devices once, without the framework comparison's "
+                         f"blocks, threads or compilation; drop {'them' if len(idle) > 1 else 'it'}.")
     args.reduce = args.reduce if args.reduce is not None else ",".join(replicas.REDUCE_DEFAULT)
     args.bandwidth = args.bandwidth if args.bandwidth is not None else _BANDWIDTH
     if model != "mlp" or args.device != "cpu" or args.data != "digits":
@@ -236,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"Received --batch-size {args.batch_size} on {max(args.replicas, 1)} "
                              f"replica(s), more than the {len(split[0])} training samples; choose at "
                              f"most {len(split[0]) // max(args.replicas, 1)}.")
-        reduce_dtypes = _check_replicas(args, frameworks, model)
+        reduce_dtypes = _check_replicas(args, frameworks, model, given_options(argv))
         if not any(runs_on(f, p) for f in frameworks for p in policies):
             raise ValueError(f"Received --policies {args.policies!r} with --frameworks "
                              f"{','.join(frameworks)}: no framework there trains these fp8 recipes with "

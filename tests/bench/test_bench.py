@@ -49,6 +49,8 @@ FIELDS = {"framework", "policy", "model", "batch_size", "steps", "step_time_s", 
     # options that would change nothing are refused, with the fix
     (["--reduce", "bfloat16"], r"--reduce bfloat16 without --replicas.*Add --replicas N"),
     (["--bandwidth", "10GB/s"], r"--bandwidth 10GB/s without --replicas"),
+    (["--replicas", "2", "--compile", "on", "--repe", "5"],
+     r"--compile on, --repeats 5 with --replicas: the replica comparison .* drop them"),
     (["--threads", "-1"], r"--threads -1; expected a whole number from 1 to this machine's \d+ cores, or 0"),
 ])
 def test_bad_options_stop_before_any_run(args, message, capsys, tmp_path, monkeypatch):
