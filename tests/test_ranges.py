@@ -166,7 +166,8 @@ def test_the_cli_inspects_a_bench_model_and_writes_the_figure(tmp_path, capsys):
         assert (tmp_path / "inspect_mlp_torch.png").read_bytes()[:4] == b"\x89PNG"
     assert main(["inspect", "--batches", "0"]) == 2
     # said, not a traceback
-    for bad in (["--loss-scale", "-1"], ["--loss-scale", "nan"], ["--seed", "-5"], ["--batch-size", "0"]):
+    for bad in (["--loss-scale", "-1"], ["--loss-scale", "nan"], ["--loss-scale", "1e40"], ["--seed", "-5"],
+                ["--batch-size", "0"], ["--batch-size", "5000"]):
         capsys.readouterr()
         assert main(["inspect", *bad, "--out", str(tmp_path)]) == 2
         assert f"Received {bad[0]}" in capsys.readouterr().err

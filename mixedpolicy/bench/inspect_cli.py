@@ -83,6 +83,9 @@ def _digits(args: argparse.Namespace, runner) -> tuple:
     return net, [(prepare(args.model, x[i]), y[i]) for i in order]
 
 
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     for name, value in (("batches", args.batches), ("batch-size", args.batch_size)):
@@ -91,9 +94,10 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
     try:
-        if not (math.isfinite(args.loss_scale) and args.loss_scale > 0):
+        if not (math.isfinite(args.loss_scale) and 0 < args.loss_scale <= _FLOAT32_MAX):
             raise ValueError(f"Received --loss-scale {args.loss_scale}; expected a finite number > 0 "
-                             f"(the scale to check besides 1, e.g. 32768).")
+                             f"(the scale to check besides 1, e.g. 32768), at most float32's largest "
+                             f"{_FLOAT32_MAX:.4g} (the gradients it scales are float32 or narrower).")
         if not 0 <= args.seed < 2**31:
             raise ValueError(f"Received --seed {args.seed}; expected a whole number from 0 to 2**31 - 1.")
         args.framework = _framework(args)
@@ -129,7 +133,11 @@ def main(argv: list[str] | None = None) -> int:
         report = mp.inspect_gradients(net, lambda m, b: runner.user_loss(setup, m, b), batches,
                                       loss_scale=args.loss_scale)
     else:
-        net, batches = _digits(args, runner)
+        try:
+            net, batches = _digits(args, runner)
+        except ValueError as err:  # more samples asked for than digits has
+            print(f"mixedpolicy inspect: error: {err}", file=sys.stderr)
+            return 2
         report = mp.inspect_gradients(net, lambda m, b: runner.loss(m, *b), batches, loss_scale=args.loss_scale)
     advice = report.recommend()
     print(report)
