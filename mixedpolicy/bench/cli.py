@@ -16,6 +16,7 @@ import sys
 import time
 
 from mixedpolicy.bench import data, models, progress, replicas, report, runners
+from mixedpolicy.bench.outputs import check_out
 from mixedpolicy.bench.spec import (BASELINES, FRAMEWORKS, MODELS, POLICIES, PURE, RunSpec, memory_policy,
                                     mp_float8, resolve_compile, resolve_frameworks, resolve_model, resolve_policies,
                                     user_model_info)
@@ -116,24 +117,6 @@ def _check_positive(args: argparse.Namespace) -> None:
 def has_nvidia_gpu() -> bool:
     """Does this machine have an NVIDIA GPU (its device files), without importing a framework?"""
     return any(os.path.exists(p) for p in ("/dev/nvidia0", "/dev/nvidiactl"))
-
-
-def check_out(out: str) -> None:
-    """Refuses an --out that is a file or cannot be made or written, before any run (then makes it)."""
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise ValueError(f"Received --out {out!r}, which is a file; expected a folder (new or "
-                         f"existing) for what the command writes (results, report, plots).")
-    parent = out
-    while not os.path.exists(parent):
-        parent = os.path.dirname(os.path.abspath(parent))
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"Received --out {out!r}, but {parent!r} cannot be written; choose a "
-                         f"folder you can write to.")
-    try:  # made now, the last check: a folder the system refuses (/proc, a full disk) is said here
-        os.makedirs(out, exist_ok=True)
-    except OSError as err:
-        raise ValueError(f"Received --out {out!r}, which cannot be made ({err.strerror}); choose a "
-                         f"folder you can write to.") from None
 
 
 def given_options(argv: list[str] | None) -> set[str]:

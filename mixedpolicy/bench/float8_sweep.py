@@ -35,6 +35,7 @@ import sys
 import time
 from typing import Any, Callable
 
+from mixedpolicy.bench.outputs import check_out_file
 from mixedpolicy.float8 import too_small_to_gain
 
 
@@ -95,10 +96,8 @@ def _sides(nets: dict[str, tuple[Any, bool]], batch: tuple, loss: Callable, devi
 
 
 def _sync(device: str) -> None:
-    import torch
-
     if device == "cuda":
-        torch.cuda.synchronize()
+        __import__("torch").cuda.synchronize()
 
 
 def _block_time(step: Callable[[], Any], n: int, device: str) -> float:
@@ -301,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         _check_options(args)
+        check_out_file(args.out)
         sizes = _sizes(args.sizes) if args.model == "blocks" else []
         shapes = _shapes(args.shapes) if args.model == "linear" else []
         mp.Policy(f"p=f32,c=bf16,float8={args.recipe}")

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         if not 0 <= args.seed < 2**31:
             raise ValueError(f"Received --seed {args.seed}; expected a whole number from 0 to 2**31 - 1.")
         args.framework = _framework(args)
-        from mixedpolicy.bench.cli import check_out
+        from mixedpolicy.bench.outputs import check_out
 
         check_out(args.out)
     except ValueError as err:

@@ -28,6 +28,8 @@ import sys
 import time
 from typing import Any
 
+from mixedpolicy.bench.outputs import check_out_file
+
 
 def gpt2_shaped(d: int, seed: int = 0) -> dict:
     """Float32 parameters shaped as GPT-2's for width `d`: 12 blocks and a 64 d x d embedding."""
@@ -126,6 +128,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--d-model {args.d_model!r}: expected whole numbers separated by commas, e.g. 64,153,384")
     if any(w < 1 for w in widths) or args.repeats < 1 or args.calls < 1:
         parser.error("--d-model, --repeats and --calls take numbers of at least 1")
+    try:
+        check_out_file(args.out)
+    except ValueError as err:
+        parser.error(str(err))
     rows = []
     for d in widths:
         for donate in [part == "on" for part in args.donate.split(",")]:

@@ -54,6 +54,9 @@ def test_gpt2_compares_the_built_in_rules_and_the_auto_filter():
     (["--model", "gpt2", "--layers", "3"], "--layers is for --model blocks"),
     (["--model", "linear", "--auto-filter", "on"], "--auto-filter is for --model blocks or gpt2"),
     (["--model", "gpt2", "--tokens", "64"], "--tokens is for --model blocks or linear"),
+    # refused before the sweep, not when its rows are written
+    (["--out", "/"], "which is a folder; expected a file name"),
+    (["--out", "/no/such/folder/rows.json"], "cannot be written"),
 ])
 def test_bad_arguments_are_refused_with_the_fix(argv, says, capsys):
     assert float8_sweep.main(["--device", "cpu", *argv]) == 2

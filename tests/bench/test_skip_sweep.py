@@ -31,6 +31,9 @@ def test_the_sweep_times_every_side_on_the_same_steps(tmp_path, capsys):
     (["--d-model", "wide"], "expected whole numbers separated by commas"),
     (["--d-model", "0"], "at least 1"),
     (["--donate", "maybe"], "invalid choice"),
+    # refused before minutes of timing, not when the rows are written
+    (["--out", "/"], "which is a folder; expected a file name"),
+    (["--out", "/no/such/folder/rows.json"], "cannot be written"),
 ])
 def test_bad_options_are_refused_with_the_fix(argv, message, capsys):
     with pytest.raises(SystemExit) as stopped:
