@@ -122,7 +122,6 @@ class TorchModels(ModelAdapter):
             module, policy, resolution, path = step.layer, step.policy, step.resolution, step.path
             if real[path] in swapped:
                 module = model.get_submodule(real[path])
-            info, parent_policy = step.info, step.parent_policy
             state = _LayerState(policy=policy, source=resolution.source, dtypes={})
             target = _TORCH_DTYPES[policy.variable_dtype]
             # A narrowing cast keeps the original values, so remove_policy can give back
@@ -140,14 +139,8 @@ class TorchModels(ModelAdapter):
                     state["dtypes"][name] = b.dtype
                     state.setdefault("originals", {})[name] = b
                     setattr(module, name, b.to(target))
-            # A region where the policy changes; a plain float32 root needs none (plain
-            # PyTorch). A loss or norm root still casts its half-precision inputs.
-            plain_root = parent_policy is None and policy == _FLOAT32 and info.kind not in (NORMALIZATION, LOSS)
             parent = regions.get(path.rpartition(".")[0]) if path else None
-            # a layer the model keeps in float32 computes as its own code does with float32 weights
-            own_code = info.kind in MODEL_KEPT and resolution.origin == "rule" and parent is not None
-            if (step.changes_policy and not plain_root and not own_code
-                    and not _kernel_norm(module, resolution, parent_policy)):
+            if _gets_region(step, module, parent is not None):
                 state["forward"] = install(module, policy, region=True)
                 regions[path] = policy
             elif parent is not None:
@@ -243,7 +236,7 @@ def _planned(model: torch.nn.Module, policy_map: Any, variables: Any) -> tuple:
         listed.append((path, module, LayerInfo(path, type(module), kind, matmul=_matmul(module))))
     steps = plan(policy_map, dotted_chains(listed), variables=variables, fix="Call model.float()",
                  adjust=_follow_attention)
-    refuse_sharded_changes(model, steps, variables)
+    refuse_sharded_changes(model, steps, variables, lambda step, inside: _gets_region(step, step.layer, inside))
     return real, steps
 
 
@@ -278,6 +271,18 @@ class _LayerState(dict):
         for p in copied.marked:
             p.__dict__[PARAMETER_POLICY] = copied["policy"]
         return copied
+
+
+def _gets_region(step: Any, module: torch.nn.Module, inside_region: bool) -> bool:
+    """Whether `step`'s layer gets a region of its own: where its policy changes, but for a
+    plain float32 root (plain PyTorch; a loss or norm root still casts its half-precision
+    inputs), a layer the model keeps in float32 (it computes as its own code does with float32
+    weights) and a norm PyTorch's kernel computes in float32 inside its parent's autocast."""
+    info, resolution = step.info, step.resolution
+    plain_root = step.parent_policy is None and step.policy == _FLOAT32 and info.kind not in (NORMALIZATION, LOSS)
+    own_code = info.kind in MODEL_KEPT and resolution.origin == "rule" and inside_region
+    return (step.changes_policy and not plain_root and not own_code
+            and not _kernel_norm(module, resolution, step.parent_policy))
 
 
 def _kernel_norm(module: torch.nn.Module, resolution: Any, parent_policy: Policy | None) -> bool:

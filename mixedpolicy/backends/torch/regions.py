@@ -165,8 +165,6 @@ def _autocasts(policy: Policy) -> bool:
     return policy.compute_dtype in ("float16", "bfloat16") and policy.variable_dtype != policy.compute_dtype
 
 
-
-
 class _Entry(_Region):
     """The forward of a module that has no region of its own: its region's policy, applied
     only when the module is called from outside every region with autocast off."""

@@ -3,9 +3,12 @@ must be applied before."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
+
+from mixedpolicy.backends.torch.arrays import TORCH_DTYPES
+from mixedpolicy.backends.torch.regions import _autocasts
 
 
 def fsdp_units(model: torch.nn.Module) -> list:
@@ -14,11 +17,53 @@ def fsdp_units(model: torch.nn.Module) -> list:
     return [] if fsdp is None else [m for m in model.modules() if isinstance(m, fsdp)]
 
 
-def refuse_sharded_changes(model: torch.nn.Module, steps: list, variables: Any) -> None:
+def _gathered_in(model: torch.nn.Module) -> dict:
+    """id(parameter) -> the dtype its FSDP2 unit gathers it in for the forward (its
+    ``mp_policy.param_dtype``), where one is set: the nearest unit's (a unit's parameters include
+    those of the units inside it, which ``modules()`` lists after it)."""
+    found = {}
+    for unit in fsdp_units(model):
+        state = getattr(unit, "_get_fsdp_state", None)  # (FSDP2 keeps its mp_policy there)
+        dtype = getattr(getattr(state() if state else None, "_mp_policy", None), "param_dtype", None)
+        found.update(dict.fromkeys(map(id, unit.parameters()), dtype))
+    return {key: dtype for key, dtype in found.items() if dtype is not None}
+
+
+def _refuse_casts_of_gathered(steps: list, gathered: dict, gets_region: Callable) -> None:
+    """A region that casts its inputs (a float32 override, a pure policy) computes with the
+    weights FSDP2 gathered: in another dtype than the inputs, torch fails at its first matmul.
+    Refused up front, naming the layer, the weights and the fixes."""
+    regions: dict = {}  # path -> whether it computes in a region
+    for step in steps:
+        inside = regions.get(step.path.rpartition(".")[0], False) if step.path else False
+        own = gets_region(step, inside)
+        regions[step.path] = own or inside
+        if not own or _autocasts(step.policy):
+            continue
+        compute = TORCH_DTYPES[step.policy.compute_dtype]
+        autocast_below = {id(p) for s in steps if s.path.startswith(f"{step.path}.") and s.changes_policy
+                          and _autocasts(s.policy) for p in s.layer.parameters()}
+        bad = [(name, gathered[id(p)]) for name, p in step.layer.named_parameters()
+               if id(p) not in autocast_below and gathered.get(id(p), compute) != compute]
+        if bad:
+            name, dtype = bad[0]
+            where = f"{step.path}.{name}" if step.path else name
+            raise ValueError(
+                f"Received a model sharded by FSDP2 whose mp_policy gathers {where} in "
+                f"{str(dtype).removeprefix('torch.')}, and a policy under which layer {step.path or '(root)'!r} "
+                f"computes in {step.policy.compute_dtype} ({step.policy}): its inputs would be "
+                f"{step.policy.compute_dtype} and its weights not, and torch would fail at its first matmul. "
+                f"Shard that layer as a unit of its own with mp_policy=mp.Policy("
+                f"{step.policy.name!r}).to_fsdp(), or shard without mp_policy and let the policy cast; "
+                f"nothing was changed.")
+
+
+def refuse_sharded_changes(model: torch.nn.Module, steps: list, variables: Any, gets_region: Callable) -> None:
     """FSDP2 (``fully_shard``) gathers each parameter in the dtype it had when it was sharded,
     so a policy that stores a parameter in another dtype, or swaps a layer for fp8, after it
-    could not take effect: refused before anything changes. A mixed policy (float32 variables,
-    a compute region) works on a sharded model as on any other."""
+    could not take effect: refused before anything changes, as is a region that would cast its
+    inputs to another dtype than its unit gathers its weights in. A mixed policy (float32
+    variables, a compute region) works on a sharded model as on any other."""
     if not fsdp_units(model):
         return
     for step in steps:
@@ -33,3 +78,6 @@ def refuse_sharded_changes(model: torch.nn.Module, steps: list, variables: Any) 
                 f"sharded, so this cannot take effect after it. Apply the policy before fully_shard "
                 f"(mp.apply_policy(model, ...), then fully_shard each block), or keep float32 variables and "
                 f"pass mp_policy=policy.to_fsdp() to fully_shard; nothing was changed.")
+    gathered = _gathered_in(model)
+    if gathered:
+        _refuse_casts_of_gathered(steps, gathered, gets_region)

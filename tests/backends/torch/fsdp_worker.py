@@ -72,6 +72,16 @@ def _policy_on_a_sharded_model():
     else:
         raise AssertionError("a pure policy on a sharded model was not refused")
     assert mp.describe(sharded)[3].policy == mp.Policy("float32") and sharded(x).dtype == torch.float32
+    # a float32 override inside a unit whose mp_policy gathers bfloat16: refused up front (torch
+    # failed at the layer's first matmul); a mixed policy there runs
+    gathering = _sharded(MixedPrecisionPolicy(torch.bfloat16, torch.float32))
+    try:
+        mp.apply_policy(gathering, rules)
+    except ValueError as err:
+        assert "gathers 2.weight in bfloat16" in str(err) and "unit of its own" in str(err), err
+    else:
+        raise AssertionError("a float32 override inside a bfloat16-gathering unit was not refused")
+    assert mp.apply_policy(gathering, "mixed_bfloat16")(x).dtype == torch.bfloat16
 
 
 def run(rank, world, port):
