@@ -155,10 +155,14 @@ class _Region:
         autocast off where the caller's is on."""
         args, kwargs = cast_floating(args, self._compute), cast_floating(kwargs, self._compute)
         device = _device_type(args, kwargs, self.module)
-        if torch.is_autocast_enabled(device):
-            with torch.autocast(device, enabled=False):
-                return self._forward(*args, **kwargs)
-        return self._forward(*args, **kwargs)
+        try:
+            if torch.is_autocast_enabled(device):
+                with torch.autocast(device, enabled=False):
+                    return self._forward(*args, **kwargs)
+            return self._forward(*args, **kwargs)
+        except RuntimeError as err:
+            raise _weights_in_another_dtype(err, self.module, self.policy, self._compute) or err
+
 
 
 def _autocasts(policy: Policy) -> bool:
@@ -191,3 +195,24 @@ def uninstall(module: torch.nn.Module, before: Any) -> None:
         module.__dict__.pop("forward", None)
     else:
         module.forward = before
+
+
+def _weights_in_another_dtype(err: RuntimeError, module: torch.nn.Module, policy: Policy,
+                              compute: torch.dtype) -> Exception | None:
+    """Where a region that casts its inputs failed on dtypes and a weight of its layer is in
+    another floating dtype than the inputs (FSDP2's mp_policy gathered it so, or the module was
+    cast after apply_policy), the error that says so and the fixes; else None (the error stands)."""
+    if not any(words in str(err) for words in ("dtype", "scalar type")):
+        return None
+    other = next(((name, p.dtype) for name, p in module.named_parameters()
+                  if p.is_floating_point() and p.dtype != compute), None)
+    if other is None:
+        return None
+    return RuntimeError(
+        f"A layer of type {type(module).__name__} computes in {policy.compute_dtype} under its policy ({policy}), "
+        f"which casts its inputs to {policy.compute_dtype}, but its weight {other[0]!r} is "
+        f"{str(other[1]).removeprefix('torch.')} at this call (FSDP2 gathers weights in its mp_policy's "
+        f"param_dtype; a cast after apply_policy, such as model.float(), changes them too). Under FSDP2, "
+        f"shard this layer as a unit of its own with mp_policy=mp.Policy({policy.name!r}).to_fsdp() (or "
+        f"without mp_policy); otherwise apply the policy again after the cast.")
+

@@ -82,6 +82,16 @@ def _policy_on_a_sharded_model():
     else:
         raise AssertionError("a float32 override inside a bfloat16-gathering unit was not refused")
     assert mp.apply_policy(gathering, "mixed_bfloat16")(x).dtype == torch.bfloat16
+    # the same policy applied before fully_shard: said at the first call, with the fix
+    torch.manual_seed(0)
+    early = _sharded(MixedPrecisionPolicy(torch.bfloat16, torch.float32), mp.apply_policy(
+        torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)), rules))
+    try:
+        early(x)
+    except RuntimeError as err:
+        assert "its weight 'weight' is bfloat16 at this call" in str(err) and "unit of its own" in str(err), err
+    else:
+        raise AssertionError("a float32 region over bfloat16-gathered weights ran")
 
 
 def run(rank, world, port):

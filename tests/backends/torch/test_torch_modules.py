@@ -147,6 +147,28 @@ def test_integer_inputs_are_never_cast():
     assert emb(torch.tensor([1, 2])).dtype == torch.bfloat16
 
 
+def test_weights_cast_after_the_policy_fail_with_what_happened_and_the_fix():
+    """A region that casts its inputs meets weights in another dtype (the model cast after
+    apply_policy, or FSDP2 gathering them in its mp_policy's dtype: fsdp_worker.py): torch's
+    dtype error comes with what happened and the fix; other errors stand as they are."""
+    net = mp.apply_policy(torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)),
+                          "bfloat16")
+    net.float()
+    with pytest.raises(RuntimeError, match=r"its weight '0.weight' is float32 at this call.*apply the policy "
+                                           r"again after the cast") as caught:
+        net(torch.randn(3, 8))
+    assert "dtype" in str(caught.value.__context__)  # torch's own error, kept
+    mp.apply_policy(net, "bfloat16")
+    assert net(torch.randn(3, 8)).dtype == torch.bfloat16
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):  # another error: torch's own
+        net(torch.randn(3, 5))
+    from mixedpolicy.backends.torch.regions import _weights_in_another_dtype
+
+    net.float()  # a weight in another dtype, but an error that is not about dtypes: left as it is
+    assert _weights_in_another_dtype(RuntimeError("shapes cannot be multiplied"), net, mp.Policy("bfloat16"),
+                                     torch.bfloat16) is None
+
+
 def test_a_pure_region_casts_floating_tensors_in_any_argument_structure():
     """Tensors, tuples, lists and dicts of plain values take a fast path; anything else
     (nested containers, named tuples) torch's pytree: every floating tensor is cast alike,
