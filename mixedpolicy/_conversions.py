@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from mixedpolicy import _registry
+from mixedpolicy._dtypes import refuse_uncarried
 from mixedpolicy.float8 import KERAS_SOURCES
 
 _KERAS_NAMES = ("float16", "bfloat16", "float32", "float64", "mixed_float16", "mixed_bfloat16")
@@ -60,10 +61,6 @@ def to_fsdp(policy: Any) -> Any:
       ValueError: the reduce dtype is 8-bit or a table codec (FSDP2 reduce-scatters in a
         torch float dtype).
     """
-    if policy.reduce_dtype not in _FSDP_REDUCE:
-        raise ValueError(
-            f"Received {policy!r}, whose gradients would be reduced in {policy.reduce_dtype}; "
-            f"FSDP2 reduce-scatters in float32, bfloat16 or float16 only. Use one of those as "
-            f"reduce_dtype with FSDP2, or DistributedDataParallel with mp.distributed.register "
-            f"for 8-bit and table-coded gradients.")
+    refuse_uncarried([policy.reduce_dtype], f"{policy!r} for to_fsdp()", "FSDP2", _FSDP_REDUCE,
+                     why="; it reduce-scatters in a torch float dtype")
     return _registry.conversion("torch", "to_fsdp")(policy)

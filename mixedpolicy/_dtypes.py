@@ -239,6 +239,22 @@ def canonical_reduce_dtype(value: object, *, what: str = "reduce_dtype") -> str:
                          f"reduced in. Expected one of {valid}.") from None
 
 
+def refuse_uncarried(reduce_dtypes: Any, subject: str, engine: str, carried: tuple, why: str = "") -> None:
+    """The one refusal of a reduce dtype an engine cannot carry: `subject` (what asked for it),
+    the dtypes `engine` cannot carry among `reduce_dtypes`, what it carries (`carried`; none:
+    only each variable's own dtype, which the caller lets through) and the engines that carry
+    every reduce dtype."""
+    refused = [d for d in dict.fromkeys(reduce_dtypes) if d not in carried]
+    if not refused:
+        return
+    can = f"it carries {', '.join(carried)}" if carried else "its replicas reduce in the variable dtype only"
+    raise ValueError(
+        f"Received {subject}: its gradients would be reduced across replicas in {', '.join(refused)}, which "
+        f"mixedpolicy cannot carry through {engine} ({can}{why}; PyTorch DDP (mp.torch.register) and JAX "
+        f"(mp.jax.all_reduce) carry every reduce dtype). Choose another reduce_dtype, or none, there; "
+        f"nothing was applied.")
+
+
 #: At most this many elements are checked for inf and NaN by one reduction (`finite_groups`).
 FINITE_GROUP_ELEMENTS = 1 << 22
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
+from mixedpolicy._dtypes import refuse_uncarried
 from mixedpolicy.policy import Policy, as_policy
 from mixedpolicy.policy_map import LayerInfo, PolicyMap, Resolution, _key_text
 from mixedpolicy.scope import global_policy
@@ -72,16 +73,9 @@ def dotted_chains(layers: Iterable[tuple[str, Any, LayerInfo]]) -> list[tuple[An
 
 
 def _check_reduce(step: PlannedLayer, engine: str, carried: tuple[str, ...]) -> None:
-    reduce_dtype = step.policy.reduce_dtype
-    if reduce_dtype == step.policy.variable_dtype or reduce_dtype in carried:
-        return
-    can = (f"it carries {', '.join(carried)}" if carried else
-           "its replicas reduce in the variable dtype only")
-    raise ValueError(
-        f"Received the policy {step.policy.name} for {engine} layer {step.path or '(root)'!r}: its "
-        f"gradients would be reduced across replicas in {reduce_dtype}, which mixedpolicy cannot "
-        f"carry through {engine} ({can}; PyTorch DDP and JAX carry every reduce dtype). Choose "
-        f"another reduce_dtype, or none, here; nothing was applied.")
+    if step.policy.reduce_dtype != step.policy.variable_dtype:  # (the variable dtype always travels)
+        refuse_uncarried([step.policy.reduce_dtype], f"the policy {step.policy.name} for {engine} layer "
+                         f"{step.path or '(root)'!r}", engine, carried)
 
 
 def plan(policy_map: PolicyMap, layers: Iterable[tuple[Any, Sequence[LayerInfo]]], *,

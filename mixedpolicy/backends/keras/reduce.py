@@ -17,7 +17,7 @@ from typing import Any, Iterator
 import keras
 from keras import ops
 
-from mixedpolicy._dtypes import finite_groups, show
+from mixedpolicy._dtypes import finite_groups, refuse_uncarried, show
 from mixedpolicy.policy import Policy, as_policy
 from mixedpolicy.layer_plan import check_class_keys
 from mixedpolicy.policy_map import PolicyMap
@@ -47,11 +47,9 @@ def check_reduce_policy(policy: Any) -> Any:
                 else [resolved])
     engine, carried = reduce_engine()
     for p in policies:
-        if p is not None and p.reduce_dtype not in ("float32",) + carried:
-            raise ValueError(f"Received reduce_policy with reduce dtype {p.reduce_dtype}, which "
-                             f"mixedpolicy cannot carry through {engine} (it carries "
-                             f"{', '.join(('float32',) + carried)}; PyTorch DDP and JAX carry every "
-                             f"reduce dtype).")
+        if p is not None:
+            refuse_uncarried([p.reduce_dtype], f"reduce_policy with reduce dtype {p.reduce_dtype}", engine,
+                             tuple(dict.fromkeys(("float32",) + carried)))
     return resolved
 
 

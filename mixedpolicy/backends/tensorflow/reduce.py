@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
-from mixedpolicy._dtypes import show
+from mixedpolicy._dtypes import refuse_uncarried, show
 from mixedpolicy.layer_plan import attribute_type_at, check_class_keys, reduce_dtypes_at
 
 #: The reduce dtypes TensorFlow's collectives carry.
@@ -70,14 +70,9 @@ def _reduce_dtypes_in(model: Any, variables: Sequence[Any], policy: Any) -> list
 
 def check_carried(dtypes: Sequence[str], where: str) -> None:
     """Refuses a reduce dtype TensorFlow's collectives cannot carry, naming what they can."""
-    refused = sorted(set(dtypes) - set(CARRIED))
-    if refused:
-        raise ValueError(
-            f"Received reduce dtype {', '.join(refused)} for gradients reduced by {where}; "
-            f"TensorFlow's collectives carry {', '.join(CARRIED)} (they cannot carry float8 "
-            f"tensors, and table codecs need a byte format of their own). Choose one of those, "
-            f"or train with PyTorch DDP (mp.distributed.register) or JAX (mp.jax.all_reduce), "
-            f"which carry every reduce dtype.")
+    refuse_uncarried(dtypes, f"reduce dtypes for gradients reduced by {where}", where, CARRIED,
+                     why="; TensorFlow's collectives cannot carry float8 tensors, and table codecs need a byte "
+                         "format of their own")
 
 
 def all_reduce(grads: Sequence[Any], variables: Sequence[Any], policy: Any = None, *, model: Any = None) -> list:

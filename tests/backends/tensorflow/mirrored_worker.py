@@ -77,7 +77,7 @@ try:
     reduced(mp.Policy("mixed_bfloat16", reduce_dtype="float8_e5m2"))
     raise AssertionError("float8 was not refused")
 except ValueError as err:
-    assert "carry float32, bfloat16, float16" in str(err), err
+    assert "carries float32, bfloat16, float16" in str(err), err
 
 
 # Keras, custom loop: apply_gradients in the replica context; our optimizer sums in bfloat16

@@ -108,7 +108,9 @@ def test_fsdp2_under_to_fsdp_trains_as_by_hand_and_ranks_skip_together():
 
 def test_to_fsdp_refuses_8_bit_gradients_and_says_where_they_go():
     require_module("torch")
-    with pytest.raises(ValueError, match="float8_e5m2; FSDP2 reduce-scatters in float32, bfloat16 or float16.*mp.distributed.register"):
+    with pytest.raises(ValueError, match=r"in float8_e5m2, which mixedpolicy cannot carry through FSDP2 \(it "
+                                         r"carries float32, bfloat16, float16, float64; it reduce-scatters .*"
+                                         r"PyTorch DDP \(mp.torch.register\)"):
         mp.Policy("mixed_bfloat16", reduce_dtype="e5m2").to_fsdp()
     fsdp = mp.Policy("p=f32,c=bf16,o=f32").to_fsdp()
     import torch
