@@ -164,7 +164,6 @@ class _Region:
             raise _weights_in_another_dtype(err, self.module, self.policy, self._compute) or err
 
 
-
 def _autocasts(policy: Policy) -> bool:
     return policy.compute_dtype in ("float16", "bfloat16") and policy.variable_dtype != policy.compute_dtype
 
@@ -215,4 +214,3 @@ def _weights_in_another_dtype(err: RuntimeError, module: torch.nn.Module, policy
         f"param_dtype; a cast after apply_policy, such as model.float(), changes them too). Under FSDP2, "
         f"shard this layer as a unit of its own with mp_policy=mp.Policy({policy.name!r}).to_fsdp() (or "
         f"without mp_policy); otherwise apply the policy again after the cast.")
-

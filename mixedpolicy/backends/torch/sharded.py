@@ -41,8 +41,9 @@ def _refuse_casts_of_gathered(steps: list, gathered: dict, gets_region: Callable
         if not own or _autocasts(step.policy):
             continue
         compute = TORCH_DTYPES[step.policy.compute_dtype]
-        autocast_below = {id(p) for s in steps if s.path.startswith(f"{step.path}.") and s.changes_policy
-                          and _autocasts(s.policy) for p in s.layer.parameters()}
+        prefix = f"{step.path}." if step.path else ""  # (the root's layers: every other path)
+        autocast_below = {id(p) for s in steps if s is not step and s.path.startswith(prefix)
+                          and s.changes_policy and _autocasts(s.policy) for p in s.layer.parameters()}
         bad = [(name, gathered[id(p)]) for name, p in step.layer.named_parameters()
                if id(p) not in autocast_below and gathered.get(id(p), compute) != compute]
         if bad:
