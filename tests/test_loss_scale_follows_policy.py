@@ -299,6 +299,9 @@ def test_one_torch_loop_behaves_alike_under_every_policy_string(policy):
             mp.LossScaleOptimizer(torch.optim.SGD(half.parameters(), lr=0.1), policy=policy)
         with pytest.raises(ValueError, match="master weights"):
             opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2, dtype=torch.float16))]})
+    # zeroed in place, no backward: zero gradients, scaled or not; the inner step under every policy
+    opt.zero_grad(set_to_none=False)
+    opt.step()
     # a loop that forgets scale_loss: refused where the loss is scaled, harmless (scale 1) elsewhere
     opt.zero_grad()
     torch.nn.functional.mse_loss(model(x).float(), y).backward()

@@ -130,6 +130,8 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, OneByOne, torch.optim.Opti
             return
         if not any_gradient(self._inners):
             return  # no backward at all: refused below as a step without gradients
+        if _all_zero(self._inners):  # zero_grad(set_to_none=False) and no backward: scaled or not
+            return  # alike (zero), the step is the inner optimizer's as under a pass-through
         raise unscaled_step_error(what, float(self.loss_scale))
 
     # -- unscale and step -----------------------------------------------------
@@ -279,6 +281,12 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, OneByOne, torch.optim.Opti
     def __repr__(self) -> str:
         inner = ", ".join(type(o).__name__ for o in self._inners)
         return f"LossScaleOptimizer({inner}, {self._scale_settings!r})"
+
+
+def _all_zero(optimizers: list) -> bool:
+    """Whether every gradient of these optimizers is zero (a host read: only on the way to a refusal)."""
+    return all(p.grad is None or not bool((p.grad.coalesce().values() if p.grad.is_sparse else p.grad).any())
+               for opt in optimizers for group in opt.param_groups for p in group["params"])
 
 
 def any_gradient(optimizers: list) -> bool:
