@@ -86,19 +86,36 @@ def all_finite(tree: Any) -> Any:
     arrays = [x for x in leaves if isinstance(x, jax.Array) and dtype_name(x.dtype) is not None]
     if not arrays:
         return jnp.asarray(True)
-    # One sum a group of x * 0: 0 where every value is finite, NaN where one is inf or NaN (a
-    # float product with zero is not folded away; its sum cannot overflow). Summed, it vectorizes
-    # where isfinite(...).all() reduces a mask: 11 against 16 ms over 31M float32 values on one
-    # CPU core. Half and 8-bit floats are widened to float32 first (exactly), float64 kept.
-    sums = [jnp.sum(_widened(jnp.concatenate([x.ravel() for x in group]) if len(group) > 1 else group[0]) * 0)
-            for group in finite_groups(arrays, lambda x: x.size)]
-    if len(sums) == 1:
-        return jnp.isfinite(sums[0])
+    terms = [_finite_term(group) for group in finite_groups(arrays, lambda x: x.size)]
+    if len(terms) == 1:
+        return jnp.isfinite(terms[0])
     # added up by a dot product: XLA rewrites a reduction over stacked scalars into a chain that
     # it copies into every fusion reading the flag (each select of the step's updates and
     # state), so compiling took time quadratic in the leaves (600 leaves: a minute on a CPU)
-    total = jnp.dot(jnp.stack([s.astype(jnp.float32) for s in sums]), jnp.ones(len(sums), jnp.float32))
+    total = jnp.dot(jnp.stack([t.astype(jnp.float32) for t in terms]), jnp.ones(len(terms), jnp.float32))
     return jnp.isfinite(total)
+
+
+#: A group of small arrays of at most this many values is checked through a mask (`_finite_term`).
+MASKED_UP_TO = 1 << 18
+
+
+def _finite_term(group: list) -> Any:
+    """A float scalar, 0 where every value of the group is finite, NaN where one is inf or NaN.
+
+    A sum of x * 0 (a float product with zero is not folded away, and the sum cannot overflow)
+    vectorizes where a mask's reduction does not: 11 against 16 ms over 31M float32 values on
+    one CPU core (half and 8-bit floats widened to float32 first, exactly; float64 kept). A
+    large array is read in place that way, and so is a large group, concatenated. A group of
+    up to `MASKED_UP_TO` values is concatenated into a mask instead: XLA fuses the concatenation
+    with the ``isfinite`` into one kernel writing a byte per value, and reduces it in a plain
+    loop where the sum went to a library kernel of a higher fixed cost. The bench MLP's jitted
+    step (26k values) on one pinned core: 1.04x the bare optimizer's against 1.09x; alike
+    (within 5%) from 10 to 200 arrays of up to 150k values in all."""
+    flat = jnp.concatenate([x.ravel() for x in group]) if len(group) > 1 else group[0]
+    if flat.size > MASKED_UP_TO:
+        return jnp.sum(_widened(flat) * 0)
+    return jnp.where(jnp.isfinite(flat).all(), jnp.float32(0), jnp.float32(np.nan))
 
 
 def _widened(x: Any) -> Any:
