@@ -114,9 +114,43 @@ class FoundInf:
         self._key: tuple | None = None  # the groups the partition below was made from
         self._by_params: dict | None = None
         self._single: tuple | None = None  # (parameters, device, flag, a 1) where all share one pair
+        self._armed: tuple | None = None  # (optimizer, its groups, their lists, `_single`): `armed_check`
 
     def forget_partition(self) -> None:
-        self._key = None
+        self._key = self._armed = None
+
+    def arm(self, opt: torch.optim.Optimizer) -> None:
+        """Lets `armed_check` check `opt`'s gradients while its groups stay as they are now (the
+        wrapper arms it where a step is only a check: no scale, one optimizer, its own step)."""
+        if self._single is not None:
+            groups = opt.param_groups
+            self._armed = (opt, groups, [(g["params"], len(g["params"])) for g in groups], self._single)
+
+    def armed_check(self) -> torch.Tensor | None:
+        """`check` with nothing to unscale, in the fewest Python operations (a small model's step
+        on a CPU spends more time in the wrapper's Python than in the kernel): the flag, or None
+        where it is not armed or the groups changed since (then `check` decides)."""
+        if self._armed is None:
+            return None
+        opt, groups, lists, (params, device, found, ones) = self._armed
+        if opt.param_groups is not groups or len(groups) != len(lists) or any(
+                g["params"] is not ps or len(ps) != n for g, (ps, n) in zip(groups, lists)):
+            self._armed = None
+            return None
+        grads = [g for p in params if (g := p.grad) is not None]
+        if not grads:
+            return None  # (refused by `check`)
+        if device in self.clean:
+            self.clean.discard(device)
+        else:
+            found.zero_()
+        try:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, ones)
+        except NotImplementedError:  # (a sparse gradient now): `check`'s general path
+            self._armed = self._single = None
+            return None
+        self.several, self._checked = False, (device,)
+        return found
 
     def read_as_zero(self) -> None:
         """The step read the last check's flags as 0 on the host: they need no zeroing next time."""
@@ -127,6 +161,7 @@ class FoundInf:
         if key == self._key:
             return
         self._key, self._by_params, self._single = key, params_by_device_and_dtype(groups, half_allowed), None
+        self._armed = None
         if self._by_params is not None and len(self._by_params) == 1:
             ((device, dtype), params), = self._by_params.items()
             if (device.type, dtype) not in _AMP_KERNEL_LACKS:
@@ -196,3 +231,14 @@ class FoundInf:
             if not sparse:
                 return found
         return grads_by_device_and_dtype(groups, half_allowed=half_allowed)
+
+
+def all_zero(optimizers: list) -> bool:
+    """Whether every gradient of these optimizers is zero (a host read: only on the way to a refusal)."""
+    return all(p.grad is None or not bool((p.grad.coalesce().values() if p.grad.is_sparse else p.grad).any())
+               for opt in optimizers for group in opt.param_groups for p in group["params"])
+
+
+def any_gradient(optimizers: list) -> bool:
+    """Whether any parameter of these optimizers has a gradient (stops at the first that has)."""
+    return any(p.grad is not None for opt in optimizers for group in opt.param_groups for p in group["params"])

@@ -24,7 +24,8 @@ from typing import Any, Callable, Iterator
 import torch
 
 from mixedpolicy.backends.torch.regions import cast_floating, cast_inputs, region_context
-from mixedpolicy.backends.torch.optimizer import TorchLossScaleOptimizer, any_gradient
+from mixedpolicy.backends.torch.found_inf import any_gradient
+from mixedpolicy.backends.torch.optimizer import TorchLossScaleOptimizer
 from mixedpolicy.backends.torch.scaler_view import GRADSCALER_INITIAL_SCALE, GradScalerView
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, summary
 from mixedpolicy.policy_map import PolicyMap, as_policy_map

@@ -25,7 +25,7 @@ from mixedpolicy._adapter import OptimizerAdapter
 from mixedpolicy.backends.torch.arrays import PARAMETER_POLICY
 from mixedpolicy.backends.torch.checks import check_inner, is_own_optimizer, take_fused_kernels, unscaled_step_error
 from mixedpolicy.backends.torch.closure import check_closure_optimizers, closure_step, reevaluates_closure
-from mixedpolicy.backends.torch.found_inf import FoundInf
+from mixedpolicy.backends.torch.found_inf import FoundInf, all_zero, any_gradient
 from mixedpolicy.backends.torch.inner import InnerView
 from mixedpolicy.backends.torch.one_by_one import OneByOne
 from mixedpolicy.backends.torch.updates import TorchUpdates
@@ -130,7 +130,7 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, OneByOne, torch.optim.Opti
             return
         if not any_gradient(self._inners):
             return  # no backward at all: refused below as a step without gradients
-        if _all_zero(self._inners):  # zero_grad(set_to_none=False) and no backward: scaled or not
+        if all_zero(self._inners):  # zero_grad(set_to_none=False) and no backward: scaled or not
             return  # alike (zero), the step is the inner optimizer's as under a pass-through
         raise unscaled_step_error(what, float(self.loss_scale))
 
@@ -194,6 +194,16 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, OneByOne, torch.optim.Opti
     def _step(self, closure: Any = None) -> Any:
         # (the common case, no closure and one optimizer, in as few Python operations as it
         # takes: on a CPU a small model's step spends more time in Python than in the check)
+        if closure is None and self._acting_on is None and not self._unscaled:
+            found = self._checks.armed_check()  # a check-only step, its groups as at the last one:
+            if found is not None:  # the rest inline (on a CPU each call here costs ~2 us in a loop)
+                skipped = self._last_skipped = bool(found.item())
+                if skipped:
+                    self._skipped.add_(1)
+                else:
+                    self._inners[0].step()
+                self._loss_scaled = False
+                return None
         if closure is not None and self._one_of_several(closure):  # GradScaler's step(optimizer) of several
             return self._step_one(closure)
         if closure is not None and is_own_optimizer(self, closure, "step"):
@@ -237,6 +247,8 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, OneByOne, torch.optim.Opti
         else:
             if not self._unscaled:  # unscale_()'s work; its checks were made above
                 self._found_inf = self._unscale_and_check(self._inverse(scale), scale)
+                if type(self._scale_settings) is NoLossScale and len(stepped) == 1 and self._acting_on is None:
+                    self._checks.arm(stepped[0])  # the next steps: `armed_check`, while nothing changes
             skipped = bool(self._found_inf.item())  # the one host sync GradScaler makes too
             if not skipped:
                 for opt in stepped:
@@ -281,17 +293,6 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, OneByOne, torch.optim.Opti
     def __repr__(self) -> str:
         inner = ", ".join(type(o).__name__ for o in self._inners)
         return f"LossScaleOptimizer({inner}, {self._scale_settings!r})"
-
-
-def _all_zero(optimizers: list) -> bool:
-    """Whether every gradient of these optimizers is zero (a host read: only on the way to a refusal)."""
-    return all(p.grad is None or not bool((p.grad.coalesce().values() if p.grad.is_sparse else p.grad).any())
-               for opt in optimizers for group in opt.param_groups for p in group["params"])
-
-
-def any_gradient(optimizers: list) -> bool:
-    """Whether any parameter of these optimizers has a gradient (stops at the first that has)."""
-    return any(p.grad is not None for opt in optimizers for group in opt.param_groups for p in group["params"])
 
 
 def _eager_under_dynamo(method: Any) -> Any:

@@ -728,3 +728,52 @@ def test_several_optimizers_stepped_by_name_skip_alone_and_move_the_scale_once_a
     wrapper.update()
     with pytest.raises(ValueError, match="an optimizer that this LossScaleOptimizer over .* does not wrap"):
         wrapper.step(torch.optim.SGD(net().parameters(), lr=0.1))  # an optimizer it does not hold
+
+
+
+def test_a_check_only_steps_short_path_sees_every_change_the_full_one_would():
+    """A wrapper that only checks (no scale, one optimizer) takes a short path from its second
+    step on; a step after the groups changed, a gradient made infinite, a hook or a sparse
+    gradient behaves as on the first step."""
+    model, extra = net(), torch.nn.Parameter(torch.zeros(2))
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), loss_scale=mp.NoLossScale())
+    x, y = batches(1)[0]
+    params = list(model.parameters()) + [extra]
+
+    def step(poison=None):
+        """One step; whether every parameter was left as it was."""
+        opt.zero_grad()
+        (loss_of(model, x, y) + extra.sum()).backward()
+        if poison is not None:
+            poison.grad.view(-1)[0] = INF
+        before = [p.detach().clone() for p in params]
+        opt.step()
+        return all(torch.equal(a, b) for a, b in zip(before, params))
+
+    for _ in range(3):
+        assert not step()
+    assert step(poison=model[2].weight) and opt.last_step_skipped and opt.num_skipped_steps == 1
+    assert not step() and not opt.last_step_skipped
+    # a group added, then a group's list grown in place: their gradients are checked too
+    opt.add_param_group({"params": [extra]})
+    assert not step() and extra.detach().abs().sum() > 0
+    assert step(poison=extra) and opt.num_skipped_steps == 2
+    grown = torch.nn.Parameter(torch.zeros(1))
+    opt.param_groups[1]["params"].append(grown)
+    params.append(grown)
+    grown.grad = torch.full((1,), float("nan"))
+    before = [p.detach().clone() for p in params]
+    opt.step()  # (no backward since: the gradients as they are, one NaN among them)
+    assert opt.num_skipped_steps == 3 and all(torch.equal(a, b) for a, b in zip(before, params))
+    # a step hook registered on the wrapper now runs
+    calls = []
+    opt.register_step_post_hook(lambda *args: calls.append(1))
+    assert not step() and calls == [1]
+    # a sparse gradient: the general path, which checks it
+    emb = torch.nn.Embedding(5, 2, sparse=True)
+    sparse = mp.LossScaleOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1), loss_scale=mp.NoLossScale())
+    for poison in (False, False, True):
+        sparse.zero_grad()
+        (emb(torch.tensor([1, 2])).sum() * (INF if poison else 1.0)).backward()
+        sparse.step()
+    assert sparse.num_skipped_steps == 1
