@@ -216,11 +216,10 @@ class LossScaleOptimizer(SkipCounters, keras.optimizers.LossScaleOptimizer):
             if concrete and not bool(ops.convert_to_numpy(finite)):
                 new_trainable, new_inner = old_trainable, old_inner
             else:
-                unscaled = self._unscale(grads, self._trainable_variables)
-
-                def apply_inner():
-                    return self.inner_optimizer.stateless_apply(
-                        self.inner_optimizer.variables, unscaled, trainable_variables)
+                def apply_inner():  # unscaled in the branch: XLA fuses it into the update's kernels
+                    return self.inner_optimizer.stateless_apply(self.inner_optimizer.variables,
+                                                                self._unscale(grads, self._trainable_variables),
+                                                                trainable_variables)
 
                 if concrete:
                     new_trainable, new_inner = apply_inner()
