@@ -295,9 +295,17 @@ def test_torch_no_loss_scale_skips_and_survives_its_state_dict():
     assert opt.scale_loss(torch.tensor(3.0)).item() == 3.0
 
 
-def test_torch_half_parameters_after_wrapping_are_refused_at_step():
+@pytest.mark.parametrize("steps_before", [0, 3])
+def test_torch_half_parameters_after_wrapping_are_refused_at_step(steps_before):
+    """As GradScaler refuses float16 gradients at every unscale: also after steps in float32,
+    whose partition of the parameters by dtype the wrapper keeps from step to step."""
     torch, model, opt = _torch_setup()
+    for _ in range(steps_before):
+        opt.zero_grad()
+        opt.scale_loss(model(torch.ones(2, 4)).sum()).backward()
+        opt.step()
     model.half()
+    opt.zero_grad()
     opt.scale_loss(model(torch.ones(2, 4, dtype=torch.float16)).float().sum()).backward()
     with pytest.raises(ValueError, match="float16 gradients"):
         opt.step()

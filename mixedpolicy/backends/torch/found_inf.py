@@ -190,6 +190,10 @@ class FoundInf:
           ValueError: a float16 parameter has a gradient and `half_allowed` is false.
         """
         self._partition(groups, half_allowed)
+        if not half_allowed and self._by_params is not None and any(
+                p.dtype == torch.float16 for ps in self._by_params.values() for p in ps):
+            self._key = None  # a parameter turned float16 since (model.half()): refused below, as
+            self._partition(groups, half_allowed)  # GradScaler refuses it at every unscale
         if self._single is not None:  # one device, one dtype (most models): a few Python operations
             params, device, found, ones = self._single
             grads = [g for p in params if (g := p.grad) is not None]
