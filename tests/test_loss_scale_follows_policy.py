@@ -312,6 +312,44 @@ def test_one_torch_loop_behaves_alike_under_every_policy_string(policy):
         opt.step()
 
 
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "mixed_float16", "bfloat16", "float16"])
+def test_scale_settings_beside_a_policy_keep_its_own_half_weights_on_torch_as_on_optax(policy):
+    """Scale settings choose the scale; the policy still says which half-precision weights are its
+    own. Under a pure policy, `initial_scale=...` beside `policy=` was refused on torch as "half
+    master weights" where the optax and Keras wrappers trained: adding a setting to a loop must
+    not turn it into a refused one. Half weights a policy does not store stay refused."""
+    torch = require_module("torch")
+    settings = dict(initial_scale=2.0**10, dynamic_growth_steps=3)
+    model = mp.apply_policy(_torch_model(torch), policy)
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), policy=policy, **settings)
+    x, y = torch.randn(8, 4, generator=torch.Generator().manual_seed(0)), torch.randn(8, 2)
+    for step in range(5):  # skipped at 1 (1024 -> 512), grown back after three finite steps
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x).float(), y) * (float("inf") if step == 1 else 1.0)
+        opt.scale_loss(loss).backward()
+        opt.step()
+    assert opt.num_skipped_steps == 1 and opt.get_scale() == 2.0**10
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    if mp.Policy(policy).variable_dtype == "float32":
+        with pytest.raises(ValueError, match="master weights"):
+            mp.LossScaleOptimizer(torch.optim.SGD(_torch_model(torch).half().parameters(), lr=0.1),
+                                  policy=policy, **settings)
+    # the optax wrapper, given the same, on parameters in the policy's variable dtype
+    jax = require_module("jax")
+    optax = require_module("optax", "jax")
+    jnp = jax.numpy
+    params = {"w": jnp.full((4, 2), 0.5, mp.Policy(policy).variable_dtype)}
+    tx = mp.LossScaleOptimizer(optax.sgd(0.1), policy=policy, **settings)
+    state = tx.init(params)
+    for step in range(5):
+        grads = jax.grad(lambda p, f: tx.scale_loss(jnp.sum(p["w"].astype(jnp.float32) ** 2) * f, state))(
+            params, jnp.float32(float("inf") if step == 1 else 1.0))
+        updates, state = tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    assert int(state.num_skipped_steps) == 1 and float(state.loss_scale) == 2.0**10
+    assert bool(jnp.isfinite(params["w"]).all())
+
+
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "mixed_float16", "16-mixed", "bfloat16",
                                     "bf16-true", "float16", "16-true"])
 def test_one_nnx_loop_behaves_alike_under_every_policy_string(policy):
