@@ -62,16 +62,31 @@ SCALE_SETTINGS = ("initial_scale", "dynamic_growth_steps", "growth_factor", "bac
                   "max_scale")
 
 
-def scale_from_settings(settings: Mapping[str, Any], loss_scale: Any = None, policy: Any = None) -> LossScale | None:
+def scale_from_settings(settings: Mapping[str, Any], loss_scale: Any = None, policy: Any = None,
+                        skip_nonfinite: bool = True) -> LossScale | None:
     """The loss scale that `LossScaleOptimizer`'s scale settings (`SCALE_SETTINGS`, None ones
     left out) and `loss_scale` describe, checked; None where neither is given (the policy
     decides). Where a trainer's plugin takes the settings, it calls this before anything changes.
 
     Raises:
-      TypeError: `loss_scale` is no `LossScale`, or came with settings or a policy.
+      TypeError: `loss_scale` is no `LossScale`, or came with settings or a policy;
+        ``skip_nonfinite=False`` came with a scale it cannot apply to (it would do nothing).
       ValueError: a setting is out of range.
     """
     given = {k: v for k, v in settings.items() if v is not None}
+    if not skip_nonfinite and (given or (loss_scale is not None and loss_scale != NoLossScale(skip_nonfinite=False))):
+        if isinstance(loss_scale, NoLossScale):
+            raise TypeError(f"Received skip_nonfinite=False together with loss_scale={loss_scale!r}, which says "
+                            f"the opposite; the loss_scale given is used as it is. Pass "
+                            f"loss_scale=mp.NoLossScale(skip_nonfinite=False) alone for the inner "
+                            f"optimizer's step as it is, or drop skip_nonfinite=False.")
+        named = sorted(given) or [f"loss_scale={type(loss_scale).__name__}(...)"]
+        raise TypeError(
+            f"Received skip_nonfinite=False together with {', '.join(named)}. skip_nonfinite=False "
+            f"makes a pass-through where no scale is chosen; a loss scale skips every step whose "
+            f"scaled gradients overflowed, whatever skip_nonfinite says, so here it would do "
+            f"nothing. Drop skip_nonfinite=False to scale, or drop {', '.join(named)} for the "
+            f"inner optimizer's step as it is (loss_scale=mp.NoLossScale(skip_nonfinite=False)).")
     if loss_scale is not None:
         if not isinstance(loss_scale, LossScale):
             raise TypeError(f"Received loss_scale={loss_scale!r:.80} of type {type(loss_scale).__name__}; expected "
@@ -116,7 +131,8 @@ def check_trainer_scale_settings(settings: Any, where: str) -> dict:
                         f"belong to the optimizer.")
     if not isinstance(settings.get("skip_nonfinite", True), bool):
         raise TypeError(f"Received skip_nonfinite={settings['skip_nonfinite']!r:.60}; expected True or False.")
-    scale_from_settings({k: settings.get(k) for k in SCALE_SETTINGS}, settings.get("loss_scale"))
+    scale_from_settings({k: settings.get(k) for k in SCALE_SETTINGS}, settings.get("loss_scale"),
+                        skip_nonfinite=settings.get("skip_nonfinite", True))
     return dict(settings)
 
 
@@ -160,7 +176,8 @@ class LossScaleOptimizer(abc.ABC):
         decide whether to scale; None reads it as described above.
       skip_nonfinite: where no scaling is chosen: skip a step whose gradients are not
         all finite (True, the default), or hand every step to the inner optimizer as it
-        is (False).
+        is (False). False beside scale settings or a `loss_scale` that scales is refused
+        (a scale skips overflowed steps; it would do nothing).
       axis_name: JAX only: the ``pmap`` / ``shard_map`` axis over which replicas agree
         to skip a step.
       **kwargs: Keras only: what ``keras.optimizers.LossScaleOptimizer`` takes besides
@@ -201,7 +218,7 @@ class LossScaleOptimizer(abc.ABC):
         # checked before dispatch: a bad setting is named first
         loss_scale = scale_from_settings(dict(
             initial_scale=initial_scale, dynamic_growth_steps=dynamic_growth_steps, growth_factor=growth_factor,
-            backoff_factor=backoff_factor, min_scale=min_scale, max_scale=max_scale), loss_scale, policy)
+            backoff_factor=backoff_factor, min_scale=min_scale, max_scale=max_scale), loss_scale, policy, skip_nonfinite)
         if adapter is None:
             raise _no_adapter(inner, "optimizer")
         # followed with scale settings too: they choose the scale, the policy still says which

@@ -111,6 +111,20 @@ def test_conflicting_or_bad_arguments_are_refused_with_the_fix():
     with pytest.raises(TypeError, match="skip_nonfinite=3"):
         mp.NoLossScale(skip_nonfinite=3)
     assert mp.NoLossScale(False) != mp.NoLossScale() and mp.NoLossScale() == mp.NoLossScale(True)
+    # skip_nonfinite=False where a scale is given would do nothing (a scale skips overflows): refused,
+    # on every framework (the check is made before dispatch) and in a trainer's scale_settings
+    with pytest.raises(TypeError, match=r"skip_nonfinite=False together with dynamic_growth_steps, initial_scale.*"
+                                        r"would do nothing"):
+        mp.LossScaleOptimizer(opt, initial_scale=8.0, dynamic_growth_steps=4, skip_nonfinite=False)
+    with pytest.raises(TypeError, match=r"loss_scale=DynamicLossScale\(\.\.\.\)"):
+        mp.LossScaleOptimizer(opt, loss_scale=mp.DynamicLossScale(), skip_nonfinite=False)
+    with pytest.raises(TypeError, match=r"NoLossScale\(skip_nonfinite=True\), which says the opposite"):
+        mp.LossScaleOptimizer(opt, loss_scale=mp.NoLossScale(), skip_nonfinite=False)
+    with pytest.raises(TypeError, match="skip_nonfinite=False together with initial_scale"):
+        from mixedpolicy.optimizer import check_trainer_scale_settings
+        check_trainer_scale_settings({"initial_scale": 8.0, "skip_nonfinite": False}, "scale_settings")
+    same = mp.LossScaleOptimizer(opt, loss_scale=mp.NoLossScale(skip_nonfinite=False), skip_nonfinite=False)
+    assert same.loss_scaling.startswith(EXACT)  # (redundant, not contradictory)
 
 
 # -- the pass-through adds nothing -----------------------------------------------------
