@@ -409,3 +409,44 @@ def test_a_scaling_checkpoint_loads_into_a_wrapper_that_scales_nothing_and_says_
         plain.load_state_dict(scaling.state_dict())
     assert "loss scale is 16384" in caplog.text and "the scale is dropped" in caplog.text
     assert plain.loss_scaling.startswith("no scaling") and plain.num_skipped_steps == 1
+
+
+def test_a_static_scale_keeps_its_own_on_torch_as_on_optax_and_what_is_dropped_is_said(caplog):
+    """A checkpoint loaded into a wrapper with a static scale: the static scale stays (torch took
+    the saved one, optax kept its own: one rule now), one warning says what was dropped; a state
+    whose skip count a pass-through cannot keep says so too (optax dropped it silently)."""
+    import logging
+
+    torch = require_module("torch")
+    model = _torch_model(torch)
+    dynamic = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), initial_scale=64.0)
+    dynamic.scale_loss(model(torch.ones(1, 4)).sum() * float("inf")).backward()
+    dynamic.step()  # skipped: 64 -> 32
+    static = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), loss_scale=mp.StaticLossScale(128.0))
+    with caplog.at_level(logging.WARNING, logger="mixedpolicy"):
+        static.load_state_dict(dynamic.state_dict())
+    assert "loss scale is 32" in caplog.text and "static scale of 128" in caplog.text
+    assert static.get_scale() == 128.0 and static.num_skipped_steps == 1
+    caplog.clear()
+    again = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), loss_scale=mp.StaticLossScale(128.0))
+    with caplog.at_level(logging.WARNING, logger="mixedpolicy"):
+        again.load_state_dict(static.state_dict())  # its own kind and scale: nothing to say
+    assert caplog.text == "" and again.get_scale() == 128.0 and again.num_skipped_steps == 1
+
+    jax = require_module("jax")
+    optax = require_module("optax", "jax")
+    jnp = jax.numpy
+    params = {"w": jnp.ones(3)}
+    tx = mp.LossScaleOptimizer(optax.sgd(0.1), initial_scale=64.0)
+    _, state = tx.update({"w": jnp.full(3, jnp.inf)}, tx.init(params), params)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mixedpolicy"):
+        kept = mp.LossScaleOptimizer(optax.sgd(0.1), loss_scale=mp.StaticLossScale(128.0)).adopt_state(state)
+    assert "loss scale is 32" in caplog.text and "static scale of 128" in caplog.text
+    assert float(kept.loss_scale) == 128.0 and int(kept.num_skipped_steps) == 1
+    caplog.clear()
+    checked = mp.LossScaleOptimizer(optax.sgd(0.1), policy="float32")
+    _, counted = checked.update({"w": jnp.full(3, jnp.nan)}, checked.init(params), params)
+    with caplog.at_level(logging.WARNING, logger="mixedpolicy"):
+        mp.LossScaleOptimizer(optax.sgd(0.1), skip_nonfinite=False).adopt_state(counted)
+    assert "counted 1 skipped steps" in caplog.text and "the count is dropped" in caplog.text

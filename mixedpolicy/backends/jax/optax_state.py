@@ -119,11 +119,19 @@ def adopted_scale(saved: Any, fresh: Any, loss_scale: LossScale) -> Any:
     scale, counter = float(saved.loss_scale), int(saved.counter)
     if isinstance(loss_scale, DynamicLossScale) and not (scale == 1.0 and counter == 0):
         return LossScaleState(fresh.inner_state, saved.counts)
+    keeps_counts = isinstance(fresh, LossScaleState)  # (a pass-through's state is the inner one alone)
+    skipped = int(saved.num_skipped_steps)
     if not isinstance(loss_scale, DynamicLossScale) and scale != float(fresh.loss_scale):
         _log.warning("Adopted an optimizer state whose loss scale is %g into a LossScaleOptimizer with %s: "
-                     "the scale is dropped; the inner state and the skip counts are kept.", scale,
-                     "no scaling" if float(fresh.loss_scale) == 1.0 else f"a static scale of {float(fresh.loss_scale):g}")
-    if not isinstance(fresh, LossScaleState):
+                     "the scale is dropped; %s.", scale,
+                     "no scaling" if float(fresh.loss_scale) == 1.0 else f"a static scale of {float(fresh.loss_scale):g}",
+                     "the inner state and the skip counts are kept" if keeps_counts else
+                     f"the inner state is kept, and its skip count ({skipped}) dropped: a pass-through keeps none")
+    elif not keeps_counts and skipped:
+        _log.warning("Adopted an optimizer state that counted %d skipped steps into a pass-through "
+                     "LossScaleOptimizer (skip_nonfinite=False), which keeps no count: the count is dropped; "
+                     "the inner state is kept.", skipped)
+    if not keeps_counts:
         return fresh
     return fresh._replace(counts=pack_counts(fresh.loss_scale, fresh.counter, saved.last_step_skipped,
                                              saved.num_skipped_steps))

@@ -78,7 +78,8 @@ def config_from_scaler_state(cfg: LossScale, state: Any, follows_policy: bool = 
 
     A wrapper that scales nothing because its policy needs no scale (`follows_policy`), or a
     pass-through (`NoLossScale(skip_nonfinite=False)`), takes any state and keeps scaling
-    nothing, whatever the run that saved the state used; what it drops is logged.
+    nothing, whatever the run that saved the state used; a static scale keeps its own (as the
+    optax wrapper's ``adopt_state``); what either drops is logged.
     """
     if not isinstance(state, dict):
         raise TypeError(f"Received a scaler state of type {type(state).__name__}; expected the "
@@ -125,8 +126,11 @@ def config_from_scaler_state(cfg: LossScale, state: Any, follows_policy: bool = 
                 f"Received a scaler state with scale={scale} for a LossScaleOptimizer made with "
                 f"NoLossScale(), which never scales. Load it into a wrapper made with a "
                 f"DynamicLossScale or StaticLossScale, or drop the 'loss_scale' entry.")
-    else:
-        cfg = StaticLossScale(scale)
+    elif float(scale) != float(cfg.loss_scale):  # static: keeps its own, as the optax wrapper's adopt_state
+        _log.warning(
+            "Loaded a checkpoint whose loss scale is %g (growth counter %s) into a LossScaleOptimizer "
+            "with a static scale of %g: the saved scale is dropped; the inner optimizer's state and "
+            "the skip count are kept.", float(scale), int(state["_growth_tracker"]), float(cfg.loss_scale))
     return cfg, state.get("num_skipped_steps")
 
 
