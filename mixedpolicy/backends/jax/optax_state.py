@@ -121,7 +121,8 @@ def adopted_scale(saved: Any, fresh: Any, loss_scale: LossScale) -> Any:
         return LossScaleState(fresh.inner_state, saved.counts)
     keeps_counts = isinstance(fresh, LossScaleState)  # (a pass-through's state is the inner one alone)
     skipped = int(saved.num_skipped_steps)
-    if not isinstance(loss_scale, DynamicLossScale) and scale != float(fresh.loss_scale):
+    never_scaled = scale == 1.0 and counter == 0
+    if not isinstance(loss_scale, DynamicLossScale) and scale != float(fresh.loss_scale) and not never_scaled:
         _log.warning("Adopted an optimizer state whose loss scale is %g into a LossScaleOptimizer with %s: "
                      "the scale is dropped; %s.", scale,
                      "no scaling" if float(fresh.loss_scale) == 1.0 else f"a static scale of {float(fresh.loss_scale):g}",

@@ -18,6 +18,7 @@ from keras import ops
 from keras.src.saving.keras_saveable import KerasSaveable
 
 from mixedpolicy.backends.keras import state
+from mixedpolicy.loss_scale import StaticLossScale
 
 _log = logging.getLogger("mixedpolicy")
 
@@ -87,20 +88,23 @@ class SkipCounts(KerasSaveable):
             return
         owner._skips.assign(store["0"])
         owner._read_earlier_counters()
-        if "1" not in store.keys() or bool(store["1"]) == _scales(owner):
+        if "1" not in store.keys():
             return
-        loaded = float(ops.convert_to_numpy(owner.dynamic_scale))
-        if not _scales(owner) and loaded != float(owner.initial_scale):
-            _log.warning("Loaded a checkpoint whose loss scale is %g into a LossScaleOptimizer that scales "
-                         "nothing (%s): the scale is dropped; the inner optimizer's state and the skip "
-                         "counts are kept. Compile under a float16 policy (or pass initial_scale=...) to go "
-                         "on scaling.", loaded, owner.loss_scaling)
-        owner.dynamic_scale.assign(float(owner.initial_scale))
+        loaded, own, saved_scaled = float(ops.convert_to_numpy(owner.dynamic_scale)), float(owner.initial_scale), bool(store["1"])
+        static = isinstance(owner._scale_settings, StaticLossScale) and _scales(owner)  # keeps its own (torch, optax)
+        if saved_scaled == _scales(owner) and not (static and loaded != own):
+            return
+        if saved_scaled and loaded != own and (static or not _scales(owner)):
+            _log.warning("Loaded a checkpoint whose loss scale is %g into a LossScaleOptimizer %s: the scale "
+                         "is dropped; the inner optimizer's state and the skip counts are kept.%s", loaded,
+                         f"with a static scale of {own:g}" if static else f"that scales nothing ({owner.loss_scaling})",
+                         "" if static else " Compile under a float16 policy (or pass initial_scale=...) to go on scaling.")
+        owner.dynamic_scale.assign(own)
         owner.step_counter.assign(ops.zeros((), owner.step_counter.dtype))
 
 
-def _scales(optimizer: Any) -> bool:
-    return not optimizer.loss_scaling.startswith("no scaling")
+def _scales(optimizer: Any) -> bool:  # (a pass-through scales nothing either)
+    return not optimizer.loss_scaling.startswith(("no scaling", "pass-through"))
 
 
 def keras_variables(optimizer: Any) -> list:

@@ -126,7 +126,9 @@ def config_from_scaler_state(cfg: LossScale, state: Any, follows_policy: bool = 
                 f"Received a scaler state with scale={scale} for a LossScaleOptimizer made with "
                 f"NoLossScale(), which never scales. Load it into a wrapper made with a "
                 f"DynamicLossScale or StaticLossScale, or drop the 'loss_scale' entry.")
-    elif float(scale) != float(cfg.loss_scale):  # static: keeps its own, as the optax wrapper's adopt_state
+    elif float(scale) != float(cfg.loss_scale) and not (  # static: keeps its own, as optax's adopt_state;
+            float(scale) == 1.0 and state.get("growth_factor") == 1.0 == state.get("backoff_factor")):  # said
+        # unless the saved wrapper never scaled (a scale of 1 that never moves: nothing is dropped)
         _log.warning(
             "Loaded a checkpoint whose loss scale is %g (growth counter %s) into a LossScaleOptimizer "
             "with a static scale of %g: the saved scale is dropped; the inner optimizer's state and "

@@ -201,6 +201,43 @@ def test_a_scale_moves_between_scaling_and_pass_through_wrappers_as_on_torch(tmp
     assert again.optimizer.loss_scale == scaled.optimizer.loss_scale
 
 
+
+def test_a_pass_through_or_static_wrapper_loads_a_scale_as_on_torch_and_optax(tmp_path, caplog):
+    """A pass-through (skip_nonfinite=False) scales nothing: a scaling file's scale is dropped and
+    said, and its own file leaves a float16 wrapper its initial scale (it left 1.0: a float16 run
+    started unscaled); a static scale keeps its own and says what it dropped (it took the saved
+    one), as the torch wrapper's load_state_dict and the optax wrapper's adopt_state do."""
+    path = str(tmp_path / "w.weights.h5")
+    x, y = np.ones((8, 8), "float32"), np.full((8, 2), 1e6, "float32")
+
+    def trained(policy="float32", **wrapper):
+        mp.set_global_policy(policy)  # float16 compute: a skipped step or two on these targets
+        try:
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.Dense(2)])
+            model.compile(mp.LossScaleOptimizer(keras.optimizers.SGD(1e-3), **wrapper), "mse")
+        finally:
+            mp.set_global_policy("float32")
+        model.fit(x, y, batch_size=8, epochs=3, verbose=0)
+        return model
+
+    scaled = trained(policy="mixed_float16")
+    assert scaled.optimizer.loss_scale < 2.0**15
+    scaled.save_weights(path)
+    for wrapper, kind, own in ((dict(skip_nonfinite=False), "scales nothing (pass-through", 1.0),
+                               (dict(loss_scale=mp.StaticLossScale(128.0)), "with a static scale of 128", 128.0)):
+        model = trained(**wrapper)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="mixedpolicy"):
+            model.load_weights(path)
+        said = [r.getMessage() for r in caplog.records if "Loaded a checkpoint" in r.getMessage()]
+        assert len(said) == 1 and kind in said[0] and f"loss scale is {scaled.optimizer.loss_scale:g}" in said[0]
+        assert model.optimizer.loss_scale == own, wrapper
+    trained(skip_nonfinite=False).save_weights(path)
+    again = trained(policy="mixed_float16")
+    again.load_weights(path)
+    assert again.optimizer.loss_scale == 2.0**15
+
 def test_reads_keras_layout_and_its_own_earlier_layout():
     """Saved variables: Keras's own order (no counters) now; the earlier files (counters
     at index 2) still load; any other count is Keras's warning, not a wrong assignment."""
