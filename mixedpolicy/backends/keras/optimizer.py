@@ -32,6 +32,7 @@ from mixedpolicy.backends.keras.reduce import (all_finite, already_summed, check
                                                reduce_to_config, sum_across_replicas)
 from mixedpolicy.backends.keras.updates import KerasUpdates, rounding_to_config
 from mixedpolicy.backends.keras.policy_maps import policies_in
+from mixedpolicy.backends.keras.stateless import StatelessScaling
 from mixedpolicy.backends.keras.saving import (SkipCounters, SkipCounts, constructor_arguments, load_keras_layout,
                                                prepared_for_checkpoints, save_keras_layout)
 from mixedpolicy.policy import Policy
@@ -40,7 +41,7 @@ from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, Sta
 
 
 @keras.saving.register_keras_serializable(package="mixedpolicy")
-class LossScaleOptimizer(SkipCounters, keras.optimizers.LossScaleOptimizer):
+class LossScaleOptimizer(SkipCounters, StatelessScaling, keras.optimizers.LossScaleOptimizer):
     """Keras's ``LossScaleOptimizer`` with a bounded scale and skip counters.
 
     Made by `mixedpolicy.LossScaleOptimizer` from a Keras 3 optimizer, and by
@@ -145,8 +146,7 @@ class LossScaleOptimizer(SkipCounters, keras.optimizers.LossScaleOptimizer):
             return loss
         if self._unit_scale:  # 1 (NoLossScale): nothing to multiply, forward or backward
             return ops.cast(loss, "float32")
-        scale = self.dynamic_scale if self.built else self.initial_scale
-        return ops.multiply(ops.cast(loss, "float32"), scale)
+        return ops.multiply(ops.cast(loss, "float32"), self._live_scale(loss))
 
     # -- the step ------------------------------------------------------------
     def check_finite(self, grads: Any) -> Any:

@@ -495,3 +495,60 @@ def test_apply_takes_the_variables_as_any_iterable_as_keras_own_does():
         raise AssertionError("expected a TypeError")
     except TypeError as err:
         assert "expected a list of gradient tensors" in str(err), err
+
+
+def test_a_stateless_step_scales_by_the_scale_it_carries():
+    """`stateless_scale_loss(optimizer_variables, loss)` multiplies by the scale among the values a
+    stateless step carries. Under JAX, a jitted loop around stateless_apply that scaled through
+    `scale_loss` read the scale variable once, at trace time (Keras's own wrapper too): after a
+    skipped step the gradients were scaled by 2**15 and unscaled by 2**14, twice too large. With
+    the carried scale the loop takes the steps a stateful loop takes, and `scale_loss` traced
+    that way warns with the fix."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(2)])
+    opt = mp.LossScaleOptimizer(keras.optimizers.SGD(0.05), policy="mixed_float16")
+    opt.build(model.trainable_variables)
+    values = [keras.ops.convert_to_numpy(v) for v in opt.variables]
+    values[[i for i, v in enumerate(opt.variables) if v is opt.dynamic_scale][0]] = np.float32(4.0)
+    assert float(keras.ops.convert_to_numpy(opt.stateless_scale_loss(values, 2.0))) == 8.0
+    assert float(keras.ops.convert_to_numpy(opt.scale_loss(2.0))) == 2.0 * 2**15
+    with pytest.raises(ValueError, match=r"Received 1 optimizer variable values .* holds"):
+        opt.stateless_scale_loss(values[:1], 2.0)
+    if keras.backend.backend() != "jax":
+        return
+    import jax
+
+    x = np.random.default_rng(0).standard_normal((16, 4)).astype("float32")
+    y = np.ones((16, 2), "float32")
+    start = ([v.value for v in model.trainable_variables], [v.value for v in opt.variables])
+
+    def run(scaled):
+        def loss_fn(tv, ov, poison):
+            pred, _ = model.stateless_call(tv, [], x)
+            loss = keras.ops.mean((keras.ops.cast(pred, "float32") - y) ** 2) * poison
+            return scaled(ov, loss)
+
+        @jax.jit
+        def step(tv, ov, poison):
+            grads = jax.grad(loss_fn)(tv, ov, poison)
+            return opt.stateless_apply(ov, grads, tv)
+
+        tv, ov = start
+        for i in range(5):
+            tv, ov = step(tv, ov, np.float32(np.inf if i == 1 else 1.0))
+        return tv
+
+    carried = run(opt.stateless_scale_loss)
+    with pytest.warns(UserWarning, match="stateless_scale_loss"):
+        baked = run(lambda ov, loss: opt.scale_loss(loss))
+    # the stateful loop (variables assigned each step): the reference
+    for i in range(5):
+        poison = np.float32(np.inf if i == 1 else 1.0)
+        grads = jax.grad(lambda tv: opt.scale_loss(keras.ops.mean(
+            (keras.ops.cast(model.stateless_call(tv, [], x)[0], "float32") - y) ** 2) * poison))(
+            [v.value for v in model.trainable_variables])
+        opt.apply(grads, model.trainable_variables)
+    stateful = [v.value for v in model.trainable_variables]
+    for a, b, c in zip(carried, stateful, baked):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    assert not all(np.allclose(np.asarray(b), np.asarray(c), atol=1e-4) for b, c in zip(stateful, baked))
