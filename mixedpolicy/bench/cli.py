@@ -77,7 +77,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="bench-results", help="output folder (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="weights, split and batch order (default: 0)")
     p.add_argument("--replicas", type=int, default=0, metavar="N",
-                   help="instead of the framework comparison: the mlp trained data-parallel on N JAX "
+                   help="instead of the framework comparison: the mlp trained data-parallel on N (2 to 64) JAX "
                         "replicas (host devices) under each policy and each --reduce dtype, with bytes "
                         "per step (default: 0, off: the framework comparison)")
     p.add_argument("--reduce", default=None,
@@ -134,9 +134,11 @@ def _check_replicas(args: argparse.Namespace, frameworks: tuple, model: str, giv
     """The --reduce dtypes where --replicas is on, after checking both; --reduce and --bandwidth
     without --replicas would change nothing, so they are refused, as are the framework
     comparison's timing options with it."""
-    if args.replicas < 0 or args.replicas > 64:
-        raise ValueError(f"Received --replicas {args.replicas}; expected a whole number from 1 to 64 "
-                         f"(or 0, the default: the framework comparison).")
+    if args.replicas < 0 or args.replicas == 1 or args.replicas > 64:
+        raise ValueError(f"Received --replicas {args.replicas}; expected a whole number from 2 to 64 "
+                         f"(or 0, the default: the framework comparison)"
+                         + (": one replica reduces with nobody, so its reduce dtypes would differ in "
+                            "nothing but rounding and bytes it never sends." if args.replicas == 1 else "."))
     if not args.replicas:
         given = [f"--{name} {value}" for name, value in (("reduce", args.reduce), ("bandwidth", args.bandwidth))
                  if value is not None]
