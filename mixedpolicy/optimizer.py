@@ -214,17 +214,18 @@ class LossScaleOptimizer(abc.ABC):
                 f"loss_scale, policy, skip_nonfinite and axis_name.")
         if not isinstance(skip_nonfinite, bool):
             raise TypeError(f"Received skip_nonfinite={skip_nonfinite!r:.60}; expected True or False.")
-        by_hand = loss_scale is not None  # a LossScale given as it is: no policy is followed
+        by_hand = loss_scale is not None  # a LossScale given as it is: scales as given
         # checked before dispatch: a bad setting is named first
         loss_scale = scale_from_settings(dict(
             initial_scale=initial_scale, dynamic_growth_steps=dynamic_growth_steps, growth_factor=growth_factor,
             backoff_factor=backoff_factor, min_scale=min_scale, max_scale=max_scale), loss_scale, policy, skip_nonfinite)
         if adapter is None:
             raise _no_adapter(inner, "optimizer")
-        # followed with scale settings too: they choose the scale, the policy still says which
-        # half-precision weights are its own (a pure policy's), so that adding a setting to a
-        # loop that runs under a policy never turns it into a refused one
-        followed = () if by_hand else _followed_policies(adapter, inner, policy)
+        # followed with scale settings or a scale given too: they choose the scale, the policy
+        # still says which half-precision weights are its own (a pure policy's), so that adding
+        # a setting to a loop that runs under a policy never turns it into a refused one; a
+        # NoLossScale given by hand checks no weights (the documented way around the check)
+        followed = () if by_hand and isinstance(loss_scale, NoLossScale) else _followed_policies(adapter, inner, policy)
         inner = _with_updates(adapter, inner, followed or _followed_policies(adapter, inner, policy))
         if loss_scale is None:
             if any(p.needs_loss_scaling for p in followed):

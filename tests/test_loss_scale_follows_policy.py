@@ -344,10 +344,15 @@ def test_scale_settings_beside_a_policy_keep_its_own_half_weights_on_torch_as_on
         opt.step()
     assert opt.num_skipped_steps == 1 and opt.get_scale() == 2.0**10
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    # a scale given as it is: the parameters' own policies say the same
+    mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), loss_scale=mp.DynamicLossScale(2.0**10))
     if mp.Policy(policy).variable_dtype == "float32":
         with pytest.raises(ValueError, match="master weights"):
             mp.LossScaleOptimizer(torch.optim.SGD(_torch_model(torch).half().parameters(), lr=0.1),
                                   policy=policy, **settings)
+        with pytest.raises(ValueError, match="master weights"):
+            mp.LossScaleOptimizer(torch.optim.SGD(_torch_model(torch).half().parameters(), lr=0.1),
+                                  loss_scale=mp.DynamicLossScale(2.0**10))
     # the optax wrapper, given the same, on parameters in the policy's variable dtype
     jax = require_module("jax")
     optax = require_module("optax", "jax")

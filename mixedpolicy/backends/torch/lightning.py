@@ -182,9 +182,9 @@ class PolicyPrecision:
     def _wrap(self, inners: list) -> TorchLossScaleOptimizer:
         """The one wrapper over `inners` (a Trainer's optimizers; none yet under Fabric)."""
         self._with_updates(inners)
-        wrapper = TorchLossScaleOptimizer(inners, self._loss_scale)
-        if isinstance(self._loss_scale, NoLossScale):
-            wrapper._follow_policies(self._policies())
+        # the plugin's policies say which half-precision weights are their own (a pure policy's),
+        # whatever the scale: refused elsewhere, under a scale set by hand too
+        wrapper = TorchLossScaleOptimizer(inners, self._loss_scale, frozenset(p.variable_dtype for p in self._policies()))
         self.optimizer = wrapper
         if self._pending_state is not None:
             wrapper.load_scaler_state_dict(self._pending_state)

@@ -260,6 +260,23 @@ def test_bad_input_to_the_plugin_is_refused_with_the_fix():
     assert mpl.Precision(mp.Policy("mixed_float16", reduce_dtype="bfloat16")).precision == "16-mixed"
 
 
+
+@pytest.mark.parametrize("policy", ["16-true", "bf16-true"])
+def test_scale_settings_under_a_pure_policy_train_its_own_half_weights(policy):
+    """Scale settings make the plugin scale; the pure policy still says its half weights are its
+    own (they were refused as half master weights, as LossScaleOptimizer given settings beside a
+    pure policy was). Half weights the policy does not store stay refused."""
+    module = Net(poison=None)
+    before = _weights(Net(poison=None))
+    trainer = _fit(module, steps=4, plugins=[mpl.Precision(policy, initial_scale=2.0**10)])
+    assert trainer.precision_plugin.loss_scaling.startswith("dynamic")
+    assert next(module.parameters()).dtype == (torch.float16 if policy == "16-true" else torch.bfloat16)
+    after = _weights(module)
+    assert bool(torch.isfinite(after).all()) and not torch.allclose(after, before, atol=1e-3)
+    stranger = Net(poison=None).half()
+    with pytest.raises(ValueError, match="master weights"):
+        _fit(stranger, steps=1, plugins=[mpl.Precision("16-mixed", initial_scale=2.0**10)])
+
 def test_the_core_callback_is_lightnings_own_where_lightning_runs():
     callback = mp.LightningLossScaleCallback(every_n_steps=1)
     assert isinstance(callback, pl.Callback) and isinstance(callback, mp.LightningLossScaleCallback)
