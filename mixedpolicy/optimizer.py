@@ -62,18 +62,8 @@ SCALE_SETTINGS = ("initial_scale", "dynamic_growth_steps", "growth_factor", "bac
                   "max_scale")
 
 
-def scale_from_settings(settings: Mapping[str, Any], loss_scale: Any = None, policy: Any = None,
-                        skip_nonfinite: bool = True) -> LossScale | None:
-    """The loss scale that `LossScaleOptimizer`'s scale settings (`SCALE_SETTINGS`, None ones
-    left out) and `loss_scale` describe, checked; None where neither is given (the policy
-    decides). Where a trainer's plugin takes the settings, it calls this before anything changes.
-
-    Raises:
-      TypeError: `loss_scale` is no `LossScale`, or came with settings or a policy;
-        ``skip_nonfinite=False`` came with a scale it cannot apply to (it would do nothing).
-      ValueError: a setting is out of range.
-    """
-    given = {k: v for k, v in settings.items() if v is not None}
+def _check_skip_nonfinite(skip_nonfinite: bool, given: dict, loss_scale: Any) -> None:
+    """Refuses ``skip_nonfinite=False`` beside a scale, where it would do nothing."""
     if not skip_nonfinite and (given or (loss_scale is not None and loss_scale != NoLossScale(skip_nonfinite=False))):
         if isinstance(loss_scale, NoLossScale):
             raise TypeError(f"Received skip_nonfinite=False together with loss_scale={loss_scale!r}, which says "
@@ -87,12 +77,27 @@ def scale_from_settings(settings: Mapping[str, Any], loss_scale: Any = None, pol
             f"scaled gradients overflowed, whatever skip_nonfinite says, so here it would do "
             f"nothing. Drop skip_nonfinite=False to scale, or drop {', '.join(named)} for the "
             f"inner optimizer's step as it is (loss_scale=mp.NoLossScale(skip_nonfinite=False)).")
+
+
+def scale_from_settings(settings: Mapping[str, Any], loss_scale: Any = None, policy: Any = None,
+                        skip_nonfinite: bool = True) -> LossScale | None:
+    """The loss scale that `LossScaleOptimizer`'s scale settings (`SCALE_SETTINGS`, None ones
+    left out) and `loss_scale` describe, checked; None where neither is given (the policy
+    decides). Where a trainer's plugin takes the settings, it calls this before anything changes.
+
+    Raises:
+      TypeError: `loss_scale` is no `LossScale`, or came with settings or a policy;
+        ``skip_nonfinite=False`` came with a scale it cannot apply to (it would do nothing).
+      ValueError: a setting is out of range.
+    """
+    given = {k: v for k, v in settings.items() if v is not None}
+    if loss_scale is not None and not isinstance(loss_scale, LossScale):
+        raise TypeError(f"Received loss_scale={loss_scale!r:.80} of type {type(loss_scale).__name__}; expected "
+                        f"a DynamicLossScale, StaticLossScale or NoLossScale: mp.StaticLossScale(2**15) "
+                        f"for a fixed scale, mp.DynamicLossScale() for one that adapts, or no loss_scale "
+                        f"at all to let the policy decide.")
+    _check_skip_nonfinite(skip_nonfinite, given, loss_scale)
     if loss_scale is not None:
-        if not isinstance(loss_scale, LossScale):
-            raise TypeError(f"Received loss_scale={loss_scale!r:.80} of type {type(loss_scale).__name__}; expected "
-                            f"a DynamicLossScale, StaticLossScale or NoLossScale: mp.StaticLossScale(2**15) "
-                            f"for a fixed scale, mp.DynamicLossScale() for one that adapts, or no loss_scale "
-                            f"at all to let the policy decide.")
         if given or policy is not None:
             named = sorted([*given, *(["policy"] if policy is not None else [])])
             raise TypeError(f"Received loss_scale={loss_scale!r} together with {named}; the "
