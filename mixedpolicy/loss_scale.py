@@ -295,8 +295,10 @@ class DynamicLossScale(LossScale):
         if ops.name == "numpy":
             ops = _ops(self.loss_scale)
         finite = ops.asarray(grads_finite, "bool", like=self.loss_scale)
-        scale = self.loss_scale
-        counter = ops.where(finite, self.counter + 1, ops.zeros_like(self.counter))
+        scale, count = self.loss_scale, self.counter
+        if ops.name != "numpy" and _ops(scale).name == "numpy":  # a state made on the host, a framework's
+            scale, count = ops.asarray(scale, "float32", like=finite), ops.asarray(count, "int32", like=finite)
+        counter = ops.where(finite, count + 1, ops.zeros_like(count))
         grow = finite & (counter >= self.dynamic_growth_steps)
         grown = scale * self.growth_factor  # past float32 (inf): kept where it was, as jmp keeps it
         grown = ops.where(grown > self.max_scale, ops.full_like(scale, self.max_scale) if self.max_scale < _TOP

@@ -150,6 +150,19 @@ def test_same_trajectory_on_every_backend(backend):
         assert int(np.asarray(s.counter)) == int(ref.counter)
 
 
+
+def test_a_state_made_on_the_host_steps_on_the_flags_backend(backend):
+    """jmp's loop: `ls = ls.adjust(all_finite(grads))` from the state the constructor made (numpy
+    arrays). A torch flag failed (torch.zeros_like of a numpy array); each backend's flag now
+    steps the state into its own arrays, on the same trajectory."""
+    ref = s = DynamicLossScale(loss_scale=2.0**15, dynamic_growth_steps=3, min_scale=2.0**13)
+    for flag in FLAGS:
+        grads = [backend.asarray([1.0, 0.0 if flag else np.inf], "float32")]
+        ref, s = ref.adjust(flag), s.adjust(backend.all_finite(grads))
+        assert float(np.asarray(s.loss_scale)) == float(ref.loss_scale)
+        assert int(np.asarray(s.counter)) == int(ref.counter)
+    assert backend.is_array(s.loss_scale)
+
 def test_unscale_and_finiteness_on_every_backend(backend):
     s = _on(backend, DynamicLossScale(loss_scale=256.0))
     grads = [backend.asarray(np.full(4, 512.0), d) for d in ("float16", "bfloat16", "float32")]
