@@ -67,8 +67,7 @@ class NumpyArrays(ArrayOps):
         return name if name in FLOATING_DTYPES else None
 
     def cast(self, x: Any, dtype: str) -> Any:
-        if isinstance(x, float):
-            x = np.asarray(x, np.float32)
+        # (a Python float is no array: left as it is, as jmp's casts and the frameworks' leave it)
         current = self.floating_dtype(x)
         if current is None or current == dtype:
             return x
