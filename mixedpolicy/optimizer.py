@@ -223,7 +223,8 @@ class LossScaleOptimizer(abc.ABC):
         # checked before dispatch: a bad setting is named first
         loss_scale = scale_from_settings(dict(
             initial_scale=initial_scale, dynamic_growth_steps=dynamic_growth_steps, growth_factor=growth_factor,
-            backoff_factor=backoff_factor, min_scale=min_scale, max_scale=max_scale), loss_scale, policy, skip_nonfinite)
+            backoff_factor=backoff_factor, min_scale=min_scale, max_scale=max_scale),
+            loss_scale, policy, skip_nonfinite)
         if adapter is None:
             raise _no_adapter(inner, "optimizer")
         # followed with scale settings or a scale given too: they choose the scale, the policy

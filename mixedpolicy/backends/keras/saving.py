@@ -90,7 +90,8 @@ class SkipCounts(KerasSaveable):
         owner._read_earlier_counters()
         if "1" not in store.keys():
             return
-        loaded, own, saved_scaled = float(ops.convert_to_numpy(owner.dynamic_scale)), float(owner.initial_scale), bool(store["1"])
+        loaded, own = float(ops.convert_to_numpy(owner.dynamic_scale)), float(owner.initial_scale)
+        saved_scaled = bool(store["1"])
         static = isinstance(owner._scale_settings, StaticLossScale) and _scales(owner)  # keeps its own (torch, optax)
         if saved_scaled == _scales(owner) and not (static and loaded != own):
             return
@@ -98,7 +99,8 @@ class SkipCounts(KerasSaveable):
             _log.warning("Loaded a checkpoint whose loss scale is %g into a LossScaleOptimizer %s: the scale "
                          "is dropped; the inner optimizer's state and the skip counts are kept.%s", loaded,
                          f"with a static scale of {own:g}" if static else f"that scales nothing ({owner.loss_scaling})",
-                         "" if static else " Compile under a float16 policy (or pass initial_scale=...) to go on scaling.")
+                         "" if static else " Compile under a float16 policy (or pass initial_scale=...) to go on "
+                         "scaling.")
         owner.dynamic_scale.assign(own)
         owner.step_counter.assign(ops.zeros((), owner.step_counter.dtype))
 

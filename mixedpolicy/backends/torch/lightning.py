@@ -184,7 +184,8 @@ class PolicyPrecision:
         self._with_updates(inners)
         # the plugin's policies say which half-precision weights are their own (a pure policy's),
         # whatever the scale: refused elsewhere, under a scale set by hand too
-        wrapper = TorchLossScaleOptimizer(inners, self._loss_scale, frozenset(p.variable_dtype for p in self._policies()))
+        dtypes = frozenset(p.variable_dtype for p in self._policies())
+        wrapper = TorchLossScaleOptimizer(inners, self._loss_scale, dtypes)
         self.optimizer = wrapper
         if self._pending_state is not None:
             wrapper.load_scaler_state_dict(self._pending_state)
