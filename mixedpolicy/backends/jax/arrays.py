@@ -111,7 +111,7 @@ def _finite_term(group: list) -> Any:
     with the ``isfinite`` into one kernel writing a byte per value, and reduces it in a plain
     loop where the sum went to a library kernel of a higher fixed cost. The bench MLP's jitted
     step (26k values) on one pinned core: 1.04x the bare optimizer's against 1.09x; alike
-    (within 5%) from 10 to 200 arrays of up to 150k values in all."""
+    (within 5%) from 10 to 200 arrays of up to 200k values in all (docs/benchmarks.md)."""
     flat = jnp.concatenate([x.ravel() for x in group]) if len(group) > 1 else group[0]
     if flat.size > MASKED_UP_TO:
         return jnp.sum(_widened(flat) * 0)

@@ -43,13 +43,6 @@ class InnerView:
         self._inners[0].add_param_group(param_group)
         warn_vanishing_eps(self._inners[0], self._inners[0].param_groups[-1:])  # its options filled in now
 
-    def _follow_policies(self, policies: tuple) -> None:
-        """A pass-through chosen by `policies` refuses what the scaling wrapper refuses: half
-        master weights, unless a policy followed stores variables in that dtype (a pure one)."""
-        dtypes = frozenset(p.variable_dtype for p in policies)
-        for group in self.param_groups:
-            check_half_master_weights(group, self._scale_settings, dtypes)
-        self._variable_dtypes = dtypes
     @property
     def inner_optimizers(self) -> list:
         return list(self._inners)

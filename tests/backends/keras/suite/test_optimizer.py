@@ -550,5 +550,5 @@ def test_a_stateless_step_scales_by_the_scale_it_carries():
         opt.apply(grads, model.trainable_variables)
     stateful = [v.value for v in model.trainable_variables]
     for a, b, c in zip(carried, stateful, baked):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
-    assert not all(np.allclose(np.asarray(b), np.asarray(c), atol=1e-4) for b, c in zip(stateful, baked))
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)  # two programs
+    assert not all(np.allclose(np.asarray(b), np.asarray(c), atol=1e-3) for b, c in zip(stateful, baked))
