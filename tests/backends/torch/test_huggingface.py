@@ -1,6 +1,7 @@
 """A transformers model in the Hugging Face Trainer under a mixedpolicy policy, against the
 Trainer's own bf16=True / fp16=True on the same seeded model and data."""
 
+import copy
 import logging
 import warnings
 
@@ -222,6 +223,68 @@ def test_the_base_model_called_directly_computes_as_under_autocast(policy, half)
         got = ours.transformer(ids).last_hidden_state
     assert {r.path: r.compute_dtype for r in mp.describe(ours)}["transformer.h.0.attn.c_attn"] == half
     assert torch.equal(got, expected)
+
+
+def _architectures():
+    """Tiny models of the families users fine-tune, each with inputs of its own: (name, build,
+    inputs)."""
+    t, g = transformers, torch.Generator().manual_seed(0)
+    ids = torch.randint(2, 64, (2, 12), generator=g)
+    short = ids[:, :6].contiguous()
+    yield "llama", lambda: t.LlamaForCausalLM(t.LlamaConfig(  # grouped-query attention, rotary, RMSNorm
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32)), dict(input_ids=ids, labels=ids)
+    yield "t5", lambda: t.T5ForConditionalGeneration(t.T5Config(  # relative attention, encoder-decoder
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0,
+        dropout_rate=0.0)), dict(input_ids=ids, labels=short)
+    yield "whisper", lambda: t.WhisperForConditionalGeneration(t.WhisperConfig(  # convolutions on features
+        vocab_size=64, num_mel_bins=8, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_source_positions=8,
+        max_target_positions=16, decoder_start_token_id=1, pad_token_id=0)), dict(
+        input_features=torch.randn(2, 8, 16, generator=g), labels=short)
+    yield "clip", lambda: t.CLIPModel(t.CLIPConfig(  # two towers and a learned logit scale
+        text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, max_position_embeddings=16, bos_token_id=0, eos_token_id=1),
+        vision_config=dict(image_size=16, patch_size=4, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2), projection_dim=16)), dict(
+        input_ids=ids, pixel_values=torch.randn(2, 3, 16, 16, generator=g), return_loss=True)
+
+
+@pytest.mark.parametrize("policy, half", [("mixed_bfloat16", torch.bfloat16), ("mixed_float16", torch.float16)],
+                         ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name, build, inputs", list(_architectures()), ids=lambda v: v if isinstance(v, str) else "")
+def test_transformers_families_train_as_autocast_and_grad_scaler_do(name, build, inputs, policy, half):
+    # decoder, encoder-decoder, speech and two-tower models: the policy's loss, skipped steps,
+    # scale and weights after two AdamW steps are hand-written autocast + GradScaler's, bit for
+    # bit (CLIP's float16 steps overflow at 2**15 and 2**14 on both sides)
+    torch.manual_seed(0)
+    theirs = build().train()
+    ours = mp.apply_policy(copy.deepcopy(theirs), policy)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 15, enabled=half == torch.float16)
+    their_opt = torch.optim.AdamW(theirs.parameters(), lr=1e-3)
+    opt = mp.LossScaleOptimizer(torch.optim.AdamW(ours.parameters(), lr=1e-3), policy=policy)
+    skipped = 0
+    for _ in range(2):
+        torch.manual_seed(1)  # the same dropout masks
+        with torch.autocast("cpu", dtype=half):
+            expected = theirs(**inputs).loss
+        torch.manual_seed(1)
+        got = ours(**inputs).loss
+        assert torch.equal(got, expected), name
+        their_opt.zero_grad()
+        scaler.scale(expected).backward()
+        scaler.step(their_opt)
+        before = scaler.get_scale()
+        scaler.update()
+        skipped += scaler.get_scale() < before
+        opt.zero_grad()
+        opt.scale_loss(got).backward()
+        opt.step()
+    if scaler.is_enabled():
+        assert opt.loss_scale == scaler.get_scale()
+    assert opt.num_skipped_steps == skipped == (2 if (name, half) == ("clip", torch.float16) else 0)
+    for (n, mine), theirs_p in zip(ours.named_parameters(), theirs.parameters()):
+        assert mine.dtype == torch.float32 and torch.equal(mine, theirs_p), n
 
 
 # -- a loop written with Accelerate: mixedpolicy.huggingface.Accelerator -------------------------

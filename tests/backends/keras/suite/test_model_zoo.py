@@ -136,3 +136,41 @@ def test_per_layer_policies_survive_a_whole_model_save_and_load():
     mp.remove_policy(again)
     assert all(layers[p].compute_dtype == "float32" for p in embeddings)
     assert any(layer.compute_dtype == "bfloat16" for layer in layers.values())
+
+
+def _decoders():
+    """Tiny keras-hub decoder backbones (learned and rotary positions, LayerNorm and RMSNorm,
+    grouped-query attention): (name, build)."""
+    models = keras_hub.models
+    yield "gpt2", lambda: models.GPT2Backbone(vocabulary_size=64, num_layers=1, num_heads=2, hidden_dim=16,
+                                              intermediate_dim=32, max_sequence_length=12, dropout=0.0)
+    yield "gemma", lambda: models.GemmaBackbone(vocabulary_size=64, num_layers=1, num_query_heads=2,
+                                                num_key_value_heads=1, hidden_dim=16, intermediate_dim=32, head_dim=8)
+    yield "llama", lambda: models.LlamaBackbone(vocabulary_size=64, num_layers=1, num_query_heads=2,
+                                                num_key_value_heads=1, hidden_dim=16, intermediate_dim=32)
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+@pytest.mark.parametrize("name, build", list(_decoders()), ids=lambda v: v if isinstance(v, str) else "")
+def test_decoder_backbones_compute_as_under_keras_own_global_policy(name, build, policy):
+    # the policy put on a built float32 backbone: every computing layer in Keras's own dtype,
+    # describe saying so, and the same outputs as the backbone built under Keras's policy
+    keras.utils.set_random_seed(0)
+    ours = mp.apply_policy(build(), policy)
+    keras.config.set_dtype_policy(policy)
+    try:
+        keras.utils.set_random_seed(0)
+        native = build()
+    finally:
+        keras.config.set_dtype_policy("float32")
+    native.set_weights(ours.get_weights())
+    rows = by_path(ours)
+    pairs = [(a, b) for a, b in zip(ours._flatten_layers(include_self=False), native._flatten_layers(include_self=False))
+             if not isinstance(a, keras.layers.InputLayer)]  # (no compute: the inputs keep their declared dtypes)
+    assert pairs and all(a.compute_dtype == b.compute_dtype and a.variable_dtype == "float32" for a, b in pairs)
+    assert all(row.policy.compute_dtype == layer.compute_dtype for layer, _ in pairs
+               for row in [rows.get(layer.path)] if row is not None)
+    rng = np.random.default_rng(0)
+    x = {"token_ids": rng.integers(0, 64, (4, 12)).astype("int32"), "padding_mask": np.ones((4, 12), "bool")}
+    got, expected = (keras.ops.convert_to_numpy(keras.ops.cast(m(x), "float32")) for m in (ours, native))
+    np.testing.assert_array_equal(got, expected)
