@@ -353,6 +353,40 @@ def test_torch_step_and_state_dict_hooks_run():
     assert calls == ["pre", "post", "sd", "load"]
 
 
+def test_torch_optimizers_that_handle_amp_scaling_get_what_they_can_use():
+    # torch's test_grad_scaler_pass_itself: an optimizer marked _step_supports_amp_scaling reads
+    # grad_scale and found_inf set on it for the step (as torch's fused ones do); one whose step
+    # takes GradScaler's older grad_scaler keyword is given none here, so its gradients must come
+    # already unscaled (stepping on gradients 2**15 too large would train silently wrong)
+    torch = require_module("torch")
+    seen = {}
+
+    class ReadsAttributes(torch.optim.Optimizer):
+        _step_supports_amp_scaling = True
+
+        def step(self, closure=None):
+            seen["attributes"] = (float(self.grad_scale), float(self.found_inf))
+            for p in self.param_groups[0]["params"]:  # unscales itself, skipping where found_inf says
+                p.data.sub_(p.grad * (0.0 if self.found_inf else 0.1 / self.grad_scale))
+
+    class TakesKeyword(torch.optim.Optimizer):
+        _step_supports_amp_scaling = True
+
+        def step(self, closure=None, *, grad_scaler=None):
+            seen["keyword"] = (grad_scaler, hasattr(self, "grad_scale"), hasattr(self, "found_inf"))
+            for p in self.param_groups[0]["params"]:
+                p.data.sub_(0.1 * p.grad)
+
+    for cls in (ReadsAttributes, TakesKeyword):
+        p = torch.nn.Parameter(torch.ones(2))
+        opt = mp.LossScaleOptimizer(cls([p], {}), policy="mixed_float16")
+        opt.scale_loss((2 * p).sum()).backward()
+        opt.step()
+        torch.testing.assert_close(p.detach(), torch.full((2,), 0.8))  # 1 - 0.1 * 2, unscaled either way
+        assert not hasattr(opt.inner_optimizer, "grad_scale") and not hasattr(opt.inner_optimizer, "found_inf")
+    assert seen == {"attributes": (2.0 ** 15, 0.0), "keyword": (None, False, False)}
+
+
 def test_torch_wrapper_pickles_and_deep_copies():
     torch, model, opt = _torch_setup()
     for clone in (pickle.loads(pickle.dumps(opt)), copy.deepcopy(opt)):

@@ -222,6 +222,29 @@ def take_fused_kernel(opt: torch.optim.Optimizer) -> None:
     opt._step_supports_amp_scaling = True  # as torch's constructor marks a fused optimizer
 
 
+def unscales_itself(opt: Any) -> bool:
+    """Does `opt` take the scale and the flag as GradScaler hands them to a fused optimizer (its
+    ``_step_supports_amp_scaling``, and ``grad_scale`` / ``found_inf`` set on it for the step)?
+    Not an optimizer whose step takes GradScaler's older ``grad_scaler`` keyword instead: given no
+    GradScaler it would step on gradients still scaled, so the wrapper unscales them for it."""
+    if not getattr(opt, "_step_supports_amp_scaling", False):
+        return False
+    kind = type(opt)
+    known = _UNSCALES_ITSELF.get(kind)
+    if known is None:
+        import inspect
+
+        try:
+            known = "grad_scaler" not in inspect.signature(kind.step).parameters
+        except (TypeError, ValueError):  # a step without a signature to read: taken at its word
+            known = True
+        _UNSCALES_ITSELF[kind] = known
+    return known
+
+
+_UNSCALES_ITSELF: dict = {}  # by optimizer class
+
+
 def is_own_optimizer(wrapper: Any, optimizer: Any, what: str = "unscale_") -> bool:
     """Is `optimizer` (GradScaler's ``unscale_(optimizer)`` / ``step(optimizer)`` argument) the
     wrapper or its one inner optimizer? False for None or step's closure; an optimizer it does not

@@ -23,7 +23,8 @@ from torch.optim import optimizer as _torch_optimizer
 
 from mixedpolicy._adapter import OptimizerAdapter
 from mixedpolicy.backends.torch.arrays import PARAMETER_POLICY
-from mixedpolicy.backends.torch.checks import check_inner, is_own_optimizer, take_fused_kernels, unscaled_step_error
+from mixedpolicy.backends.torch.checks import (check_inner, is_own_optimizer, take_fused_kernels, unscaled_step_error,
+                                               unscales_itself)
 from mixedpolicy.backends.torch.closure import check_closure_optimizers, closure_step, reevaluates_closure
 from mixedpolicy.backends.torch.found_inf import FoundInf, all_zero, any_gradient
 from mixedpolicy.backends.torch.inner import InnerView
@@ -234,7 +235,7 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, OneByOne, torch.optim.Opti
         scale = self._scale if self._scale is not None else self._ensure_scale(self._first_device())
         if not self._kernels_chosen:  # once, before the first step
             self._kernels_chosen = take_fused_kernels(self._inners)
-        if all([getattr(opt, "_step_supports_amp_scaling", False) for opt in stepped]):  # fused
+        if all([unscales_itself(opt) for opt in stepped]):  # fused
             if self._found_inf is None:  # the fused kernel unscales; only check here
                 self._found_inf = self._unscale_and_check(None, scale)
             for opt in stepped:
