@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from mixedpolicy.backends.torch.regions import cast_floating, cast_inputs, region_context
+from mixedpolicy.backends.torch.regions import cast_floating, cast_inputs, policy_autocast, region_context
 from mixedpolicy.backends.torch.found_inf import any_gradient
 from mixedpolicy.backends.torch.optimizer import TorchLossScaleOptimizer
 from mixedpolicy.backends.torch.scaler_view import GRADSCALER_INITIAL_SCALE, GradScalerView
@@ -149,6 +149,15 @@ class PolicyPrecision:
             return
         with region_context(module, module.device.type if hasattr(module, "device") else "cpu"):
             yield
+
+    def autocast_context_manager(self) -> Any:
+        """The autocast the steps run under (Lightning's ``MixedPrecision`` has this method): the
+        LightningModule's own policy once the plugin has it, else the plugin's default policy,
+        on the GPU where torch has one; no cache of cast weights, as Lightning's."""
+        module = self._module
+        if module is not None and getattr(module, "device", None) is not None:
+            return region_context(module, module.device.type)
+        return policy_autocast(self.policy_map.default, "cuda" if torch.cuda.is_available() else "cpu")
 
     def convert_input(self, data: Any) -> Any:
         # a pure (half-precision variables) policy: the batch's floating tensors in its compute

@@ -75,7 +75,11 @@ def region_context(model: torch.nn.Module, device: str) -> Any:
     state = getattr(model, STATE, None)
     if state is None or "forward" not in state:  # no policy, or a plain float32 root
         return contextlib.nullcontext()
-    policy = state["policy"]
+    return policy_autocast(state["policy"], device)
+
+
+def policy_autocast(policy: Policy, device: str) -> Any:
+    """The autocast a region of `policy` runs its forward under on `device` (no cache, as above)."""
     if _autocasts(policy):
         return torch.autocast(device, dtype=_TORCH_DTYPES[policy.compute_dtype], cache_enabled=False)
     return torch.autocast(device, enabled=False)

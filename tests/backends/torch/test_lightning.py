@@ -414,3 +414,33 @@ def test_on_cuda_both_mixed_strings_match_lightnings_own_trainer(manual):
                                rtol=3e-2, atol=3e-2)
     assert not torch.isfinite(_weights(theirs)).all()
     assert torch.isfinite(_weights(ours)).all() and trainer.precision_plugin.optimizer.num_skipped_steps == 1
+
+
+@pytest.mark.parametrize("precision, half", [("bf16-mixed", torch.bfloat16), ("16-mixed", torch.float16)])
+def test_lightnings_own_amp_plugin_tests_hold_for_the_plugin(precision, half):
+    # tests_pytorch/plugins/precision/test_amp.py, on a module trained under the plugin: a
+    # no_grad or inference_mode call inside the steps' context leaves the next call's graph
+    # whole; the autocast keeps no cache of cast weights; clipping with nothing to clip is a no-op
+    from unittest import mock
+
+    module = Net()
+    trainer = _fit(module, steps=1, plugins=[mpl.Precision(precision)])
+    plugin = trainer.precision_plugin
+    layer = module.head
+    x = torch.randn(1, 32)
+    for context in (torch.no_grad, torch.inference_mode):
+        with plugin.forward_context():
+            with context():
+                layer(x)
+            loss = layer(x).float().mean()
+        loss.backward()
+        assert loss.grad_fn is not None
+    with plugin.autocast_context_manager():
+        assert not torch.is_autocast_cache_enabled() and torch.get_autocast_dtype("cpu") == half
+        assert layer(x).dtype == half
+    plugin.clip_grad_by_value, plugin.clip_grad_by_norm = mock.Mock(), mock.Mock()
+    plugin.clip_gradients(mock.Mock(spec=torch.optim.Optimizer))
+    assert not plugin.clip_grad_by_value.called and not plugin.clip_grad_by_norm.called
+    # before the plugin has a module: the policy's own autocast, on the CPU here
+    with mpl.Precision(precision).autocast_context_manager():
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == half
