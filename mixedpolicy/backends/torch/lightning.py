@@ -23,7 +23,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from mixedpolicy.backends.torch.regions import cast_floating, cast_inputs, policy_autocast, region_context
+from mixedpolicy.backends.torch.regions import (device_type, cast_floating, cast_inputs, policy_autocast,
+                                                region_context)
 from mixedpolicy.backends.torch.found_inf import any_gradient
 from mixedpolicy.backends.torch.optimizer import TorchLossScaleOptimizer
 from mixedpolicy.backends.torch.scaler_view import GRADSCALER_INITIAL_SCALE, GradScalerView
@@ -123,6 +124,22 @@ class PolicyPrecision:
         return GradScalerView(self.optimizer)
 
     # -- the module ---------------------------------------------------------------
+    @contextlib.contextmanager
+    def tensor_init_context(self) -> Iterator[None]:
+        # a pure policy (half-precision weights): tensors made here, and modules made in
+        # ``trainer.init_module()`` / ``fabric.init_module()``, in its dtype from the start, as
+        # Lightning's own "bf16-true" makes them (no float32 copy at twice the memory first);
+        # convert_module then keeps in float32 what the policy keeps there (norms, overrides)
+        dtype, before = self.policy_map.default.variable_dtype, torch.get_default_dtype()
+        torch.set_default_dtype(getattr(torch, dtype) if dtype in ("float16", "bfloat16") else before)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(before)
+
+    def module_init_context(self) -> Any:
+        return self.tensor_init_context()
+
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         from mixedpolicy.api import apply_policy
 
@@ -143,20 +160,15 @@ class PolicyPrecision:
         # the steps run in the LightningModule's region, as Lightning's own plugins run them in
         # theirs: a training_step that calls self.net(x) rather than self(x) computes as
         # describe says (the regions inside set their own state as usual)
-        module = self._module
-        if module is None:
-            yield
-            return
-        with region_context(module, module.device.type if hasattr(module, "device") else "cpu"):
+        with contextlib.nullcontext() if self._module is None else self.autocast_context_manager():
             yield
 
     def autocast_context_manager(self) -> Any:
         """The autocast the steps run under (Lightning's ``MixedPrecision`` has this method): the
-        LightningModule's own policy once the plugin has it, else the plugin's default policy,
-        on the GPU where torch has one; no cache of cast weights, as Lightning's."""
-        module = self._module
-        if module is not None and getattr(module, "device", None) is not None:
-            return region_context(module, module.device.type)
+        module's own policy once the plugin has it, on the module's device, else the plugin's
+        default policy, on the GPU where torch has one; no cache of cast weights, as Lightning's."""
+        if self._module is not None:
+            return region_context(self._module, device_type((), {}, self._module))
         return policy_autocast(self.policy_map.default, "cuda" if torch.cuda.is_available() else "cpu")
 
     def convert_input(self, data: Any) -> Any:

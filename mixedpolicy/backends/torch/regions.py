@@ -51,7 +51,9 @@ def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     return pytree.tree_map(leaf, tree)
 
 
-def _device_type(args: tuple, kwargs: dict, module: torch.nn.Module) -> str:
+def device_type(args: tuple, kwargs: dict, module: torch.nn.Module) -> str:
+    """The device type a call of `module` with these arguments runs on: its first tensor's, else
+    its first parameter's, else the CPU."""
     for value in args:
         if isinstance(value, torch.Tensor):
             return value.device.type
@@ -136,7 +138,7 @@ class _Region:
         _running.depth = getattr(_running, "depth", 0) + 1
         try:
             if self._autocast:
-                with torch.autocast(_device_type(args, kwargs, self.module), dtype=self._compute):
+                with torch.autocast(device_type(args, kwargs, self.module), dtype=self._compute):
                     out = (type(self.module).forward(self.module, *args, **kwargs) if self.inner is None
                            else self.inner(*args, **kwargs))
             else:
@@ -158,7 +160,7 @@ class _Region:
         """A region that is no autocast: its floating inputs cast to the compute dtype, and
         autocast off where the caller's is on."""
         args, kwargs = cast_floating(args, self._compute), cast_floating(kwargs, self._compute)
-        device = _device_type(args, kwargs, self.module)
+        device = device_type(args, kwargs, self.module)
         try:
             if torch.is_autocast_enabled(device):
                 with torch.autocast(device, enabled=False):
@@ -177,7 +179,7 @@ class _Entry(_Region):
     only when the module is called from outside every region with autocast off."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if getattr(_running, "depth", 0) or torch.is_autocast_enabled(_device_type(args, kwargs, self.module)):
+        if getattr(_running, "depth", 0) or torch.is_autocast_enabled(device_type(args, kwargs, self.module)):
             if self.inner is None:  # (_forward's body: a frame less on every call inside a region)
                 return type(self.module).forward(self.module, *args, **kwargs)
             return self.inner(*args, **kwargs)

@@ -444,3 +444,26 @@ def test_lightnings_own_amp_plugin_tests_hold_for_the_plugin(precision, half):
     # before the plugin has a module: the policy's own autocast, on the CPU here
     with mpl.Precision(precision).autocast_context_manager():
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == half
+
+
+@pytest.mark.parametrize("precision, dtype", [("32-true", torch.float32), ("bf16-mixed", torch.float32),
+                                              ("16-mixed", torch.float32), ("bf16-true", torch.bfloat16),
+                                              ("16-true", torch.float16)])
+def test_init_module_makes_weights_in_the_dtype_lightnings_own_plugins_make_them(precision, dtype):
+    # Lightning's own test_module_init_context: under a pure policy, trainer.init_module() makes
+    # the weights in half precision from the start (no float32 copy first); once the Trainer
+    # converts the module, what the policy keeps in float32 (the norm) is float32 again
+    plugin = mpl.Precision(precision)
+    for context in (plugin.module_init_context, plugin.tensor_init_context):
+        with context():
+            assert torch.get_default_dtype() == dtype
+            layer = torch.nn.Linear(2, 2)
+        assert layer.weight.dtype == dtype and torch.get_default_dtype() == torch.float32
+    trainer = pl.Trainer(plugins=[plugin], accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    with trainer.init_module():
+        module = Net(poison=None)
+    assert module.head.weight.dtype == dtype and module.body[1].weight.dtype == dtype
+    trainer.fit(module, _data())
+    assert module.head.weight.dtype == dtype and module.body[1].weight.dtype == torch.float32  # the LayerNorm
+    assert torch.isfinite(_weights(module)).all() and plugin.optimizer.num_skipped_steps == 0
