@@ -157,11 +157,12 @@ class PolicyPrecision:
 
     @contextlib.contextmanager
     def forward_context(self) -> Iterator[None]:
-        # the steps run in the LightningModule's region, as Lightning's own plugins run them in
-        # theirs: a training_step that calls self.net(x) rather than self(x) computes as
-        # describe says (the regions inside set their own state as usual)
-        with contextlib.nullcontext() if self._module is None else self.autocast_context_manager():
-            yield
+        # the steps run in the module's region, as Lightning's own plugins run them in theirs: a
+        # training_step calling self.net(x), not self(x), computes as describe says (the regions
+        # inside set their own state); a pure policy's steps make tensors in its dtype (bf16-true's)
+        with self.tensor_init_context():
+            with contextlib.nullcontext() if self._module is None else self.autocast_context_manager():
+                yield
 
     def autocast_context_manager(self) -> Any:
         """The autocast the steps run under (Lightning's ``MixedPrecision`` has this method): the

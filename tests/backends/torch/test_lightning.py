@@ -461,6 +461,9 @@ def test_init_module_makes_weights_in_the_dtype_lightnings_own_plugins_make_them
         assert layer.weight.dtype == dtype and torch.get_default_dtype() == torch.float32
     trainer = pl.Trainer(plugins=[plugin], accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)
+    with plugin.forward_context():  # Lightning's own test_forward_context: tensors made in a step
+        assert torch.get_default_dtype() == dtype
+    assert torch.get_default_dtype() == torch.float32
     with trainer.init_module():
         module = Net(poison=None)
     assert module.head.weight.dtype == dtype and module.body[1].weight.dtype == dtype
