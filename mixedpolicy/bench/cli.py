@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     paths = report.write(results, args.out, with_plots)
     print()
     progress.print_table(report.table(runs), runs)
-    for line in report.wide(runs):
+    for line in report.wide(runs) + report.above_goal(runs, results["environment"]["device"]):
         print(line, file=sys.stderr)
     print(f"\n{len(runs)} runs in {time.perf_counter() - start:.0f} s; wrote " + ", ".join(paths))
     return 0

@@ -2,7 +2,7 @@
 to be read in a few seconds:
 
 - overhead.png: ours / native per framework and policy, a point at the median with whiskers
-  at its 95% interval, 1.0 marked; the axis spans the medians and the intervals of the rows
+  at its 95% interval, 1.0 and the goal (DESIGN's 5% on a CPU, 3% on a GPU) marked; the axis spans the medians and the intervals of the rows
   that are not noisy, so one wild row cannot flatten the rest; a noisy row is grey and
   labelled, and a point beyond the axis sits on its edge with its value written;
 - speedup.png: the speed-up over float32 the same way (ours under float32 / ours, measured
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-from mixedpolicy.bench.ratios import noisy, ratio
+from mixedpolicy.bench.ratios import goal, noisy, ratio
 from mixedpolicy.bench.spec import loss_figure, run_label as label
 
 #: the widest an axis of ratios is allowed: beyond it, points are clipped to its edge
@@ -94,6 +94,11 @@ def write_all(results: dict, out: str) -> list[str]:
 
     fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(frameworks)), 4))
     _points(ax, runs, "overhead", colors)
+    bound = goal(env["device"])
+    ax.axhline(bound, color="0.5", linestyle="--", linewidth=0.8)
+    ax.annotate(f"goal {bound:.2f}", (ax.get_xlim()[0], bound), textcoords="offset points", xytext=(2, 2),
+                fontsize=7, color="0.35")
+    ax.set_ylim(ax.get_ylim()[0], max(ax.get_ylim()[1], bound + 0.01))
     ax.set_ylabel("ours / native step time\n(median, whiskers: 95% interval)")
     ax.set_title(f"{env['model']}: overhead against the framework's own AMP", fontsize=10)
     save(fig, "overhead.png")
