@@ -38,7 +38,7 @@ class SkipCounters:
         if not self.built:
             return False
         total, attempt = (int(v) for v in ops.convert_to_numpy(self._skips))
-        return total > 0 and attempt == int(ops.convert_to_numpy(self.inner_optimizer.iterations)) + total
+        return total > 0 and attempt == int(ops.convert_to_numpy(self.inner_optimizer._iterations)) + total
 
     @property
     def num_skipped_steps(self) -> int:
@@ -48,7 +48,7 @@ class SkipCounters:
     def _skipped_counts(self) -> Any:
         """The counters once the step under way is counted as skipped."""
         total = ops.add(self._skips.value[0], 1)
-        return ops.stack([total, ops.add(ops.cast(self.inner_optimizer.iterations.value, "int32"), total)])
+        return ops.stack([total, ops.add(ops.cast(self.inner_optimizer._iterations.value, "int32"), total)])
 
     def _count_skip(self) -> None:
         self._skips.assign(self._skipped_counts())
@@ -58,7 +58,7 @@ class SkipCounters:
         was]``, an attempt below the count) in today's form."""
         total, last = (int(v) for v in ops.convert_to_numpy(self._skips))
         if last < total or (total == 0 and last):
-            iterations = int(ops.convert_to_numpy(self.inner_optimizer.iterations))
+            iterations = int(ops.convert_to_numpy(self.inner_optimizer._iterations))
             self._skips.assign(np.asarray([total, iterations + total if last == 1 else 0], np.int32))
 
 

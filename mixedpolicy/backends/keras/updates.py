@@ -165,7 +165,8 @@ def _parallel_rounded(optimizer: Any) -> Any:
                     v._value = value
             if halves:
                 bits = random_bits16_all([w.numel() for w in wide], [i for _, i in halves],
-                                         optimizer.iterations.value, wide[0].device)  # no host sync
+                                         getattr(optimizer.iterations, "value", optimizer.iterations),  # no host sync
+                                         wide[0].device)
                 for value, w, b in zip(kept, wide, bits):
                     value.copy_(round_torch(w, b.view(w.shape)))
 

@@ -92,6 +92,27 @@ def test_pure_bfloat16_with_stochastic_rounding_or_kahan_trains_like_the_float32
 
 
 @pytest.mark.parametrize("policy", ["bfloat16_stochastic", "p=bf16,rounding=kahan"])
+def test_the_rounding_rules_step_an_optimizer_that_accumulates_gradients(policy):
+    # gradient_accumulation_steps: Keras's `iterations` is its counter divided, a tensor (the
+    # rule on torch read it as a variable); an update every second micro-batch, each rounded
+    x = np.random.default_rng(0).normal(size=(32, 8)).astype("float32")
+    keras.utils.set_random_seed(0)
+    mp.set_global_policy(policy)
+    try:
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+        inner = keras.optimizers.SGD(0.05, gradient_accumulation_steps=2)
+        model.compile(mp.LossScaleOptimizer(inner), "mse")
+    finally:
+        mp.set_global_policy("float32")
+    before = keras.ops.convert_to_numpy(keras.ops.cast(model.layers[0].kernel, "float32"))
+    model.fit(x, np.ones((32, 4), "float32"), batch_size=8, epochs=1, verbose=0, shuffle=False)
+    after = keras.ops.convert_to_numpy(keras.ops.cast(model.layers[0].kernel, "float32"))
+    assert int(keras.ops.convert_to_numpy(inner.iterations)) == 2 and model.optimizer.num_skipped_steps == 0
+    assert keras.backend.standardize_dtype(model.layers[0].kernel.dtype) == "bfloat16"
+    assert np.isfinite(after).all() and not np.array_equal(before, after)
+
+
+@pytest.mark.parametrize("policy", ["bfloat16_stochastic", "p=bf16,rounding=kahan"])
 def test_a_saved_model_rounds_alike_once_loaded_with_its_kahan_variables(policy, tmp_path):
     x, y = np.ones((8, 4), "float32"), np.ones((8, 3), "float32")
     mp.set_global_policy(policy)

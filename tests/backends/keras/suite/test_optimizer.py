@@ -400,6 +400,44 @@ def test_a_pass_through_around_nadam_trains_as_nadam_alone():
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)  # two compiled programs; the bug: 4%
 
 
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
+def test_gradient_accumulation_trains_as_under_keras_own_wrapper_and_skips_a_micro_batch(policy):
+    """An inner optimizer with gradient_accumulation_steps (Keras's `iterations` is then its
+    counter divided, a tensor: the skip count read it as a variable and the step failed on jax
+    and tensorflow): the same losses as Keras's own wrapper, or the bare optimizer, and a
+    non-finite micro-batch skipped and counted."""
+    x = np.random.default_rng(0).normal(size=(32, 8)).astype("float32")
+    y = np.arange(32) % 3
+    losses, weights = [], []
+    for wrap in (False, True):
+        keras.utils.set_random_seed(0)
+        keras.config.set_dtype_policy(policy)
+        try:
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                                      keras.layers.Dense(3, dtype="float32")])
+        finally:
+            keras.config.set_dtype_policy("float32")
+        inner = keras.optimizers.Adam(1e-2, gradient_accumulation_steps=2)
+        opt = (mp.LossScaleOptimizer(inner, policy=policy) if wrap else
+               keras.optimizers.LossScaleOptimizer(inner) if policy == "mixed_float16" else inner)
+        model.compile(opt, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        losses.append(model.fit(x, y, epochs=2, batch_size=8, verbose=0, shuffle=False).history["loss"])
+        weights.append(model.get_weights())
+        assert int(keras.ops.convert_to_numpy(inner.iterations)) == 4  # 8 micro-batches, 4 updates
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)  # two compiled programs
+    for a, b in zip(*weights):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    before = [keras.ops.convert_to_numpy(v) for v in model.trainable_variables]
+    bad = [keras.ops.full(v.shape, float("nan")) for v in model.trainable_variables]
+    opt.apply(bad, model.trainable_variables)  # one micro-batch's gradients, not finite
+    assert opt.num_skipped_steps == 1 and opt.last_step_skipped
+    for a, b in zip(before, model.trainable_variables):
+        np.testing.assert_array_equal(a, keras.ops.convert_to_numpy(b))
+    good = [keras.ops.zeros(v.shape) for v in model.trainable_variables]
+    opt.apply(good, model.trainable_variables)
+    assert opt.num_skipped_steps == 1 and not opt.last_step_skipped
+
 def test_all_finite_reads_keras_variables_as_well_as_backend_tensors():
     """A Keras variable holds its backend's array: mp.all_finite read it as an opaque leaf and
     answered True over an inf weight."""
