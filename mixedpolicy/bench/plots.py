@@ -2,9 +2,10 @@
 to be read in a few seconds:
 
 - overhead.png: ours / native per framework and policy, a point at the median with whiskers
-  at its 95% interval, 1.0 and the goal (DESIGN's 5% on a CPU, 3% on a GPU) marked; the axis spans the medians and the intervals of the rows
-  that are not noisy, so one wild row cannot flatten the rest; a noisy row is grey and
-  labelled, and a point beyond the axis sits on its edge with its value written;
+  at its 95% interval, 1.0 and the goal (DESIGN's 5% on a CPU, 3% on a GPU) marked; the
+  axis spans the medians and the intervals of the rows that are not noisy, so one wild row
+  cannot flatten the rest; a noisy row is grey and labelled, and a point beyond the axis
+  sits on its edge with its value written;
 - speedup.png: the speed-up over float32 the same way (ours under float32 / ours, measured
   in the same process), on a log axis;
 - step_time.png: ours and native median step times side by side (log scale);

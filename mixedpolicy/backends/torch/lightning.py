@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from mixedpolicy.backends.torch.regions import (device_type, cast_floating, cast_inputs, policy_autocast,
+from mixedpolicy.backends.torch.regions import (cast_floating, cast_inputs, device_type, policy_autocast,
                                                 region_context)
 from mixedpolicy.backends.torch.found_inf import any_gradient
 from mixedpolicy.backends.torch.optimizer import TorchLossScaleOptimizer

@@ -165,7 +165,8 @@ def test_decoder_backbones_compute_as_under_keras_own_global_policy(name, build,
         keras.config.set_dtype_policy("float32")
     native.set_weights(ours.get_weights())
     rows = by_path(ours)
-    pairs = [(a, b) for a, b in zip(ours._flatten_layers(include_self=False), native._flatten_layers(include_self=False))
+    layers = (m._flatten_layers(include_self=False) for m in (ours, native))
+    pairs = [(a, b) for a, b in zip(*layers)
              if not isinstance(a, keras.layers.InputLayer)]  # (no compute: the inputs keep their declared dtypes)
     assert pairs and all(a.compute_dtype == b.compute_dtype and a.variable_dtype == "float32" for a, b in pairs)
     assert all(row.policy.compute_dtype == layer.compute_dtype for layer, _ in pairs
