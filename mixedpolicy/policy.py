@@ -241,7 +241,9 @@ class Policy:
                     f"{', ...' if len(dtype_policy) > 3 else ''}); a Policy is one policy for every layer, and "
                     f"taking its default alone would drop them. Put them in a mixedpolicy PolicyMap, applied "
                     f"with apply_policy(model, ...): mp.PolicyMap(mp.Policy.from_keras(m.default_policy), "
-                    f"{{path: mp.Policy.from_keras(p) for path, p in m.items()}}).")
+                    f"{{path: mp.Policy.from_keras(p) for path, p in m.items()}}) where its keys are layer "
+                    f"paths (Keras matches a key as a regular expression and gives it to that layer alone; "
+                    f"a PolicyMap key is a path whose sublayers inherit it, or a glob).")
             return cls.from_keras(dtype_policy.default_policy)  # (no entries: its default everywhere)
         mode = getattr(dtype_policy, "quantization_mode", None)
         if mode == "float8":
