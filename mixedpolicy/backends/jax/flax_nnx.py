@@ -3,7 +3,8 @@ on each submodule that has them, casts existing parameters to the variable dtype
 whose output dtype differs a subclass that casts its outputs, and fp8 layers a ``dot_general``
 hook (float8.py); a static record of it (kept through ``nnx.jit``, ``nnx.split`` /
 ``nnx.merge``) lets `nnx_remove` restore it all. Layer paths are module paths joined with dots
-(``"blocks.0.linear"``)."""
+(``"blocks.0.linear"``). A linen module held by ``flax.nnx.bridge.ToNNX`` runs under its own
+path's policy through a `PolicyLinen` (its layers inside listed by `describe` below it)."""
 
 from __future__ import annotations
 
@@ -33,14 +34,29 @@ class _Applied(NamedTuple):
     variables: tuple         # (attribute, dtype name) of variables cast
     originals: Any = None    # a Kept of their values before a narrowing cast
     dot_general: Any = "<missing>"  # an nnx.Linear's own dot_general, where fp8 replaced it
+    linen: Any = "<missing>"        # a bridge's own linen module, where a PolicyLinen holds it
 
 
 _MISSING = "<missing>"
 
 
+def _bridge(module: Any) -> bool:
+    """Is `module` a ``flax.nnx.bridge.ToNNX``? It holds a linen module and turns its other
+    attributes into linen variables at each call, all but those named ``to_nnx__...``."""
+    return "to_nnx__module" in vars(module)
+
+
+def _state_name(module: Any) -> str:
+    return "to_nnx__mixedpolicy" if _bridge(module) else _STATE
+
+
+def _applied(module: Any) -> Any:
+    return vars(module).get(_state_name(module))
+
+
 def _cast_outputs(module: Any, call_super: Any, args: tuple, kwargs: dict) -> Any:
     """``__call__`` of a swapped NNX class: floating outputs leave in the output dtype."""
-    return cast_tree(call_super(*args, **kwargs), getattr(module, _STATE).policy.output_dtype)
+    return cast_tree(call_super(*args, **kwargs), _applied(module).policy.output_dtype)
 
 
 def _nnx_modules(model: Any) -> list[tuple[str, Any]]:
@@ -72,7 +88,7 @@ def _nnx_plan(model: Any, policy_map: PolicyMap, before: bool = False) -> tuple:
                            for path, module in _nnx_modules(model))
 
     def variables(module: Any, path: str) -> list:
-        found = dict(vars(module)[_STATE].variables) if before and _STATE in vars(module) else {}
+        found = dict(_applied(module).variables) if before and _applied(module) is not None else {}
         return [(join(path, name), found.get(name) or dtype_name(var.get_value().dtype))
                 for name, var in _own_variables(module)]
 
@@ -86,7 +102,7 @@ def _nnx_plan(model: Any, policy_map: PolicyMap, before: bool = False) -> tuple:
 
 
 def nnx_apply(model: Any, policy_map: PolicyMap) -> Any:
-    if any(_STATE in vars(module) for _, module in _nnx_modules(model)):
+    if any(_applied(module) is not None for _, module in _nnx_modules(model)):
         _nnx_plan(model, policy_map, before=True)  # a refusal leaves the policy the model has
     nnx_remove(model)
     steps, fp8 = _nnx_plan(model, policy_map)
@@ -110,18 +126,25 @@ def nnx_apply(model: Any, policy_map: PolicyMap) -> Any:
         if region and policy.output_dtype != policy.compute_dtype:
             module.__class__ = policy_subclass("jax", cls, _cast_outputs)
         before_dot = float8.attach(module, fp8[step.path]) if step.path in fp8 else _MISSING
-        setattr(module, _STATE, _Applied(policy, resolution.source, before_dtype, before_param,
-                                         cls, tuple(cast), Kept(kept) if kept else None, before_dot))
+        linen = module.to_nnx__module if _bridge(module) else _MISSING
+        if linen is not _MISSING:  # the linen module runs under this path's policy, its rules inside
+            from mixedpolicy.backends.jax.flax import PolicyLinen
+
+            module.to_nnx__module = PolicyLinen(linen, PolicyMap(policy))
+        setattr(module, _state_name(module), _Applied(policy, resolution.source, before_dtype, before_param, cls,
+                                                      tuple(cast), Kept(kept) if kept else None, before_dot, linen))
     return model
 
 
 def nnx_remove(model: Any) -> Any:
     for _, module in _nnx_modules(model):
-        applied = vars(module).get(_STATE)
+        applied = _applied(module)
         if applied is None:
             continue
-        delattr(module, _STATE)
+        delattr(module, _state_name(module))
         module.__class__ = applied.cls
+        if applied.linen is not _MISSING:
+            module.to_nnx__module = applied.linen
         if applied.dtype is not _MISSING:
             module.dtype = applied.dtype
         if applied.param_dtype is not _MISSING:
@@ -138,7 +161,7 @@ def nnx_remove(model: Any) -> Any:
 def nnx_describe(model: Any) -> list:
     rows = []
     for path, module in _nnx_modules(model):
-        applied = vars(module).get(_STATE)
+        applied = _applied(module)
         if applied is not None:
             policy, source, cls = applied.policy, applied.source, applied.cls
         else:
@@ -147,4 +170,7 @@ def nnx_describe(model: Any) -> list:
             policy = Policy(f"params={variable},compute={compute},output={compute}")
             source, cls = NOT_APPLIED, type(module)
         rows.append(LayerPolicy(path, cls.__name__, policy, source, applied is not None and applied.dot_general is not _MISSING))
+        if applied is not None and applied.linen is not _MISSING and module.to_nnx__module._seen:
+            rows += [row._replace(path=join(path, row.path))  # the linen layers it has run, by their paths
+                     for row in module.to_nnx__module.describe_rows() if row.path]
     return rows

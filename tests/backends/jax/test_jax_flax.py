@@ -207,6 +207,54 @@ def test_nnx_policy_survives_jit_split_merge_and_training():
     assert model.embed.kernel.get_value().dtype == jnp.float32
 
 
+def test_nnx_a_bridged_linen_module_runs_under_its_paths_policy_and_trains():
+    # flax.nnx.bridge.ToNNX turns a linen module's attributes into linen variables at each call
+    # (the policy's record among them broke every call); its linen module now runs under the
+    # policy of the bridge's path, linen's layers listed below it by describe, and comes back
+    from flax.nnx import bridge
+    import optax
+
+    class Inner(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(16)(nn.LayerNorm()(nn.Dense(16)(x)))
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.bridged = bridge.ToNNX(Inner(), rngs=rngs)
+            self.head = nnx.Linear(16, 3, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(self.bridged(x))
+
+    x, y = jnp.ones((2, 8)), jnp.array([0, 1])
+    model = Model(nnx.Rngs(0))
+    bridge.lazy_init(model.bridged, x)
+    plain = model(x)
+    mp.apply_policy(model, "mixed_bfloat16")
+    out = model(x)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(plain), atol=0.05)
+    rows = {row.path: (row.compute_dtype, row.variable_dtype) for row in mp.describe(model)}
+    assert rows["bridged"] == rows["bridged.Dense_0"] == rows["bridged.Dense_1"] == ("bfloat16", "float32")
+    assert rows["bridged.LayerNorm_0"] == ("float32", "float32")  # the built-in rule, inside linen too
+    opt = nnx.Optimizer(model, mp.LossScaleOptimizer(optax.sgd(0.1), policy="mixed_bfloat16"), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, opt):
+        def loss(model):
+            return optax.softmax_cross_entropy_with_integer_labels(model(x).astype(jnp.float32), y).mean()
+        value, grads = nnx.value_and_grad(loss)(model)
+        opt.update(model, grads)
+        return value
+
+    losses = [float(step(model, opt)) for _ in range(3)]
+    assert losses[-1] < losses[0] and int(opt.opt_state.num_skipped_steps) == 0
+    assert {v.dtype for v in jax.tree.leaves(nnx.state(model, nnx.Param))} == {jnp.dtype("float32")}
+    mp.remove_policy(model)
+    assert type(model.bridged.to_nnx__module) is Inner and model(x).dtype == jnp.float32
+
+
 def test_nnx_remove_policy_restores_everything():
     model = net()
     before = nnx.state(model)
