@@ -27,6 +27,7 @@ from mixedpolicy.backends.jax import float8
 from mixedpolicy.backends.jax.arrays import jnp_dtype
 from mixedpolicy.backends.jax.flax_common import cast_tree, dotted_path, layer_kind
 from mixedpolicy.backends.jax.flax_nnx import nnx_apply, nnx_describe, nnx_remove
+from mixedpolicy.policy import Policy
 from mixedpolicy.policy_map import LayerInfo, PolicyMap, Resolution
 from mixedpolicy.table import LayerPolicy
 
@@ -83,6 +84,15 @@ class FlaxModels(ModelAdapter):
 
 
 # -- linen -----------------------------------------------------------------------
+def _under_policy(nnx_class: Any, policy: Policy) -> Any:
+    """``flax.nnx.bridge.ToLinen``'s ``nnx_class`` for one call: the NNX module it builds (at
+    every call) under `policy`, so that its layers compute as the linen layer's row says."""
+    def build(*args: Any, **kwargs: Any) -> Any:
+        return nnx_apply(nnx_class(*args, **kwargs), PolicyMap(policy))
+
+    return build
+
+
 class PolicyLinen:
     """A Flax linen module under a policy: ``init`` and ``apply`` as on the module itself.
 
@@ -177,6 +187,9 @@ class PolicyLinen:
             if name in fields:
                 changed[name] = getattr(module, name)
                 object.__setattr__(module, name, jnp_dtype(dtype))
+        if "nnx_class" in fields and type(module).__name__ == "ToLinen":  # an NNX module in linen (bridge)
+            changed["nnx_class"] = module.nnx_class
+            object.__setattr__(module, "nnx_class", _under_policy(module.nnx_class, policy))
         if policy.float8_recipe is not None and type(module) is nn.Dense:  # Flax's own fp8 op
             changed["dot_general_cls"] = module.dot_general_cls
             object.__setattr__(module, "dot_general_cls",

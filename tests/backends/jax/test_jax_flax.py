@@ -255,6 +255,52 @@ def test_nnx_a_bridged_linen_module_runs_under_its_paths_policy_and_trains():
     assert type(model.bridged.to_nnx__module) is Inner and model(x).dtype == jnp.float32
 
 
+def test_linen_an_nnx_module_through_the_bridge_computes_as_its_row_says():
+    # flax.nnx.bridge.to_linen builds its NNX module at every call: it now builds it under the
+    # policy of its linen path (it computed in float32 where describe said bfloat16)
+    from flax.nnx import bridge
+    import optax
+
+    class Outer(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(3)(bridge.to_linen(nnx.Linear, 8, 16)(x))
+
+    x, y = jnp.ones((2, 8)), jnp.array([0, 1])
+    wrapped = mp.apply_policy(Outer(), "mixed_bfloat16")
+    variables = wrapped.init(jax.random.key(0), x)
+    seen = {}
+
+    def record(next_fun, args, kwargs, context):
+        out = next_fun(*args, **kwargs)
+        if type(context.module).__name__ == "ToLinen" and context.method_name == "__call__":
+            seen["out"] = out.dtype
+        return out
+
+    with nn.intercept_methods(record):
+        assert wrapped.apply(variables, x).dtype == jnp.bfloat16
+    rows = {row.path: row.compute_dtype for row in mp.describe(wrapped)}
+    assert rows["ToLinen_0"] == "bfloat16" == seen["out"]
+    assert {v.dtype for v in jax.tree.leaves(variables["params"])} == {jnp.dtype("float32")}
+    tx = mp.LossScaleOptimizer(optax.sgd(0.1), policy="mixed_bfloat16")
+    params, state = variables["params"], tx.init(variables["params"])
+
+    @jax.jit
+    def step(params, state):
+        def loss(p):
+            logits = wrapped.apply({"params": p}, x).astype(jnp.float32)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, value
+
+    losses = []
+    for _ in range(3):
+        params, state, value = step(params, state)
+        losses.append(float(value))
+    assert losses[-1] < losses[0] and {v.dtype for v in jax.tree.leaves(params)} == {jnp.dtype("float32")}
+
+
 def test_nnx_remove_policy_restores_everything():
     model = net()
     before = nnx.state(model)
