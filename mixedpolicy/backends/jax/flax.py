@@ -50,7 +50,7 @@ class FlaxModels(ModelAdapter):
 
     def apply_policy(self, model: Any, policy_map: PolicyMap) -> Any:
         if _is_nnx(model):
-            return nnx_apply(model, policy_map)
+            return nnx_apply(model, policy_map, _policy_linen)
         if isinstance(model, PolicyLinen):
             model = model.module
         float8.linen_check(policy_map)
@@ -88,9 +88,14 @@ def _under_policy(nnx_class: Any, policy: Policy) -> Any:
     """``flax.nnx.bridge.ToLinen``'s ``nnx_class`` for one call: the NNX module it builds (at
     every call) under `policy`, so that its layers compute as the linen layer's row says."""
     def build(*args: Any, **kwargs: Any) -> Any:
-        return nnx_apply(nnx_class(*args, **kwargs), PolicyMap(policy))
+        return nnx_apply(nnx_class(*args, **kwargs), PolicyMap(policy), _policy_linen)
 
     return build
+
+
+def _policy_linen(module: Any, policy: Policy) -> Any:
+    """A linen module that ``flax.nnx.bridge.ToNNX`` holds, run under `policy`."""
+    return PolicyLinen(module, PolicyMap(policy))
 
 
 class PolicyLinen:
@@ -211,6 +216,10 @@ class PolicyLinen:
             return (jax.tree_util.tree_map(lambda new, old: new.astype(old.dtype), out[0], carry[0]),
                     out[1] if out_dtype is None else cast_tree(out[1], out_dtype))
         return out if out_dtype is None else cast_tree(out, out_dtype)  # None: as the layers made it
+
+    def has_run(self) -> bool:
+        """Whether an init or apply has run, so that `describe_rows` can list the layers."""
+        return bool(self._seen)
 
     def describe_rows(self) -> list:
         if not self._seen:

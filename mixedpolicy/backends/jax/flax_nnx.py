@@ -101,7 +101,9 @@ def _nnx_plan(model: Any, policy_map: PolicyMap, before: bool = False) -> tuple:
     return steps, fp8
 
 
-def nnx_apply(model: Any, policy_map: PolicyMap) -> Any:
+def nnx_apply(model: Any, policy_map: PolicyMap, wrap_linen: Any = None) -> Any:
+    """Puts `policy_map` on the NNX `model`; `wrap_linen(module, policy)` gives the linen module
+    a ``ToNNX`` bridge holds its path's policy (flax.py passes a `PolicyLinen`)."""
     if any(_applied(module) is not None for _, module in _nnx_modules(model)):
         _nnx_plan(model, policy_map, before=True)  # a refusal leaves the policy the model has
     nnx_remove(model)
@@ -126,11 +128,9 @@ def nnx_apply(model: Any, policy_map: PolicyMap) -> Any:
         if region and policy.output_dtype != policy.compute_dtype:
             module.__class__ = policy_subclass("jax", cls, _cast_outputs)
         before_dot = float8.attach(module, fp8[step.path]) if step.path in fp8 else _MISSING
-        linen = module.to_nnx__module if _bridge(module) else _MISSING
+        linen = module.to_nnx__module if _bridge(module) and wrap_linen is not None else _MISSING
         if linen is not _MISSING:  # the linen module runs under this path's policy, its rules inside
-            from mixedpolicy.backends.jax.flax import PolicyLinen
-
-            module.to_nnx__module = PolicyLinen(linen, PolicyMap(policy))
+            module.to_nnx__module = wrap_linen(linen, policy)
         setattr(module, _state_name(module), _Applied(policy, resolution.source, before_dtype, before_param, cls,
                                                       tuple(cast), Kept(kept) if kept else None, before_dot, linen))
     return model
@@ -170,7 +170,7 @@ def nnx_describe(model: Any) -> list:
             policy = Policy(f"params={variable},compute={compute},output={compute}")
             source, cls = NOT_APPLIED, type(module)
         rows.append(LayerPolicy(path, cls.__name__, policy, source, applied is not None and applied.dot_general is not _MISSING))
-        if applied is not None and applied.linen is not _MISSING and module.to_nnx__module._seen:
+        if applied is not None and applied.linen is not _MISSING and module.to_nnx__module.has_run():
             rows += [row._replace(path=join(path, row.path))  # the linen layers it has run, by their paths
                      for row in module.to_nnx__module.describe_rows() if row.path]
     return rows
