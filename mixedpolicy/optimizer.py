@@ -231,8 +231,9 @@ class LossScaleOptimizer(abc.ABC):
         # still says which half-precision weights are its own (a pure policy's), so that adding
         # a setting to a loop that runs under a policy never turns it into a refused one; a
         # NoLossScale given by hand checks no weights (the documented way around the check)
-        followed = () if by_hand and isinstance(loss_scale, NoLossScale) else _followed_policies(adapter, inner, policy)
-        inner = _with_updates(adapter, inner, followed or _followed_policies(adapter, inner, policy))
+        policies = _followed_policies(adapter, inner, policy)
+        followed = () if by_hand and isinstance(loss_scale, NoLossScale) else policies
+        inner = _with_updates(adapter, inner, policies)
         if loss_scale is None:
             if any(p.needs_loss_scaling for p in followed):
                 loss_scale = DynamicLossScale()

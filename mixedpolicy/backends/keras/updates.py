@@ -66,6 +66,13 @@ def stochastic_round_bfloat16(x: Any, bits16: Any) -> Any:
     return ops.cast(ops.view(cut, "float32"), "bfloat16")  # exact: the low half is zero
 
 
+def _update_count(optimizer: Any) -> Any:
+    """The optimizer's updates so far, the backend's tensor (a variable's value; under
+    ``gradient_accumulation_steps`` Keras's ``iterations`` is already a tensor, its micro-steps
+    divided): the step the rounding's bits are drawn for."""
+    return getattr(optimizer.iterations, "value", optimizer.iterations)
+
+
 def _compensations(optimizer: Any, variables: Any) -> None:
     """Kahan's compensation, one optimizer variable per bfloat16 model variable (zeros), made
     with the optimizer's own variables so that they are saved and threaded through
@@ -108,7 +115,7 @@ def install(optimizer: Any, rounding: str) -> Any:
             cls.assign(optimizer, compensation, ops.subtract(update, ops.subtract(ops.cast(new, "float32"), old)))
             cls.assign(optimizer, variable, new)
             return True
-        step = getattr(optimizer.iterations, "value", optimizer.iterations)  # the backend's tensor
+        step = _update_count(optimizer)  # the backend's tensor
         if keras.backend.backend() == "torch":  # the same bits from the torch rule's hash: far fewer calls
             from mixedpolicy.backends.torch.rounding import random_bits16 as torch_bits
 
@@ -165,8 +172,7 @@ def _parallel_rounded(optimizer: Any) -> Any:
                     v._value = value
             if halves:
                 bits = random_bits16_all([w.numel() for w in wide], [i for _, i in halves],
-                                         getattr(optimizer.iterations, "value", optimizer.iterations),  # no host sync
-                                         wide[0].device)
+                                         _update_count(optimizer), wide[0].device)  # no host sync
                 for value, w, b in zip(kept, wide, bits):
                     value.copy_(round_torch(w, b.view(w.shape)))
 

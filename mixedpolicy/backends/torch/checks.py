@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from mixedpolicy._warnings import user_stacklevel
-from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale
+from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale
 
 _log = logging.getLogger("mixedpolicy")
 
