@@ -10,6 +10,7 @@ import platform
 import statistics
 from typing import Any, Sequence
 
+from mixedpolicy.bench import recipes
 from mixedpolicy.bench.ratios import NOISE, a_over_a, goal, noisy, ratio
 from mixedpolicy.bench.spec import loss_figure, run_label as label
 
@@ -171,6 +172,8 @@ def above_goal(runs: list[dict], device: str) -> list[str]:
                "; the native side applies every step as it comes, ours checks each step's gradients and "
                "skips a non-finite step (skip_nonfinite=False gives the plain step), a fixed cost per step "
                "that a step this short shows")
+        if recipes.memory_policy(r["policy"]):  # the native side rounds to nearest in the weights' dtype
+            why += "; ours also rounds each update as the policy says, which the native side does not"
         out.append(f"note: {label(r)} {r['policy']}: overhead {value:.3f} +-{ci or 0:.3f} is above the "
                    f"{bound - 1:.0%} goal{why} (docs/benchmarks.md).")
     return out

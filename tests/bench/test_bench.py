@@ -427,6 +427,8 @@ def test_policies_in_every_spelling_and_the_spread_of_the_pair_ratios():
     assert "skips a non-finite step" in note and "skip_nonfinite=False" in note
     scaled, = report.above_goal([dict(over, final_loss_scale=32768.0)], "cpu")
     assert "skips" not in scaled  # both sides check there
+    rounded, = report.above_goal([dict(over, policy="bfloat16_stochastic")], "cpu")
+    assert "rounds each update" in rounded and "rounds" not in note
     assert report.above_goal([dict(over, overhead_vs_native=1.04, overhead_ratios=[1.04] * 5)], "cpu") == []
     assert "above the 3% goal" in report.above_goal([dict(over, overhead_vs_native=1.04)], "cuda")[0]
 
