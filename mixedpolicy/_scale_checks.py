@@ -147,3 +147,23 @@ def _plain_scale(value: Any) -> float | None:
     value = float(value)
     return value if math.isfinite(value) and value > 0 else None
 
+
+
+#: the anchors' names for the wrapper's settings (GradScaler, jmp, tf.keras), and ours
+_ANCHOR_NAMES = {
+    "init_scale": "initial_scale= (GradScaler's init_scale)",
+    "growth_interval": "dynamic_growth_steps= (GradScaler's growth_interval)",
+    "period": "dynamic_growth_steps= (jmp's period)",
+    "factor": "growth_factor= (jmp's factor, which also sets the back-off to 1/factor: pass "
+              "backoff_factor= too)",
+    "min_loss_scale": "min_scale= (jmp's min_loss_scale)",
+    "enabled": "loss_scale=mp.NoLossScale() for GradScaler's enabled=False (no scaling; a non-finite "
+               "step is still skipped)",
+    "dynamic": "loss_scale=mp.StaticLossScale(scale) for tf.keras's dynamic=False",
+}
+
+
+def anchor_names(unexpected: Any) -> str:
+    """A sentence naming our setting for each of `unexpected` that is another library's name ("" if none)."""
+    ours = [f"for {name}= pass {_ANCHOR_NAMES[name]}" for name in sorted(unexpected) if name in _ANCHOR_NAMES]
+    return f" Here, {'; '.join(ours)}." if ours else ""

@@ -8,7 +8,7 @@ import logging
 from typing import Any, Mapping
 
 from mixedpolicy import _registry
-from mixedpolicy._scale_checks import check_scale
+from mixedpolicy._scale_checks import anchor_names, check_scale
 from mixedpolicy.api import _no_adapter, _policies_in
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, summary
 from mixedpolicy.policy import as_policy
@@ -133,7 +133,7 @@ def check_trainer_scale_settings(settings: Any, where: str) -> dict:
     if unknown:
         raise TypeError(f"Received {where} with {unknown}; expected only {', '.join(known)} (what "
                         f"LossScaleOptimizer takes besides its policy). Settings such as learning_rate "
-                        f"belong to the optimizer.")
+                        f"belong to the optimizer.{anchor_names(unknown)}")
     if not isinstance(settings.get("skip_nonfinite", True), bool):
         raise TypeError(f"Received skip_nonfinite={settings['skip_nonfinite']!r:.60}; expected True or False.")
     scale_from_settings({k: settings.get(k) for k in SCALE_SETTINGS}, settings.get("loss_scale"),
@@ -216,7 +216,7 @@ class LossScaleOptimizer(abc.ABC):
                 f"such as learning_rate or weight_decay belong to the inner optimizer: pass "
                 f"them when you create it, then wrap it. The wrapper takes initial_scale, "
                 f"dynamic_growth_steps, growth_factor, backoff_factor, min_scale, max_scale, "
-                f"loss_scale, policy, skip_nonfinite and axis_name.")
+                f"loss_scale, policy, skip_nonfinite and axis_name.{anchor_names(kwargs)}")
         if not isinstance(skip_nonfinite, bool):
             raise TypeError(f"Received skip_nonfinite={skip_nonfinite!r:.60}; expected True or False.")
         by_hand = loss_scale is not None  # a LossScale given as it is: scales as given

@@ -82,6 +82,16 @@ def test_optimizer_arguments_that_belong_inside_are_rejected():
         mp.LossScaleOptimizer(object(), learning_rate=0.1)
 
 
+def test_another_librarys_name_for_a_setting_is_refused_with_ours():
+    # GradScaler's and jmp's spellings: the refusal names the setting they mean here
+    with pytest.raises(TypeError, match=r"for growth_interval= pass dynamic_growth_steps= \(GradScaler's"):
+        mp.LossScaleOptimizer(object(), growth_interval=100)
+    with pytest.raises(TypeError, match=r"for init_scale= pass initial_scale=.*for min_loss_scale= pass min_scale="):
+        mp.LossScaleOptimizer(object(), init_scale=2.0, min_loss_scale=1.0)
+    with pytest.raises(TypeError, match=r"for enabled= pass loss_scale=mp.NoLossScale\(\)"):
+        mp.LossScaleOptimizer(object(), enabled=False)
+
+
 def test_bad_loss_scale_settings_fail_before_dispatch():
     with pytest.raises(ValueError, match="initial_scale=0.0; expected a finite number > 0"):
         mp.LossScaleOptimizer(object(), initial_scale=0)

@@ -62,6 +62,11 @@ def test_bounded_scale_skips_and_checkpoints():
         raise AssertionError("expected a ValueError")
     except ValueError as err:
         assert "belong to the inner optimizer" in str(err), err
+    try:  # GradScaler's name for a setting: the refusal names ours
+        mp.LossScaleOptimizer(keras.optimizers.SGD(0.1), growth_interval=10)
+        raise AssertionError("expected a ValueError")
+    except ValueError as err:
+        assert "for growth_interval= pass dynamic_growth_steps=" in str(err), err
     named = mp.LossScaleOptimizer(keras.optimizers.SGD(0.1), name="opt", dynamic=True)
     assert named.name == "opt"
 
