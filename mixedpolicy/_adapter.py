@@ -62,9 +62,18 @@ class ArrayOps(abc.ABC):
         framework's arrays live on a TPU bfloat16 (jmp's ``half_dtype``)."""
         return "float16"
 
+    def complex_parts(self, x: Any) -> tuple | None:
+        """The real and imaginary parts of a complex array, each a floating array of this framework
+        (None for any other leaf): a complex gradient is unscaled and checked as its two parts."""
+        return None
+
+    def from_parts(self, real: Any, imag: Any) -> Any:
+        """The complex array whose parts `complex_parts` gave (each perhaps changed since)."""
+        raise NotImplementedError(f"{self.name} arrays given here have no complex parts")
+
     @abc.abstractmethod
     def all_finite(self, tree: Any) -> Any:
-        """A boolean scalar array: are all floating leaves free of inf and NaN? No host sync."""
+        """A boolean scalar array: are all floating and complex leaves free of inf and NaN? No host sync."""
 
     @abc.abstractmethod
     def where(self, cond: Any, a: Any, b: Any) -> Any:

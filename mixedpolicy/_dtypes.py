@@ -291,8 +291,8 @@ def finite_groups(arrays: Any, size: Any, key: Any = None) -> list:
 
 
 def host_leaves_finite(leaves: Any, own: Any = None) -> bool:
-    """Are the host-side floating leaves among `leaves` (Python floats, numpy floating arrays and
-    scalars, ml_dtypes' bfloat16 among them) free of inf and NaN, each checked in its own dtype
+    """Are the host-side floating and complex leaves among `leaves` (Python floats, numpy floating
+    arrays and scalars, ml_dtypes' bfloat16 among them) free of inf and NaN, each checked in its own dtype
     (a float64 1e300 is finite)? Leaves `own` (the caller's framework's tensors, checked on the
     device) and integers are not looked at; another array-like leaf no framework here reads (a
     Keras variable, which holds its backend's array) is read on the host, not passed as finite.
@@ -313,8 +313,8 @@ def host_leaves_finite(leaves: Any, own: Any = None) -> bool:
                 raise TypeError(f"Received a {type(leaf).__module__}.{type(leaf).__name__} among the leaves, "
                                 f"which cannot be read as an array here ({e}); pass the arrays it holds "
                                 f"(a Keras variable's .value).") from None
-        if isinstance(leaf, float) or (isinstance(leaf, (np.ndarray, np.generic))
-                                       and np.dtype(leaf.dtype).name in FLOATING_DTYPES):
+        if isinstance(leaf, (float, complex)) or (isinstance(leaf, (np.ndarray, np.generic)) and (
+                np.dtype(leaf.dtype).name in FLOATING_DTYPES or np.dtype(leaf.dtype).kind == "c")):
             if not bool(np.isfinite(leaf).all()):
                 return False
     return True

@@ -45,7 +45,7 @@ class LossScale(abc.ABC):
         return ops.tree_map(leaf, tree)
 
     def unscale(self, grads: Any) -> Any:
-        """Divides every floating leaf of `grads` by the scale, keeping each leaf's dtype.
+        """Divides every floating (and complex) leaf of `grads` by the scale, keeping each leaf's dtype.
 
         The arithmetic runs in the gradients' framework, whichever framework holds the
         scale; Python floats are divided too.
@@ -55,11 +55,12 @@ class LossScale(abc.ABC):
         inverses: dict = {}  # one reciprocal per width, not one per leaf
 
         def leaf(g):
-            if isinstance(g, float):
+            if isinstance(g, (float, complex)):
                 return g / float(scale)
             dtype = ops.floating_dtype(g)
-            if dtype is None:
-                return g
+            if dtype is None:  # a complex gradient: its two parts; an integer one as it is
+                parts = ops.complex_parts(g)
+                return g if parts is None else ops.from_parts(leaf(parts[0]), leaf(parts[1]))
             wide = "float64" if dtype == "float64" else "float32"
             if wide not in inverses:
                 inverses[wide] = 1.0 / ops.cast(_like(ops, scale, g), wide)

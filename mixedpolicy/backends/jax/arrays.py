@@ -78,12 +78,14 @@ def restore_leaf(current: Any, original: Any, dtype: str) -> Any:
 
 
 def all_finite(tree: Any) -> Any:
-    """A boolean scalar: are all floating leaves free of inf and NaN? (no host sync; a Python
+    """A boolean scalar: are all floating and complex leaves free of inf and NaN? (no host sync; a Python
     float or numpy array among them is checked on the host, in its own dtype)"""
     leaves = jax.tree_util.tree_leaves(tree)
     if not host_leaves_finite(leaves, lambda x: isinstance(x, jax.Array)):
         return jnp.asarray(False)
-    arrays = [x for x in leaves if isinstance(x, jax.Array) and dtype_name(x.dtype) is not None]
+    # a complex array is checked as its two parts: inf or NaN in either
+    arrays = [part for x in leaves if isinstance(x, jax.Array)
+              for part in ((x.real, x.imag) if jnp.iscomplexobj(x) else (x,)) if dtype_name(part.dtype) is not None]
     if not arrays:
         return jnp.asarray(True)
     terms = [_finite_term(group) for group in finite_groups(arrays, lambda x: x.size)]
@@ -145,6 +147,12 @@ class JaxArrays(ArrayOps):
 
     def cast(self, x: Any, dtype: str) -> Any:
         return cast_leaf(x, dtype)
+
+    def complex_parts(self, x: Any) -> tuple | None:
+        return (x.real, x.imag) if isinstance(x, jax.Array) and jnp.iscomplexobj(x) else None
+
+    def from_parts(self, real: Any, imag: Any) -> Any:
+        return jax.lax.complex(real, imag)
 
     def all_finite(self, tree: Any) -> Any:
         return all_finite(tree)

@@ -67,6 +67,10 @@ def _reduce_dtypes(grads: Any, policy: Any, model: Any = None) -> tuple[list, li
 def _reduce_leaf(g: Any, reduce_dtype: str, axis_name: Any, count: Any, mean: bool,
                  residual: Any = None) -> tuple[Any, Any]:
     """(the reduced leaf, the new residual: what this replica's codec dropped, or None)."""
+    if jnp.iscomplexobj(g):  # in its own dtype, exactly: the reduce dtypes and codecs are real ones
+        total = jax.lax.psum(g, axis_name)
+        n = count.astype(total.real.dtype)
+        return (jax.lax.complex(total.real / n, total.imag / n) if mean else total), residual
     if not jnp.issubdtype(g.dtype, jnp.floating):
         return g, residual
     if residual is not None:  # error feedback: last step's rounding goes out with this one
@@ -138,7 +142,8 @@ def all_reduce(grads: Any, axis_name: Any, policy: Any = None, *, mean: bool = T
     Call it inside ``shard_map`` or ``pmap``, where `axis_name` is bound.
 
     Args:
-      grads: a pytree of gradients (non-floating leaves pass unchanged).
+      grads: a pytree of gradients (a complex leaf is reduced in its own dtype; integer and
+        boolean leaves pass unchanged).
       axis_name: the replica axis (a name or a tuple of names).
       policy: a `Policy`, its name, or a `PolicyMap` resolved by each leaf's path;
         None uses the global policy.
@@ -179,10 +184,10 @@ def all_reduce(grads: Any, axis_name: Any, policy: Any = None, *, mean: bool = T
 
 
 def bytes_per_step(grads: Any, policy: Any = None, *, model: Any = None) -> int:
-    """Bytes one replica sends to reduce `grads` once (floating leaves; scales included;
-    `model` as for `all_reduce`)."""
+    """Bytes one replica sends to reduce `grads` once (floating leaves; scales included; a complex
+    leaf in its own dtype; `model` as for `all_reduce`)."""
     from mixedpolicy.scope import global_policy
 
     leaves, dtypes, _ = _reduce_dtypes(grads, global_policy() if policy is None else policy, model)
-    return sum(wire_bytes(int(g.size), d) for g, d in zip(leaves, dtypes)
-               if jnp.issubdtype(jnp.asarray(g).dtype, jnp.floating))
+    return sum(int(g.size) * g.dtype.itemsize if jnp.iscomplexobj(g) else wire_bytes(int(g.size), d)
+               for g, d in zip(leaves, dtypes) if jnp.issubdtype(jnp.asarray(g).dtype, jnp.inexact))

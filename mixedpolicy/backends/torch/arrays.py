@@ -87,9 +87,17 @@ class TorchArrays(ArrayOps):
             return x.to(TORCH_DTYPES[dtype])
         return x
 
+    def complex_parts(self, x: Any) -> tuple | None:
+        return (x.real, x.imag) if isinstance(x, torch.Tensor) and x.is_complex() else None
+
+    def from_parts(self, real: Any, imag: Any) -> Any:
+        return torch.complex(real, imag)
+
     def all_finite(self, tree: Any) -> Any:
         leaves = pytree.tree_leaves(tree)
-        tensors = [x for x in leaves if isinstance(x, torch.Tensor) and x.is_floating_point()]
+        # a complex tensor is checked as its float view (no copy): inf or NaN in either part
+        tensors = [torch.view_as_real(x) if x.is_complex() else x for x in leaves
+                   if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())]
         device = tensors[0].device if tensors else None
         if not host_leaves_finite(leaves, torch.is_tensor):  # a Python float or numpy array among the tensors
             return torch.tensor(False, device=device)

@@ -48,6 +48,13 @@ plain = per_replica(lambda g: jax.tree_util.tree_map(
 for a, b in zip(leaves(ours), leaves(plain)):
     np.testing.assert_array_max_ulp(np.asarray(a), np.asarray(b), maxulp=2)
 assert np.array_equal(ours["step"], grads["step"])  # integers pass unchanged
+# a complex leaf: the mean in its own dtype under any reduce dtype (it was left unreduced)
+spectral = jnp.asarray(rng.normal(size=(4, 3)) + 1j * rng.normal(size=(4, 3)), jnp.complex64)
+for name in ("float32", "bfloat16", "table-4"):
+    got = per_replica(lambda g: mp.jax.all_reduce(g, "r", mp.Policy("float32", reduce_dtype=name)))(spectral)
+    assert got.dtype == jnp.complex64 and np.all(got == got[0]), name
+    np.testing.assert_allclose(got[0], np.asarray(spectral).mean(0), rtol=1e-6, err_msg=name)
+assert mp.jax.bytes_per_step(spectral[0], mp.Policy("float32", reduce_dtype="bfloat16")) == 3 * 8
 mean = jax.tree_util.tree_map(lambda a: a.mean(0), grads)
 figures = {}
 for name, tol in (("float32", 1e-6), ("bfloat16", 2e-2), ("float16", 2e-3), ("float8_e5m2", 0.13),

@@ -518,3 +518,29 @@ def test_the_check_finds_every_non_finite_value_through_either_reading(path, mon
                 poisoned = list(leaves)
                 poisoned[i] = leaf.at[-1].set(bad)
                 assert not bool(check(poisoned)), (path, i, bad)
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_a_complex_parameter_steps_as_the_bare_optimizer_and_its_inf_is_skipped(policy, skip_by):
+    """A complex parameter (an S4/S5 layer's eigenvalues, a Fourier filter): its gradient is
+    unscaled and checked as its two parts. Under mixed_float16 it moved 2**15 times too far, and
+    an inf in it reached the parameters under either policy."""
+    params = {"w": jnp.array([1 + 1j, 2 - 1j], jnp.complex64), "b": jnp.ones(2, jnp.float32)}
+
+    def loss(p, poison):
+        return (jnp.sum(jnp.abs(p["w"] * poison) ** 2) + jnp.sum(p["b"] ** 2)).astype(jnp.float32)
+
+    opt = mp.LossScaleOptimizer(optax.sgd(0.1), policy=policy)
+    state, bare, bare_state, ref = opt.init(params), optax.sgd(0.1), None, params
+    bare_state = bare.init(ref)
+    for poison in (1.0, jnp.inf, 1.0):
+        grads = jax.grad(lambda p: opt.scale_loss(loss(p, poison), state))(params)
+        updates, state = opt.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        if poison == 1.0:  # the bare optimizer, on the finite steps only
+            updates, bare_state = bare.update(jax.grad(loss)(ref, poison), bare_state, ref)
+            ref = optax.apply_updates(ref, updates)
+        assert bool(state.last_step_skipped) == (poison != 1.0)
+    assert params["w"].dtype == jnp.complex64 and int(state.num_skipped_steps) == 1
+    np.testing.assert_allclose(params["w"], ref["w"], rtol=1e-6)
+    np.testing.assert_allclose(params["b"], ref["b"], rtol=1e-6)

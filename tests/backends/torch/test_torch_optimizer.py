@@ -584,6 +584,32 @@ def test_sparse_gradients_beside_dense_ones_are_unscaled_and_checked_as_grad_sca
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_a_complex_parameter_steps_as_the_bare_optimizer_and_its_inf_is_skipped(policy):
+    """torch's AMP kernel refuses complex gradients (GradScaler fails on them): the step checks
+    and unscales them through their float view, and the core's all_finite reads them too."""
+    def make():
+        return [torch.nn.Parameter(torch.tensor([1 + 1j, 2 - 1j], dtype=torch.complex64)),
+                torch.nn.Parameter(torch.ones(2))]
+
+    params, ref = make(), make()
+    opt = mp.LossScaleOptimizer(torch.optim.Adam(params, lr=0.1), policy=policy)
+    ref_opt = torch.optim.Adam(ref, lr=0.1)
+    for poison in (1.0, float("inf"), 1.0):
+        opt.scale_loss((params[0] * poison).abs().pow(2).sum() + params[1].pow(2).sum()).backward()
+        assert not mp.all_finite([p.grad for p in params]) if poison != 1.0 else mp.all_finite(
+            [p.grad for p in params])
+        opt.step()
+        opt.zero_grad()
+        assert opt.last_step_skipped == (poison != 1.0)
+        if poison == 1.0:
+            (ref[0].abs().pow(2).sum() + ref[1].pow(2).sum()).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+    for a, b in zip(params, ref):
+        torch.testing.assert_close(a, b)
+
+
 def test_a_flag_another_device_left_set_is_zeroed_before_that_device_is_checked_again():
     """A step reads as 0 only the flags its check set: a device whose flag an earlier skip left
     at 1 (another optimizer's parameters, stepped by `acting_on`) is zeroed before it is read
