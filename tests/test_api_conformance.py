@@ -178,6 +178,10 @@ def test_optax_wrappers_refuse_what_is_no_gradient_loss_or_state_dtype():
                        ({"w": object(), "b": jnp.ones(2)}, r"\['w'\]")):
         with pytest.raises(TypeError, match=rf"Received gradients with a leaf of type .* at {where}; expected"):
             opt.update(bad, state, params)
+    jax = require_module("jax")  # an integer leaf's float0 gradient: named, with the fix
+    float0 = jax.grad(lambda p: p["b"].sum() * p["n"].astype("float32"), allow_int=True)({"b": jnp.ones(2), "n": jnp.int32(2)})
+    with pytest.raises(TypeError, match=r"at \['n'\], the float0 gradient of an integer leaf .*differentiate"):
+        opt.update(float0, opt.init({"b": jnp.ones(2), "n": jnp.int32(2)}), None)
     for loss in ("1.0", None, object(), [1.0]):
         with pytest.raises(TypeError, match="Received a loss of type .*expected the scalar loss"):
             opt.scale_loss(loss, state)

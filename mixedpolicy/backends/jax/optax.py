@@ -51,11 +51,6 @@ _log = logging.getLogger("mixedpolicy")
 _STRUCTURES_CHECKED: set = set()  # gradient tree structures holding no fp8 state (_refuse_float8_state)
 
 
-def _first_leaf(tree: Any) -> Any:
-    leaves = jax.tree_util.tree_leaves(tree)
-    return leaves[0] if leaves else None
-
-
 def _check_state(state: Any, config: LossScale) -> None:
     expected = PassThroughState if is_pass_through(config) else LossScaleState
     if isinstance(state, expected):
@@ -177,9 +172,12 @@ def _check_gradients(grads: Any) -> Any:
     if not all(map(_is_number, leaves)):
         path, leaf = next((path, leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(grads)[0]
                           if not _is_number(leaf))
+        why = (", the float0 gradient of an integer leaf (jax.grad(..., allow_int=True)), which optax's "
+               "optimizers cannot step either: differentiate the floating leaves only (eqx.filter_grad, "
+               "nnx.DiffState, or a params tree without it)" if getattr(leaf, "dtype", None) == jax.dtypes.float0 else "")
         raise TypeError(
             f"Received gradients with a leaf of type {type(leaf).__name__} ({leaf!r:.40}) at "
-            f"{jax.tree_util.keystr(path) or 'the root'}; expected a pytree of arrays, such as "
+            f"{jax.tree_util.keystr(path) or 'the root'}{why}; expected a pytree of arrays, such as "
             f"jax.grad(loss_fn)(params) returns.")
     return leaves[0] if leaves else None
 
@@ -308,7 +306,7 @@ def loss_scale_transformation(inner: Any, config: LossScale, axis_name: Any = No
         scale = scale.adjust(finite)
         skipped = (~finite).astype(jnp.int32)
         counter = jnp.asarray(getattr(scale, "counter", state.counter), jnp.int32)
-        handed = _first_leaf(updates)
+        handed = next(iter(jax.tree_util.tree_leaves(updates)), None)
         if handed is not None:
             _handed_on[id(handed)] = handed
         return updates, LossScaleState(inner_state, pack_counts(scale.loss_scale, counter, skipped,
