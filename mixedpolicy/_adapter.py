@@ -125,6 +125,11 @@ class OptimizerAdapter(abc.ABC):
     #: ``name``, ``dynamic``); the factory refuses extra arguments for the others.
     takes_optimizer_options: ClassVar[bool] = False
 
+    #: The frameworks (registry rows, "function" for a `PolicyFunction`) whose models this
+    #: framework's optimizers cannot see: a wrapper made without ``policy=`` that scales nothing
+    #: warns while a live one of them computes in float16 (`api.float16_models`).
+    blind_to: ClassVar[tuple] = ()
+
     @abc.abstractmethod
     def is_optimizer(self, obj: Any) -> bool:
         """Is `obj` an optimizer this adapter wraps?"""

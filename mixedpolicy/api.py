@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, Mapping
 
 from mixedpolicy import _registry
@@ -13,6 +14,28 @@ from mixedpolicy.policy_map import PolicyMap, as_policy_map
 from mixedpolicy.scope import global_policy
 
 _log = logging.getLogger("mixedpolicy")
+# (framework, a weak reference to the model apply_policy returned (or None: kept while the process
+# runs), what it is) for each model given a policy computing in float16 (`float16_models`)
+_FLOAT16: list = []
+
+
+def _note_float16(framework: str | None, model: Any, policies: tuple) -> None:
+    names = sorted({p.name for p in policies if p.compute_dtype == "float16"})
+    if framework is None or not names:
+        return
+    try:
+        ref: Any = weakref.ref(model)
+    except TypeError:
+        ref = None
+    _FLOAT16[:] = [n for n in _FLOAT16 if n[1] is None or n[1]() is not None][-15:]
+    _FLOAT16.append((framework, ref, f"{type(model).__name__} {', '.join(map(repr, names))}"))
+
+
+def float16_models(frameworks: tuple) -> list:
+    """What each live model of `frameworks` that `apply_policy` gave a float16-computing policy is
+    ("PolicyLinen 'mixed_float16'"): an optimizer of a framework that cannot see its model
+    warns when it would scale nothing beside one (`LossScaleOptimizer`)."""
+    return [what for framework, ref, what in _FLOAT16 if framework in frameworks and (ref is None or ref() is not None)]
 
 
 def _no_adapter(obj: Any, role: str, expected: str = "") -> TypeError:
@@ -73,11 +96,14 @@ def apply_policy(model: Any, policy: Any = None, overrides: Mapping[Any, Any] | 
     fp8 = sorted({p.name for p in _policies_in(policy_map) if p.float8_recipe is not None})
     if adapter is None and callable(model) and not isinstance(model, type):
         result = PolicyFunction(model, policy_map)  # checks its fp8 recipe itself
+        framework: str | None = "function"
     else:
         adapter = adapter or _model_adapter(model, "a plain function of arrays, or ")
         _check_float8(fp8, adapter, type(model).__name__)
         result = adapter.apply_policy(model, policy_map)
+        framework = _registry.framework_of(model)
         _log.debug("apply_policy(%s): %s", type(model).__name__, policy_map)
+    _note_float16(framework, result, _policies_in(policy_map))
     return result
 
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import abc
 import logging
+import warnings
 from typing import Any, Mapping
 
 from mixedpolicy import _registry
 from mixedpolicy._scale_checks import anchor_names, check_scale
-from mixedpolicy.api import _no_adapter, _policies_in
+from mixedpolicy._warnings import user_stacklevel
+from mixedpolicy.api import _no_adapter, _policies_in, float16_models
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, summary
 from mixedpolicy.policy import as_policy
 from mixedpolicy.policy_map import PolicyMap
@@ -33,6 +35,20 @@ def _followed_policies(adapter: Any, inner: Any, policy: Any) -> tuple:
     if isinstance(policy, PolicyMap):
         return _policies_in(policy)
     return (as_policy(policy, what="policy"),)
+
+
+def _warn_blind(adapter: Any, followed: tuple) -> None:
+    """Warns that a wrapper made without a policy scales nothing while a model its optimizer cannot
+    see (an optax transformation's Flax or Equinox model) computes in float16."""
+    models = float16_models(adapter.blind_to)
+    if models:
+        names = ", ".join(sorted({p.name for p in followed})) or "float32"
+        warnings.warn(
+            f"This LossScaleOptimizer follows {names!r} (the global policy) and scales nothing, while a "
+            f"model in this process computes in float16 (apply_policy gave {models[-1]}); an optimizer "
+            f"of this kind cannot see its model, so float16 gradients may underflow to zero unscaled. "
+            f"Pass the model's policy, LossScaleOptimizer(opt, policy=...), or make it the global "
+            f"policy; policy={names!r} says no scaling is meant.", UserWarning, stacklevel=user_stacklevel())
 
 
 def _with_updates(adapter: Any, inner: Any, policies: tuple) -> Any:
@@ -239,6 +255,8 @@ class LossScaleOptimizer(abc.ABC):
                 loss_scale = DynamicLossScale()
             else:
                 loss_scale = NoLossScale(skip_nonfinite=skip_nonfinite)
+                if policy is None:
+                    _warn_blind(adapter, followed)
             _log.info("LossScaleOptimizer(%s): %s, following the policy", type(inner).__name__,
                       summary(loss_scale))
         if getattr(adapter, "takes_reduce_policy", False):  # Keras: it carries reduce dtypes itself

@@ -78,25 +78,47 @@ def test_a_copied_or_reloaded_model_carries_its_policy_to_the_optimizer():
 
 
 def test_without_a_view_of_the_model_its_arguments_and_the_global_policy_decide():
-    """No action at a distance: a float16 model alive elsewhere does not change the choice."""
+    """No action at a distance: a float16 model alive elsewhere does not change the choice. It
+    makes a wrapper that scales nothing, made without a policy, warn with the fix: an optax
+    transformation cannot see that its model computes in float16."""
+    import gc
+    import warnings
+
     jax = require_module("jax")
     optax = require_module("optax", "jax")
     nnx = require_module("flax.nnx", "jax")
+    linen = require_module("flax.linen", "jax")
 
     def choice(**kw):
         return mp.LossScaleOptimizer(optax.sgd(0.1), **kw).loss_scaling
 
-    assert choice().startswith(PASS)
-    with mp.policy_scope("mixed_float16"):
-        assert choice().startswith("dynamic")
-    model = mp.apply_policy(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), "mixed_float16")
-    f = mp.apply_policy(lambda w, x: w @ x, "mixed_float16")
-    assert choice().startswith(PASS)  # unrelated live float16 models decide nothing
-    assert choice(policy="mixed_float16").startswith("dynamic")  # the model's policy, said plainly
-    assert choice(policy=mp.PolicyMap("float32", {"head": "mixed_float16"})).startswith("dynamic")
-    with mp.policy_scope("mixed_bfloat16"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         assert choice().startswith(PASS)
-    assert model is not None and f is not None and jax is not None
+        with mp.policy_scope("mixed_float16"):
+            assert choice().startswith("dynamic")
+        bf16 = mp.apply_policy(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), "mixed_bfloat16")
+        assert choice().startswith(PASS)  # no float16 anywhere: nothing to say
+    model = mp.apply_policy(linen.Dense(2), "mixed_float16")
+    f = mp.apply_policy(lambda w, x: w @ x, "mixed_float16")
+    with pytest.warns(UserWarning, match=r"follows 'float32' .*scales nothing, while a model in this process "
+                                         r"computes in float16 \(apply_policy gave PolicyFunction 'mixed_float16'\)"
+                                         r".*policy=\.\.\."):
+        assert choice().startswith(PASS)  # unrelated live float16 models decide nothing
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert choice(policy="mixed_float16").startswith("dynamic")  # the model's policy, said plainly
+        assert choice(policy=mp.PolicyMap("float32", {"head": "mixed_float16"})).startswith("dynamic")
+        assert choice(policy="float32").startswith(PASS)  # no scaling, meant
+        assert choice(initial_scale=2.0**10).startswith("dynamic")
+    with mp.policy_scope("mixed_bfloat16"), pytest.warns(UserWarning, match="follows 'mixed_bfloat16'"):
+        assert choice().startswith(PASS)
+    assert model is not None and f is not None and bf16 is not None and jax is not None
+    del model, f
+    gc.collect()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the float16 models are gone
+        assert choice().startswith(PASS)
 
 
 def test_conflicting_or_bad_arguments_are_refused_with_the_fix():

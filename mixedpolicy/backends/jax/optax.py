@@ -321,6 +321,8 @@ def loss_scale_transformation(inner: Any, config: LossScale, axis_name: Any = No
 class OptaxOptimizers(OptimizerAdapter):
     """An optax transformation comes back as a `LossScaleTransformation` carrying the scale."""
 
+    blind_to = ("flax", "equinox", "function")  # (it sees arrays only)
+
     def is_optimizer(self, obj: Any) -> bool:
         return isinstance(obj, (optax.GradientTransformation, optax.MultiSteps))
 

@@ -170,6 +170,17 @@ BODY = textwrap.dedent("""
     except ValueError as err:
         assert "reduced across replicas in float8_e5m2" in str(err) and "nothing was applied" in str(err), err
     assert fresh.hidden.w.dtype == tf.float32 and "_mixedpolicy" not in vars(fresh)
+
+    # a Keras optimizer cannot see a tf.Module: made without a policy beside a float16 one, the
+    # wrapper that scales nothing says so, with the fix; given the policy, it scales
+    half = mp.apply_policy(MLP(), "mixed_float16")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        unscaled = mp.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+        scaled = mp.LossScaleOptimizer(keras.optimizers.SGD(0.1), policy="mixed_float16")
+    said = [str(w.message) for w in caught if "scales nothing" in str(w.message)]
+    assert len(said) == 1 and "apply_policy gave MLP 'mixed_float16'" in said[0], said
+    assert not unscaled.loss_scaling.startswith("dynamic") and scaled.loss_scaling.startswith("dynamic")
     print("ok")
 """)
 
