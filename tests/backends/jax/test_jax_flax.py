@@ -492,3 +492,73 @@ def test_nnx_a_refused_policy_leaves_the_model_under_the_policy_it_had():
     mp.apply_policy(model, "bfloat16")  # bfloat16 parameters, then a mixed policy: not the user's
     mp.apply_policy(model, "mixed_bfloat16")
     assert model.a.kernel.get_value().dtype == jnp.float32
+
+
+class _HalfCNN(nn.Module):
+    """The Flax ImageNet example's shape in small: a convolution, BatchNorm, a Dense head, `dtype`
+    the example's half-precision switch."""
+
+    dtype: object = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Conv(8, (3, 3), dtype=self.dtype)(x)
+        x = nn.relu(nn.BatchNorm(use_running_average=False, momentum=0.9, dtype=self.dtype)(x))
+        return nn.Dense(10, dtype=self.dtype)(x.mean(axis=(1, 2)))
+
+
+def test_linen_trains_as_the_flax_examples_half_precision_with_its_dynamic_scale():
+    """Flax's own float16 recipe (the ImageNet example: the model's dtype, flax.training's
+    DynamicScale, a select of the new state on is_fin) against the policy and the optax wrapper
+    on the same weights: the same losses, the same skipped step and scale, the same weights
+    within float16 rounding (our norm keeps its statistics in float32; Flax's scale divides where
+    ours multiplies by the reciprocal)."""
+    optax = require_module("optax", "jax")
+    from flax.training import dynamic_scale, train_state
+
+    class State(train_state.TrainState):
+        batch_stats: dict
+
+    x = jax.random.normal(jax.random.key(1), (8, 8, 8, 3))
+    y = jnp.arange(8) % 10
+    init = _HalfCNN().init(jax.random.key(0), x)
+    ours_model = mp.apply_policy(_HalfCNN(), "mixed_float16")
+    tx = mp.LossScaleOptimizer(optax.sgd(0.1, momentum=0.9), policy="mixed_float16")
+
+    def state(model, opt):
+        return State.create(apply_fn=model.apply, params=init["params"], tx=opt, batch_stats=init["batch_stats"])
+
+    def loss_of(s, p, poison):
+        logits, new = s.apply_fn({"params": p, "batch_stats": s.batch_stats}, x, mutable=["batch_stats"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y).mean() * poison, new
+
+    @jax.jit
+    def flax_step(s, scale, poison):
+        scale, is_fin, (loss, new), grads = scale.value_and_grad(
+            lambda p: loss_of(s, p, poison), has_aux=True)(s.params)
+        n = s.apply_gradients(grads=grads, batch_stats=new["batch_stats"])
+        keep = functools.partial(jnp.where, is_fin)
+        return n.replace(opt_state=jax.tree.map(keep, n.opt_state, s.opt_state),
+                         params=jax.tree.map(keep, n.params, s.params)), scale, loss
+
+    @jax.jit
+    def our_step(s, poison):
+        def scaled(p):
+            loss, new = loss_of(s, p, poison)
+            return tx.scale_loss(loss, s.opt_state), (loss, new)
+        grads, (loss, new) = jax.grad(scaled, has_aux=True)(s.params)
+        return s.apply_gradients(grads=grads, batch_stats=new["batch_stats"]), loss
+
+    theirs, scale = state(_HalfCNN(dtype=jnp.float16), optax.sgd(0.1, momentum=0.9)), dynamic_scale.DynamicScale(
+        scale=2.0**15)
+    ours = state(ours_model, tx)
+    for poison in (1.0, 1.0, float("inf"), 1.0, 1.0):
+        with jax.numpy_dtype_promotion("standard"):  # Flax's float16 BatchNorm mixes dtypes itself
+            theirs, scale, their_loss = flax_step(theirs, scale, jnp.float32(poison))
+        ours, our_loss = our_step(ours, jnp.float32(poison))
+        assert bool(ours.opt_state.last_step_skipped) == (poison != 1.0)
+        assert float(ours.opt_state.loss_scale) == float(scale.scale)
+        np.testing.assert_allclose(float(our_loss), float(their_loss), rtol=1e-4)
+    assert int(ours.opt_state.num_skipped_steps) == 1
+    for a, b in zip(jax.tree_util.tree_leaves(ours.params), jax.tree_util.tree_leaves(theirs.params)):
+        np.testing.assert_allclose(a, b, atol=1e-4)
