@@ -148,7 +148,6 @@ def _plain_scale(value: Any) -> float | None:
     return value if math.isfinite(value) and value > 0 else None
 
 
-
 #: the anchors' names for the wrapper's settings (GradScaler, jmp, tf.keras), and ours
 _ANCHOR_NAMES = {
     "init_scale": "initial_scale= (GradScaler's init_scale)",

@@ -172,9 +172,9 @@ def _check_gradients(grads: Any) -> Any:
     if not all(map(_is_number, leaves)):
         path, leaf = next((path, leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(grads)[0]
                           if not _is_number(leaf))
-        why = (", the float0 gradient of an integer leaf (jax.grad(..., allow_int=True)), which optax's "
-               "optimizers cannot step either: differentiate the floating leaves only (eqx.filter_grad, "
-               "nnx.DiffState, or a params tree without it)" if getattr(leaf, "dtype", None) == jax.dtypes.float0 else "")
+        why = "" if getattr(leaf, "dtype", None) != jax.dtypes.float0 else (
+            ", the float0 gradient of an integer leaf (jax.grad(..., allow_int=True)), which optax's optimizers "
+            "cannot step either: differentiate the floating leaves only (eqx.filter_grad, nnx.DiffState...)")
         raise TypeError(
             f"Received gradients with a leaf of type {type(leaf).__name__} ({leaf!r:.40}) at "
             f"{jax.tree_util.keystr(path) or 'the root'}{why}; expected a pytree of arrays, such as "

@@ -27,10 +27,10 @@ from keras import ops
 from keras.src.saving import object_registration as _registry  # the name a class saves under
 
 from mixedpolicy._adapter import OptimizerAdapter
+from mixedpolicy._scale_checks import anchor_names
 from mixedpolicy.backends.keras.reduce import (all_finite, already_summed, check_gradients, check_loss,
                                                check_reduce_policy, finite_on_every_replica, is_concrete,
                                                reduce_to_config, sum_across_replicas)
-from mixedpolicy._scale_checks import anchor_names
 from mixedpolicy.backends.keras.updates import KerasUpdates, rounding_to_config
 from mixedpolicy.backends.keras.policy_maps import policies_in
 from mixedpolicy.backends.keras.stateless import StatelessScaling
@@ -100,8 +100,8 @@ class LossScaleOptimizer(SkipCounters, StatelessScaling, keras.optimizers.LossSc
         except ValueError as err:
             if "does not support arguments" not in str(err):
                 raise
-            raise ValueError(f"{err} Settings of the optimizer itself (learning_rate, momentum...) belong to the "
-                             f"inner optimizer: pass them when you create it, then wrap it.{anchor_names(kwargs)}") from None
+            raise ValueError(f"{err} Settings of the optimizer itself (learning_rate, momentum...) belong to "
+                             f"the inner optimizer: pass them, then wrap it.{anchor_names(kwargs)}") from None
         self._scale_settings = loss_scale
         self._unit_scale = isinstance(loss_scale, StaticLossScale) and float(loss_scale.loss_scale) == 1.0
         self._pass_through = pass_through

@@ -139,7 +139,7 @@ def test_output_dtype_other_methods_and_state_arguments():
 
 def test_trains_under_filter_jit_with_the_loss_scale_optimizer():
     model = mp.apply_policy(Net(), "mixed_float16")
-    tx = mp.LossScaleOptimizer(optax.sgd(0.05, momentum=0.9))
+    tx = mp.LossScaleOptimizer(optax.sgd(0.05, momentum=0.9), policy="mixed_float16")  # (it cannot see the model)
     opt_state = tx.init(eqx.filter(model, eqx.is_array))
     y = jnp.asarray(np.arange(8) % 3)
 
@@ -159,7 +159,7 @@ def test_trains_under_filter_jit_with_the_loss_scale_optimizer():
         model, opt_state, loss = step(model, opt_state)
         losses.append(float(loss))
     assert losses[-1] < losses[0] and dtypes(model) == {F32}
-    assert int(opt_state.num_skipped_steps) == 0
+    assert int(opt_state.num_skipped_steps) == 0 and float(opt_state.loss_scale) == 2.0**15
 
 
 def test_remove_policy_restores_the_module_and_applying_twice_replaces():

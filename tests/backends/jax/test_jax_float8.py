@@ -284,7 +284,8 @@ def test_delayed_state_resumes_bit_for_bit_and_a_skipped_step_keeps_it():
     policy = mp.Policy("float8_from_mixed_float16", amax_history_len=4)
     net = Mlp(nnx.Rngs(0))
     mp.apply_policy(net, mp.PolicyMap(policy, {"down": policy}))
-    optimizer = nnx.Optimizer(net, mp.LossScaleOptimizer(optax.sgd(0.01, momentum=0.9)), wrt=nnx.Param)
+    optimizer = nnx.Optimizer(net, mp.LossScaleOptimizer(optax.sgd(0.01, momentum=0.9), policy=policy),
+                              wrt=nnx.Param)
     step = _delayed_step()
     data = [(jnp.asarray(x), jnp.asarray(y)) for x, y in _inputs(4)]
     for x, y in data[:2]:
