@@ -37,9 +37,9 @@ def _followed_policies(adapter: Any, inner: Any, policy: Any) -> tuple:
     return (as_policy(policy, what="policy"),)
 
 
-def _warn_blind(adapter: Any, followed: tuple) -> None:
+def _warn_blind(adapter: Any, followed: tuple) -> bool:
     """Warns that a wrapper made without a policy scales nothing while a model its optimizer cannot
-    see (an optax transformation's Flax or Equinox model) computes in float16."""
+    see (an optax transformation's Flax or Equinox model) computes in float16; True if it did."""
     models = float16_models(adapter.blind_to)
     if models:
         names = ", ".join(sorted({p.name for p in followed})) or "float32"
@@ -49,6 +49,7 @@ def _warn_blind(adapter: Any, followed: tuple) -> None:
             f"of this kind cannot see its model, so float16 gradients may underflow to zero unscaled. "
             f"Pass the model's policy, LossScaleOptimizer(opt, policy=...), or make it the global "
             f"policy; policy={names!r} says no scaling is meant.", UserWarning, stacklevel=user_stacklevel())
+    return bool(models)
 
 
 def _with_updates(adapter: Any, inner: Any, policies: tuple) -> Any:
@@ -250,13 +251,13 @@ class LossScaleOptimizer(abc.ABC):
         policies = _followed_policies(adapter, inner, policy)
         followed = () if by_hand and isinstance(loss_scale, NoLossScale) else policies
         inner = _with_updates(adapter, inner, policies)
+        warned = False
         if loss_scale is None:
             if any(p.needs_loss_scaling for p in followed):
                 loss_scale = DynamicLossScale()
             else:
                 loss_scale = NoLossScale(skip_nonfinite=skip_nonfinite)
-                if policy is None:
-                    _warn_blind(adapter, followed)
+                warned = policy is None and _warn_blind(adapter, followed)
             _log.info("LossScaleOptimizer(%s): %s, following the policy", type(inner).__name__,
                       summary(loss_scale))
         if getattr(adapter, "takes_reduce_policy", False):  # Keras: it carries reduce dtypes itself
@@ -276,6 +277,8 @@ class LossScaleOptimizer(abc.ABC):
             wrapper = adapter.wrap_optimizer(inner, loss_scale, axis_name)
         if followed and not made_with and isinstance(loss_scale, NoLossScale):
             adapter.follow_policies(wrapper, followed)  # refuses what the scaling wrapper refuses
+        if warned and hasattr(wrapper, "__dict__"):
+            wrapper.__dict__["_mixedpolicy_warned_unscaled"] = True  # (Keras's compile says it once)
         return wrapper
 
     @staticmethod

@@ -31,7 +31,9 @@ def compile_with_loss_scale(model: Any, scaled: bool = True, reduce_policy: Any 
 
             optimizer = _with_updates(KerasOptimizers(), optimizer, (updates,))  # refused with the fix
         followed = getattr(optimizer, "__dict__", {}).get("_followed_policies")
-        if scaled and followed and not any(p.needs_loss_scaling for p in followed) and not optimizer.built:
+        warned = getattr(optimizer, "__dict__", {}).get("_mixedpolicy_warned_unscaled")  # as it was made
+        if scaled and followed and not any(p.needs_loss_scaling for p in followed) and not optimizer.built \
+                and not warned:
             warnings.warn(
                 f"Received a LossScaleOptimizer that scales nothing (it followed "
                 f"{', '.join(sorted({p.name for p in followed}))} when it was made) for a model whose policy "

@@ -319,7 +319,7 @@ class KerasOptimizers(KerasUpdates, OptimizerAdapter):
     """A Keras optimizer comes back as this module's `LossScaleOptimizer`."""
 
     takes_optimizer_options = takes_reduce_policy = True
-    blind_to = ("tensorflow",)  # a Keras model's compile warns by itself (compile.py)
+    blind_to = ("keras", "tensorflow")  # (a Keras model's compile then says nothing more)
 
     def is_optimizer(self, obj: Any) -> bool:
         return isinstance(obj, keras.optimizers.Optimizer)

@@ -511,19 +511,26 @@ def test_compile_warns_of_a_wrapper_that_followed_a_policy_without_scaling_for_a
     # apply_policy put under mixed_float16, its float16 gradients would underflow unscaled, silently
     import warnings
 
-    def compiled(model_policy, **settings):
+    def compiled(model_policy, optimizer_first=True, **settings):
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
-        mp.apply_policy(model, model_policy)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            model.compile(optimizer=mp.LossScaleOptimizer(keras.optimizers.Adam(), **settings), loss="mse")
+            if optimizer_first:
+                optimizer = mp.LossScaleOptimizer(keras.optimizers.Adam(), **settings)
+            mp.apply_policy(model, model_policy)
+            if not optimizer_first:  # made beside a live float16 model: it says so as it is made
+                optimizer = mp.LossScaleOptimizer(keras.optimizers.Adam(), **settings)
+            model.compile(optimizer=optimizer, loss="mse")
         return [str(w.message) for w in caught if "scales nothing" in str(w.message)]
 
     (message,) = compiled("mixed_float16")
     assert "followed float32" in message and "policy=" in message
+    (message,) = compiled("mixed_float16", optimizer_first=False)  # once, not again at compile
+    assert "follows 'float32'" in message and "apply_policy gave Sequential 'mixed_float16'" in message
     assert compiled("mixed_float16", policy="mixed_float16") == []  # it scales
+    assert compiled("mixed_float16", False, policy="mixed_float16") == []
     assert compiled("mixed_float16", loss_scale=mp.NoLossScale()) == []  # chosen, not followed
-    assert compiled("mixed_bfloat16") == []  # nothing to scale
+    assert compiled("mixed_bfloat16") == [] and compiled("mixed_bfloat16", False) == []  # nothing to scale
 
 
 def test_apply_takes_the_variables_as_any_iterable_as_keras_own_does():
