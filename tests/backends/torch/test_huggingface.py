@@ -248,15 +248,22 @@ def _architectures():
         vision_config=dict(image_size=16, patch_size=4, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                            num_attention_heads=2), projection_dim=16)), dict(
         input_ids=ids, pixel_values=torch.randn(2, 3, 16, 16, generator=g), return_loss=True)
+    yield "mixtral", lambda: t.MixtralForCausalLM(t.MixtralConfig(  # a routed mixture of experts
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32)), dict(
+        input_ids=ids, labels=ids)
+    yield "mamba", lambda: t.MambaForCausalLM(t.MambaConfig(  # a selective state-space scan, no attention
+        vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4)), dict(
+        input_ids=ids, labels=ids)
 
 
 @pytest.mark.parametrize("policy, half", [("mixed_bfloat16", torch.bfloat16), ("mixed_float16", torch.float16)],
                          ids=["bf16", "fp16"])
 @pytest.mark.parametrize("name, build, inputs", list(_architectures()), ids=lambda v: v if isinstance(v, str) else "")
 def test_transformers_families_train_as_autocast_and_grad_scaler_do(name, build, inputs, policy, half):
-    # decoder, encoder-decoder, speech and two-tower models: the policy's loss, skipped steps,
-    # scale and weights after two AdamW steps are hand-written autocast + GradScaler's, bit for
-    # bit (CLIP's float16 steps overflow at 2**15 and 2**14 on both sides)
+    # decoder, encoder-decoder, speech, two-tower, mixture-of-experts and state-space models: the
+    # policy's loss, skipped steps, scale and weights after two AdamW steps are hand-written
+    # autocast + GradScaler's, bit for bit (CLIP's float16 steps overflow at 2**15 and 2**14 on both sides)
     torch.manual_seed(0)
     theirs = build().train()
     ours = mp.apply_policy(copy.deepcopy(theirs), policy)
