@@ -193,6 +193,9 @@ def test_complex_gradients_are_unscaled_and_checked_as_their_two_parts(backend):
             z = backend.from_parts(*(backend.asarray(x, "float32") for x in parts))
             assert not bool(np.asarray(backend.all_finite([g, z]))), parts
     assert s.unscale([1j * 512.0]) == [2j] and not bool(np.asarray(mp.all_finite([complex(1.0, np.inf)])))
+    if backend.name == "torch":  # a lazily conjugated gradient (x.conj()) is read too
+        assert not bool(mp.all_finite([backend.from_parts(*(backend.asarray(x, "float32") for x in (
+            [1.0, np.inf], [0.0, 0.0]))).conj()]))
 
 
 settings.register_profile("mixedpolicy", deadline=None, max_examples=150)

@@ -95,8 +95,9 @@ class TorchArrays(ArrayOps):
 
     def all_finite(self, tree: Any) -> Any:
         leaves = pytree.tree_leaves(tree)
-        # a complex tensor is checked as its float view (no copy): inf or NaN in either part
-        tensors = [torch.view_as_real(x) if x.is_complex() else x for x in leaves
+        # a complex tensor is checked as its float view (no copy unless a lazy conjugate): inf or
+        # NaN in either part
+        tensors = [torch.view_as_real(x.resolve_conj()) if x.is_complex() else x for x in leaves
                    if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())]
         device = tensors[0].device if tensors else None
         if not host_leaves_finite(leaves, torch.is_tensor):  # a Python float or numpy array among the tensors
