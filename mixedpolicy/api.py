@@ -37,7 +37,8 @@ def float16_models(frameworks: tuple) -> list:
     ("PolicyLinen 'mixed_float16'"): an optimizer of a framework that cannot see its model
     warns when it would scale nothing beside one (`LossScaleOptimizer`)."""
     def live() -> list:
-        return [what for framework, ref, what in _FLOAT16 if framework in frameworks and (ref is None or ref() is not None)]
+        return [what for framework, ref, what in _FLOAT16
+                if framework in frameworks and (ref is None or ref() is not None)]
 
     if not live():
         return []
