@@ -40,6 +40,7 @@ import optax
 from mixedpolicy._adapter import OptimizerAdapter
 from mixedpolicy.backends.jax.arrays import all_finite
 from mixedpolicy.backends.jax.optax_state import _STATES, LossScaleState, PassThroughState, adopted_scale, pack_counts
+from mixedpolicy.backends.jax.optax_checks import check_gradients, is_number, warn_half_masters
 from mixedpolicy.backends.jax.vanishing import warn_vanishing_eps
 from mixedpolicy.float8 import DELAYED_STATE
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, is_pass_through, summary
@@ -118,7 +119,7 @@ class LossScaleTransformation(optax.GradientTransformationExtraArgs):
           ValueError: `state` is that of an ``optax.MultiSteps`` around this wrapper (see
             the message: accumulate inside the wrapper instead).
         """
-        if not _is_number(loss) or jnp.issubdtype(getattr(loss, "dtype", jnp.float32), jnp.complexfloating):
+        if not is_number(loss) or jnp.issubdtype(getattr(loss, "dtype", jnp.float32), jnp.complexfloating):
             raise TypeError(f"Received a loss of type {type(loss).__name__} ({loss!r:.60}); expected the "
                             f"scalar loss, a JAX array (or a number) of a floating dtype.")
         state = _own_state(state, self.update.loss_scale)
@@ -157,29 +158,6 @@ class LossScaleTransformation(optax.GradientTransformationExtraArgs):
         if changed is not None:
             _log.warning("Adopted an optimizer state saved under another update recipe: %s.", changed)
         return adopted_scale(state, self.update.make_state(inner_state), self.update.loss_scale)
-
-
-def _is_number(x: Any) -> bool:
-    """An array (a tracer too) or a number that JAX computes with (not a bool, string or object)."""
-    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
-        return bool(jnp.issubdtype(x.dtype, jnp.number))
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _check_gradients(grads: Any) -> Any:
-    """The first leaf of `grads` (None if it has none), after checking every leaf is a number."""
-    leaves = jax.tree_util.tree_leaves(grads)
-    if not all(map(_is_number, leaves)):
-        path, leaf = next((path, leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(grads)[0]
-                          if not _is_number(leaf))
-        why = "" if getattr(leaf, "dtype", None) != jax.dtypes.float0 else (
-            ", the float0 gradient of an integer leaf (jax.grad(..., allow_int=True)), which optax's optimizers "
-            "cannot step either: differentiate the floating leaves only (eqx.filter_grad, nnx.DiffState...)")
-        raise TypeError(
-            f"Received gradients with a leaf of type {type(leaf).__name__} ({leaf!r:.40}) at "
-            f"{jax.tree_util.keystr(path) or 'the root'}{why}; expected a pytree of arrays, such as "
-            f"jax.grad(loss_fn)(params) returns.")
-    return leaves[0] if leaves else None
 
 
 def _check_axis(axis_name: Any) -> None:
@@ -248,8 +226,10 @@ def _update_if(finite: Any, update: Any, grads: Any, inner_state: Any) -> Any:
     return updates, jax.tree_util.tree_map(lambda new, old: jnp.where(finite, new, old), new_state, inner_state)
 
 
-def loss_scale_transformation(inner: Any, config: LossScale, axis_name: Any = None) -> LossScaleTransformation:
-    """Wraps an optax transformation with `config` (see the module docstring)."""
+def loss_scale_transformation(inner: Any, config: LossScale, axis_name: Any = None,
+                              stored: Any = frozenset()) -> LossScaleTransformation:
+    """Wraps an optax transformation with `config` (see the module docstring); `stored`: the
+    variable dtypes of the policies it follows (empty: none known)."""
     if isinstance(inner, LossScaleTransformation):
         raise TypeError("Received a LossScaleOptimizer to wrap; it already scales the loss. "
                         "Wrap the inner optax transformation once.")
@@ -271,6 +251,7 @@ def loss_scale_transformation(inner: Any, config: LossScale, axis_name: Any = No
     def init(params: Any) -> Any:
         inner_state = inner.init(params)
         warn_vanishing_eps(inner, params)
+        warn_half_masters(params, stored)
         nested = [x for x in jax.tree_util.tree_leaves(
             inner_state, is_leaf=lambda x: isinstance(x, _STATES)) if isinstance(x, _STATES)]
         if nested:
@@ -283,7 +264,7 @@ def loss_scale_transformation(inner: Any, config: LossScale, axis_name: Any = No
 
     def update(grads: Any, state: Any, params: Any = None, **extra_args: Any):
         _check_state(state, config)
-        first = _check_gradients(grads)
+        first = check_gradients(grads)
         if first is not None and _handed_on.get(id(first)) is first:
             raise TypeError(
                 "Received as gradients the updates of another mixedpolicy LossScaleOptimizer "
@@ -326,8 +307,10 @@ class OptaxOptimizers(OptimizerAdapter):
     def is_optimizer(self, obj: Any) -> bool:
         return isinstance(obj, (optax.GradientTransformation, optax.MultiSteps))
 
-    def wrap_optimizer(self, optimizer: Any, loss_scale: Any, axis_name: Any = None) -> Any:
-        return loss_scale_transformation(optimizer, loss_scale, axis_name)
+    takes_followed_policies = True  # its init warns of half-precision weights they do not store
+
+    def wrap_optimizer(self, optimizer: Any, loss_scale: Any, axis_name: Any = None, followed: tuple = ()) -> Any:
+        return loss_scale_transformation(optimizer, loss_scale, axis_name, {p.variable_dtype for p in followed})
 
     def update_refusal(self, optimizer: Any, policy: Any) -> str | None:
         return None  # the rounding and the state's storage wrap the inner optimizer (with_updates)

@@ -544,3 +544,21 @@ def test_a_complex_parameter_steps_as_the_bare_optimizer_and_its_inf_is_skipped(
     assert params["w"].dtype == jnp.complex64 and int(state.num_skipped_steps) == 1
     np.testing.assert_allclose(params["w"], ref["w"], rtol=1e-6)
     np.testing.assert_allclose(params["b"], ref["b"], rtol=1e-6)
+
+
+def test_half_weights_a_policy_does_not_store_are_said_at_init_as_torch_refuses_them():
+    """bfloat16 or float16 parameters under a policy whose variables are float32 lose every update
+    below half an ulp (why mixed precision keeps float32 masters): the torch wrapper refuses them;
+    here, where half weights are often meant (jmp's params=bfloat16), init warns with the fix. A
+    pure policy, or a map that stores some variables in half precision, says they are meant."""
+    import warnings
+
+    params = {"w": jnp.ones(3, jnp.bfloat16), "b": jnp.ones(2)}
+    for policy in (None, "mixed_bfloat16", "mixed_float16"):
+        with pytest.warns(UserWarning, match=r"Received bfloat16 parameters .*policy='bfloat16'"):
+            mp.LossScaleOptimizer(optax.sgd(0.1), policy=policy).init(params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for policy in ("bfloat16", mp.PolicyMap("mixed_bfloat16", {"w": "bfloat16"})):
+            mp.LossScaleOptimizer(optax.sgd(0.1), policy=policy).init(params)
+        mp.LossScaleOptimizer(optax.sgd(0.1), policy="mixed_bfloat16").init({"w": jnp.ones(3)})

@@ -1,0 +1,58 @@
+"""What the optax wrapper checks of what it is given: gradients that are numbers, and weights
+in a dtype the policy it follows stores."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mixedpolicy._warnings import user_stacklevel
+
+_HALF = ("float16", "bfloat16")
+
+
+def is_number(x: Any) -> bool:
+    """An array (a tracer too) or a number that JAX computes with (not a bool, string or object)."""
+    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+        return bool(jnp.issubdtype(x.dtype, jnp.number))
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def check_gradients(grads: Any) -> Any:
+    """The first leaf of `grads` (None if it has none), after checking every leaf is a number."""
+    leaves = jax.tree_util.tree_leaves(grads)
+    if not all(map(is_number, leaves)):
+        path, leaf = next((path, leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(grads)[0]
+                          if not is_number(leaf))
+        why = "" if getattr(leaf, "dtype", None) != jax.dtypes.float0 else (
+            ", the float0 gradient of an integer leaf (jax.grad(..., allow_int=True)), which optax's optimizers "
+            "cannot step either: differentiate the floating leaves only (eqx.filter_grad, nnx.DiffState...)")
+        raise TypeError(
+            f"Received gradients with a leaf of type {type(leaf).__name__} ({leaf!r:.40}) at "
+            f"{jax.tree_util.keystr(path) or 'the root'}{why}; expected a pytree of arrays, such as "
+            f"jax.grad(loss_fn)(params) returns.")
+    return leaves[0] if leaves else None
+
+
+def warn_half_masters(params: Any, stored: Any) -> None:
+    """Warns, at the user's line, where `params` hold float16 or bfloat16 weights while every policy
+    the wrapper follows stores its variables wider (`stored`, their variable dtypes; empty: not
+    known): updates smaller than half an ulp of a weight are lost to rounding, the reason mixed
+    precision keeps float32 masters. The torch wrapper refuses such weights; JAX code keeps half
+    weights on purpose often enough (jmp's ``params=bfloat16``) that a pure policy is the fix."""
+    if not stored or any(d in _HALF for d in stored):
+        return
+    half = sorted({str(x.dtype) for x in jax.tree_util.tree_leaves(params) if str(getattr(x, "dtype", "")) in _HALF})
+    if half:
+        warnings.warn(
+            f"Received {' and '.join(half)} parameters for an optimizer that follows a policy storing its "
+            f"variables in {' and '.join(sorted(stored))}: updates smaller than half a unit in the last "
+            f"place of a weight are lost to rounding (why mixed precision keeps float32 master weights). "
+            f"Keep the parameters in float32 (the mixed policy's variables), or say that half-precision "
+            f"weights are meant: mp.LossScaleOptimizer(tx, policy={half[0]!r}) (a pure policy; "
+            f"Policy({half[0]!r}, update_rounding='stochastic') rounds updates without loss in the mean).",
+            UserWarning, stacklevel=user_stacklevel("jax", "optax", "flax"))
