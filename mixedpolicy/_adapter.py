@@ -63,13 +63,11 @@ class ArrayOps(abc.ABC):
         return "float16"
 
     def complex_parts(self, x: Any) -> tuple | None:
-        """The real and imaginary parts of a complex array, each a floating array of this framework
-        (None for any other leaf): a complex gradient is unscaled and checked as its two parts."""
+        """(real, imaginary, join) of a complex array: its parts, floating arrays of this framework,
+        and ``join(real, imag)`` making the complex array of two such parts; None for any other leaf
+        (a framework without complex arrays keeps this default). A complex gradient is unscaled and
+        checked as its two parts."""
         return None
-
-    def from_parts(self, real: Any, imag: Any) -> Any:
-        """The complex array whose parts `complex_parts` gave (each perhaps changed since)."""
-        raise NotImplementedError(f"{self.name} arrays given here have no complex parts")
 
     @abc.abstractmethod
     def all_finite(self, tree: Any) -> Any:

@@ -60,7 +60,7 @@ class LossScale(abc.ABC):
             dtype = ops.floating_dtype(g)
             if dtype is None:  # a complex gradient: its two parts; an integer one as it is
                 parts = ops.complex_parts(g)
-                return g if parts is None else ops.from_parts(leaf(parts[0]), leaf(parts[1]))
+                return g if parts is None else parts[2](leaf(parts[0]), leaf(parts[1]))
             wide = "float64" if dtype == "float64" else "float32"
             if wide not in inverses:
                 inverses[wide] = 1.0 / ops.cast(_like(ops, scale, g), wide)

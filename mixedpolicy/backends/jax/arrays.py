@@ -149,10 +149,7 @@ class JaxArrays(ArrayOps):
         return cast_leaf(x, dtype)
 
     def complex_parts(self, x: Any) -> tuple | None:
-        return (x.real, x.imag) if isinstance(x, jax.Array) and jnp.iscomplexobj(x) else None
-
-    def from_parts(self, real: Any, imag: Any) -> Any:
-        return jax.lax.complex(real, imag)
+        return (x.real, x.imag, jax.lax.complex) if isinstance(x, jax.Array) and jnp.iscomplexobj(x) else None
 
     def all_finite(self, tree: Any) -> Any:
         return all_finite(tree)

@@ -29,6 +29,14 @@ def _is_namedtuple(x: Any) -> bool:
     return isinstance(x, tuple) and hasattr(type(x), "_fields")
 
 
+def _join(real: Any, imag: Any) -> Any:
+    """The complex array of two floating parts (complex64 from float32 ones)."""
+    real, imag = np.asarray(real), np.asarray(imag)
+    out = np.empty(np.broadcast_shapes(real.shape, imag.shape), np.result_type(real, imag, np.complex64))
+    out.real, out.imag = real, imag  # (real + 1j * imag would make an inf part's other part NaN)
+    return out
+
+
 class NumpyArrays(ArrayOps):
     name = "numpy"
 
@@ -74,13 +82,7 @@ class NumpyArrays(ArrayOps):
         return np.asarray(x).astype(_np_dtype(dtype))
 
     def complex_parts(self, x: Any) -> tuple | None:
-        return (x.real, x.imag) if self.is_array(x) and np.iscomplexobj(x) else None
-
-    def from_parts(self, real: Any, imag: Any) -> Any:
-        real, imag = np.asarray(real), np.asarray(imag)
-        out = np.empty(np.broadcast_shapes(real.shape, imag.shape), np.result_type(real, imag, np.complex64))
-        out.real, out.imag = real, imag  # (real + 1j * imag would make an inf part's other part NaN)
-        return out
+        return (x.real, x.imag, _join) if self.is_array(x) and np.iscomplexobj(x) else None
 
     def all_finite(self, tree: Any) -> Any:
         return np.asarray(host_leaves_finite(self.leaves(tree)))

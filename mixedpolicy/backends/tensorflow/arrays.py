@@ -47,17 +47,14 @@ class TensorFlowArrays(ArrayOps):
         return x
 
     def complex_parts(self, x: Any) -> tuple | None:
-        return (tf.math.real(x), tf.math.imag(x)) if _is_tensor(x) and x.dtype.is_complex else None
-
-    def from_parts(self, real: Any, imag: Any) -> Any:
-        return tf.complex(real, imag)
+        return (tf.math.real(x), tf.math.imag(x), tf.complex) if _is_tensor(x) and x.dtype.is_complex else None
 
     def all_finite(self, tree: Any) -> Any:
         leaves = tf.nest.flatten(tree)
         if not host_leaves_finite(leaves, _is_tensor):  # a Python float or numpy array among the tensors
             return tf.constant(False)
         tensors = [part for x in leaves if _is_tensor(x) and (x.dtype.is_floating or x.dtype.is_complex)
-                   for part in (self.complex_parts(x) or (x,))]
+                   for part in (self.complex_parts(x) or (x,))[:2]]
         flags = [tf.reduce_all(tf.math.is_finite(tf.concat([tf.reshape(x, [-1]) for x in group], 0)))
                  for group in finite_groups(tensors, lambda x: x.shape.num_elements())]
         if len(flags) < 2:

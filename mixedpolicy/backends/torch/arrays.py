@@ -88,10 +88,7 @@ class TorchArrays(ArrayOps):
         return x
 
     def complex_parts(self, x: Any) -> tuple | None:
-        return (x.real, x.imag) if isinstance(x, torch.Tensor) and x.is_complex() else None
-
-    def from_parts(self, real: Any, imag: Any) -> Any:
-        return torch.complex(real, imag)
+        return (x.real, x.imag, torch.complex) if isinstance(x, torch.Tensor) and x.is_complex() else None
 
     def all_finite(self, tree: Any) -> Any:
         leaves = pytree.tree_leaves(tree)
