@@ -288,7 +288,20 @@ class PolicyMap:
             if not (any(fnmatch.fnmatchcase(p, key) for p in paths) if _is_glob(key) else key in paths or key in names):
                 near = difflib.get_close_matches(key, paths, n=3, cutoff=0.4) or paths[:3]
                 warnings.warn(f"PolicyMap key {show(key)} matches no layer path, so the override "
-                              f"has no effect. Nearest paths: {near}.", UserWarning, stacklevel=3)
+                              f"has no effect. {_class_named(key, layers) or f'Nearest paths: {near}.'}",
+                              UserWarning, stacklevel=3)
+
+
+def _class_named(key: str, layers: list) -> str:
+    """Where `key` is the name of some layers' class (``"LayerNorm"``), how to name the class."""
+    for layer in layers:
+        cls = next((c for c in getattr(layer.type, "__mro__", ()) if c.__name__ == key), None)
+        if cls is not None:
+            named = [other.path for other in layers if cls in getattr(other.type, "__mro__", ())]
+            return (f"{key!r} is the name of a layer class (layers {named[:5]}), and a string key is a "
+                    f"path or a glob on paths: to name the class, make the class itself the key "
+                    f"({_key_text(cls)}).")
+    return ""
 
 
 def _key_text(key: Any) -> str:

@@ -132,6 +132,9 @@ def test_unmatched_keys_warn_with_nearest_paths():
     assert len(messages) == 2
     assert "'encodr.norm' matches no layer path" in messages[0] and "'encoder.norm'" in messages[0]
     assert "LayerNorm" in messages[1] and "no layer of that class" in messages[1]
+    with pytest.warns(UserWarning, match=r"'Norm' is the name of a layer class \(layers \['encoder.norm'\]\).*a "
+                                         r"string key is a path.*make the class itself the key \(.*\.Norm\)"):
+        PolicyMap("float32", {"Norm": "bfloat16"}).warn_unmatched(layers)
     with warnings.catch_warnings(record=True) as caught:  # a generator of layers, as adapters pass them
         warnings.simplefilter("always")
         m.warn_unmatched(layer for layer in layers)

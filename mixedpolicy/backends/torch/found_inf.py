@@ -24,6 +24,34 @@ import torch
 # refuses is learned the first time it is refused.
 _AMP_KERNEL_LACKS: set = {("cuda", torch.bfloat16)}
 _ONES: dict = {}
+_FSDP1_SHARD = "_fsdp_flattened"  # the mark FSDP (FullyShardedDataParallel) puts on the parameters it shards
+
+
+def sharded_across_ranks(param_groups: list) -> bool:
+    """Whether each rank holds only its own shard of some of these parameters' gradients, as under
+    FSDP's ``FullyShardedDataParallel`` (its flat parameters, or the original ones with
+    ``use_orig_params=True``) in a process group of several ranks: an overflow lands in one rank's
+    shard, and every rank must hear of it to skip with the others (``ShardedGradScaler``'s
+    all-reduce). FSDP2's DTensor gradients reduce their flags themselves; DDP's are whole."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return False
+    return any(getattr(p, _FSDP1_SHARD, False) for group in param_groups for p in group["params"])
+
+
+def reduce_across_ranks_(found_inf: torch.Tensor) -> None:
+    """Sums `found_inf` over every rank in place (asynchronously on the GPU: no host sync), so that
+    a flag one rank raised is every rank's; through the accelerator where NCCL carries it and
+    the flag is on the CPU (FSDP's CPU offload)."""
+    import torch.distributed as dist
+
+    if found_inf.device.type == "cpu" and dist.get_backend() == "nccl":
+        on_device = found_inf.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(on_device)
+        found_inf.copy_(on_device)
+    else:
+        dist.all_reduce(found_inf)
 
 
 def unscale_and_check_(grads: list, found_inf: torch.Tensor, inv_scale: torch.Tensor | None) -> None:
@@ -115,6 +143,7 @@ class FoundInf:
         self._by_params: dict | None = None
         self._single: tuple | None = None  # (parameters, device, flag, a 1) where all share one pair
         self._armed: tuple | None = None  # (optimizer, its groups, their lists, `_single`): `armed_check`
+        self._across_ranks = False  # the partition holds FSDP shards: each flag is summed over the ranks
 
     def forget_partition(self) -> None:
         self._key = self._armed = None
@@ -150,6 +179,9 @@ class FoundInf:
             self._armed = self._single = None
             return None
         self.several, self._checked = False, (device,)
+        if self._across_ranks:
+            reduce_across_ranks_(found)
+            self.several = True
         return found
 
     def read_as_zero(self) -> None:
@@ -161,7 +193,7 @@ class FoundInf:
         if key == self._key:
             return
         self._key, self._by_params, self._single = key, params_by_device_and_dtype(groups, half_allowed), None
-        self._armed = None
+        self._armed, self._across_ranks = None, sharded_across_ranks(groups)
         if self._by_params is not None and len(self._by_params) == 1:
             ((device, dtype), params), = self._by_params.items()
             if (device.type, dtype) not in _AMP_KERNEL_LACKS:
@@ -208,7 +240,7 @@ class FoundInf:
                     self._single = None  # before any gradient was touched: the general path below
                 else:
                     self.several, self._checked = False, (device,)
-                    return found if device == scale.device else found.to(scale.device, non_blocking=True)
+                    return self._agreed(found if device == scale.device else found.to(scale.device, non_blocking=True))
         per_device: dict = {}
         for (device, _), grads in self._gathered(groups, half_allowed).items():
             found = per_device.get(device)
@@ -221,8 +253,15 @@ class FoundInf:
             raise _no_gradients(what)
         if len(per_device) == 1:
             (flag,) = per_device.values()
-            return flag if flag.device == scale.device else flag.to(scale.device, non_blocking=True)
-        return sum(f.to(scale.device, non_blocking=True) for f in per_device.values())
+            return self._agreed(flag if flag.device == scale.device else flag.to(scale.device, non_blocking=True))
+        return self._agreed(sum(f.to(scale.device, non_blocking=True) for f in per_device.values()))
+
+    def _agreed(self, flag: torch.Tensor) -> torch.Tensor:
+        """`flag`, summed over the ranks where they hold shards of the gradients (a sum may exceed 1)."""
+        if self._across_ranks:
+            reduce_across_ranks_(flag)
+            self.several = True
+        return flag
 
     def _gathered(self, groups: list, half_allowed: bool) -> dict:
         if self._by_params is not None:

@@ -1,11 +1,13 @@
 """Run by test_torch_distributed.py: two gloo ranks on CPU shard a model with FSDP2
-(``fully_shard``) under ``Policy.to_fsdp()``.
+(``fully_shard``) under ``Policy.to_fsdp()``, and with FSDP (``FullyShardedDataParallel``)
+against torch's ``ShardedGradScaler``.
 
     python fsdp_worker.py PORT
 
 Each rank asserts; rank 0 prints {"ok": true} once both passed.
 """
 
+import contextlib
 import copy
 import json
 import os
@@ -14,7 +16,8 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 import mixedpolicy as mp
 
@@ -94,6 +97,51 @@ def _policy_on_a_sharded_model():
         raise AssertionError("a float32 region over bfloat16-gathered weights ran")
 
 
+def _fsdp1_train(rank, ours, use_orig_params):
+    """Five steps of an FSDP-wrapped model under mixed_float16, ours or autocast with torch's
+    ShardedGradScaler; at step 2 one value of rank 1's gradient shard is made inf."""
+    torch.manual_seed(0)
+    model = FullyShardedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4)),
+        use_orig_params=use_orig_params, device_id=torch.device("cpu"))
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if ours:
+        mp.apply_policy(model, "mixed_float16")
+        opt = mp.LossScaleOptimizer(sgd, policy="mixed_float16")
+    else:
+        scaler = ShardedGradScaler("cpu", init_scale=2.0 ** 15)  # the policy's starting scale
+    trace = []
+    for step in range(5):
+        torch.manual_seed(100 * step + rank)
+        x = torch.randn(4, 8)
+        with contextlib.nullcontext() if ours else torch.autocast("cpu", torch.float16):
+            loss = model(x).float().square().mean()
+        (opt.scale_loss(loss) if ours else scaler.scale(loss)).backward()
+        if step == 2 and rank == 1:
+            next(p for p in model.parameters() if p.grad is not None and p.grad.numel()).grad.view(-1)[0] = float("inf")
+        if ours:
+            opt.step()
+            trace.append((loss.item(), opt.loss_scale.item()))
+        else:
+            scaler.step(sgd)
+            scaler.update()
+            trace.append((loss.item(), scaler.get_scale()))
+        sgd.zero_grad()
+    return trace, [p.detach().clone() for p in model.parameters()]
+
+
+def _fsdp1_skips_as_sharded_grad_scaler(rank):
+    """FSDP (not FSDP2) leaves each rank its shard of the gradients as plain tensors: an inf in
+    one rank's shard makes every rank skip and back off, as torch's ShardedGradScaler makes
+    them; the same losses, scales and weight shards bit for bit."""
+    for use_orig_params in (False, True):
+        ours, ours_weights = _fsdp1_train(rank, True, use_orig_params)
+        theirs, their_weights = _fsdp1_train(rank, False, use_orig_params)
+        assert ours == theirs, (rank, use_orig_params, ours, theirs)
+        assert ours[2][1] == ours[1][1] / 2, ours  # the poisoned step backed off on both ranks
+        assert all(torch.equal(a, b) for a, b in zip(ours_weights, their_weights)), (rank, use_orig_params)
+
+
 def run(rank, world, port):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -116,6 +164,7 @@ def run(rank, world, port):
     dist.all_gather(both, scale)
     assert torch.equal(both[0], both[1]), both
     _policy_on_a_sharded_model()
+    _fsdp1_skips_as_sharded_grad_scaler(rank)
     dist.barrier()
     if rank == 0:
         print(json.dumps({"ok": True}), flush=True)

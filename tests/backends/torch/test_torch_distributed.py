@@ -101,7 +101,9 @@ def test_fsdp2_under_to_fsdp_trains_as_by_hand_and_ranks_skip_together():
     """to_fsdp() equals the MixedPrecisionPolicy one writes by hand and trains bit for bit
     the same; an overflow in one rank's shard makes both ranks skip; apply_policy on a sharded
     model computes a mixed policy (overrides too) as on the unsharded one and refuses one that
-    would store parameters in another dtype (fsdp_worker.py)."""
+    would store parameters in another dtype. Under FSDP (FullyShardedDataParallel, flat or
+    original parameters) an overflow in one rank's shard makes both skip, bit for bit as torch's
+    ShardedGradScaler (fsdp_worker.py)."""
     require_module("torch")
     assert _report("fsdp_worker.py") == {"ok": True}
 
