@@ -292,7 +292,7 @@ class PolicyMap:
                               UserWarning, stacklevel=3)
 
 
-def _class_named(key: str, layers: list) -> str:
+def _class_named(key: str, layers: Any) -> str:
     """Where `key` is the name of some layers' class (``"LayerNorm"``), how to name the class."""
     for layer in layers:
         cls = next((c for c in getattr(layer.type, "__mro__", ()) if c.__name__ == key), None)
