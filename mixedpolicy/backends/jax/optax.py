@@ -40,7 +40,7 @@ import optax
 from mixedpolicy._adapter import OptimizerAdapter
 from mixedpolicy.backends.jax.arrays import all_finite
 from mixedpolicy.backends.jax.optax_state import _STATES, LossScaleState, PassThroughState, adopted_scale, pack_counts
-from mixedpolicy.backends.jax.optax_checks import check_gradients, is_number, warn_half_masters
+from mixedpolicy.backends.jax.optax_checks import check_gradients, is_number, refuse_reevaluation, warn_half_masters
 from mixedpolicy.backends.jax.vanishing import warn_vanishing_eps
 from mixedpolicy.float8 import DELAYED_STATE
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, is_pass_through, summary
@@ -277,6 +277,8 @@ def loss_scale_transformation(inner: Any, config: LossScale, axis_name: Any = No
         if is_pass_through(config):  # the inner update, nothing added
             updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
             return updates, PassThroughState(inner_state)
+        if not isinstance(config, NoLossScale):
+            refuse_reevaluation(extra_args, summary(config))
         scale = _scale_state(config, state)  # NoLossScale: no unscale, but the skip all the same
         grads = scale.unscale(grads)
         finite = all_finite(grads)

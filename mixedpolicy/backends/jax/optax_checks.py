@@ -56,3 +56,19 @@ def warn_half_masters(params: Any, stored: Any) -> None:
             f"weights are meant: mp.LossScaleOptimizer(tx, policy={half[0]!r}) (a pure policy; "
             f"Policy({half[0]!r}, update_rounding='stochastic') rounds updates without loss in the mean).",
             UserWarning, stacklevel=user_stacklevel("jax", "optax", "flax"))
+
+
+def refuse_reevaluation(extra_args: dict, what: str) -> None:
+    """A line search (``optax.lbfgs``, ``optax.scale_by_backtracking_linesearch``...) under loss
+    scaling: it compares ``value_fn``'s loss at trial points with the value and gradients it is
+    handed, which come from the scaled loss; refused as torch's LBFGS is under scaling."""
+    if "value_fn" in extra_args:
+        raise TypeError(
+            f"Received value_fn= for an update under {what}: the inner transformation re-evaluates "
+            f"the loss (a line search: optax.lbfgs, optax.scale_by_backtracking_linesearch, "
+            f"optax.scale_by_zoom_linesearch), and loss scaling cannot follow those re-evaluations "
+            f"(its value= and grad= come from the scaled loss, value_fn's loss does not; torch's "
+            f"LBFGS is refused under scaling for the same reason). Under a bfloat16 or float32 "
+            f"policy the wrapper scales nothing and takes it; with float16 compute use a "
+            f"first-order optimizer such as optax.adamw.")
+

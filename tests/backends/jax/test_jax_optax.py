@@ -562,3 +562,32 @@ def test_half_weights_a_policy_does_not_store_are_said_at_init_as_torch_refuses_
         for policy in ("bfloat16", mp.PolicyMap("mixed_bfloat16", {"w": "bfloat16"})):
             mp.LossScaleOptimizer(optax.sgd(0.1), policy=policy).init(params)
         mp.LossScaleOptimizer(optax.sgd(0.1), policy="mixed_bfloat16").init({"w": jnp.ones(3)})
+
+
+def test_a_line_search_runs_where_nothing_is_scaled_and_is_refused_under_scaling():
+    """optax.lbfgs re-evaluates the loss (value_fn) against the value and gradients it is
+    handed: under a policy that scales nothing the wrapper gives its steps exactly; under
+    loss scaling, which those re-evaluations cannot follow (the run ended at 2766 against
+    0.0069), it is refused with the fix, as torch's LBFGS is."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    def rosenbrock(p):
+        x = p["w"]
+        return jnp.sum(100.0 * (x[1:] - x[:-1] ** 2) ** 2 + (1 - x[:-1]) ** 2)
+
+    def run(opt, steps=12):
+        params, state = {"w": jnp.zeros(6)}, opt.init({"w": jnp.zeros(6)})
+        for _ in range(steps):
+            value, grads = jax.value_and_grad(rosenbrock)(params)
+            updates, state = opt.update(grads, state, params, value=value, grad=grads, value_fn=rosenbrock)
+            params = optax.apply_updates(params, updates)
+        return params["w"]
+
+    theirs = run(optax.lbfgs())
+    for policy in ("float32", "mixed_bfloat16"):
+        np.testing.assert_array_equal(run(mp.LossScaleOptimizer(optax.lbfgs(), policy=policy)), theirs)
+    with pytest.raises(TypeError, match=r"value_fn= for an update under dynamic loss scale.*re-evaluates the loss "
+                                        r"\(a line search.*Under a bfloat16 or float32 policy.*optax.adamw"):
+        run(mp.LossScaleOptimizer(optax.lbfgs(), policy="mixed_float16"), steps=1)
