@@ -234,6 +234,12 @@ class Checkpoints:
                              "/".join(sorted(kept)))
         if scale is not None:
             self._set_scale_state(*scale)
+        elif self.is_enabled():  # the optimizer's state alone: the scale is not in it, said once
+            _log.warning("LossScaleOptimizer.load_state_dict: the state holds no loss scale (a torch "
+                         "optimizer's own state_dict(), or what torch.distributed.checkpoint's get_state_dict "
+                         "keeps: 'state' and 'param_groups'); the optimizer state was loaded and the scale "
+                         "stays at %s. To resume the scale, save opt.scaler_state_dict() beside it and load "
+                         "it with opt.load_scaler_state_dict(...)", self.get_scale())
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 

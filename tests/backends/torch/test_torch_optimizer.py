@@ -267,6 +267,36 @@ def test_state_dict_resumes_bit_for_bit():
     assert opt2.num_skipped_steps == full_opt.num_skipped_steps == 1
 
 
+def test_an_optimizer_state_without_its_scale_loads_and_says_the_scale_stays(caplog):
+    """torch.distributed.checkpoint's get_state_dict keeps an optimizer's 'state' and
+    'param_groups' only (a torch optimizer's own state_dict has no scale either): loaded into a
+    scaling wrapper, the optimizer state loads and one log line says the scale stays, with the
+    way to carry it; a wrapper that scales nothing has no scale to lose and says nothing."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model = net()
+    opt = mp.LossScaleOptimizer(OPTIMIZERS["adam-foreach"](model), initial_scale=2.0 ** 10)
+    for x, y in batches(2):
+        opt.scale_loss(loss_of(model, x, y)).backward()
+        opt.step()
+        opt.zero_grad()
+    _, saved = get_state_dict(model, opt)
+    assert set(saved) == {"state", "param_groups"}
+    model2 = net(seed=5)
+    opt2 = mp.LossScaleOptimizer(OPTIMIZERS["adam-foreach"](model2), initial_scale=2.0 ** 7)
+    with caplog.at_level("WARNING", logger="mixedpolicy"):
+        set_state_dict(model2, opt2, model_state_dict=model.state_dict(), optim_state_dict=saved)
+    said = [r.getMessage() for r in caplog.records if "holds no loss scale" in r.getMessage()]
+    assert len(said) == 1 and "the scale stays at 128.0" in said[0] and "opt.scaler_state_dict()" in said[0], said
+    assert float(opt2.loss_scale) == 128.0
+    assert torch.equal(opt2.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    caplog.clear()
+    passing = mp.LossScaleOptimizer(OPTIMIZERS["adam-foreach"](net()), policy="mixed_bfloat16")
+    with caplog.at_level("WARNING", logger="mixedpolicy"):
+        passing.load_state_dict(opt.inner_optimizer.state_dict())
+    assert not [r for r in caplog.records if "loss scale" in r.getMessage()]
+
+
 def test_scale_state_moves_to_and_from_gradscaler():
     model = net()
     opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_growth_steps=7)
