@@ -24,7 +24,7 @@ import torch
 # refuses is learned the first time it is refused.
 _AMP_KERNEL_LACKS: set = {("cuda", torch.bfloat16)}
 _ONES: dict = {}
-_FSDP1_SHARD = "_fsdp_flattened"  # the mark FSDP (FullyShardedDataParallel) puts on the parameters it shards
+FSDP1_SHARD = "_fsdp_flattened"  # the mark FSDP (FullyShardedDataParallel) puts on the parameters it shards
 
 
 def sharded_across_ranks(param_groups: list) -> bool:
@@ -37,7 +37,7 @@ def sharded_across_ranks(param_groups: list) -> bool:
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return False
-    return any(getattr(p, _FSDP1_SHARD, False) for group in param_groups for p in group["params"])
+    return any(getattr(p, FSDP1_SHARD, False) for group in param_groups for p in group["params"])
 
 
 def reduce_across_ranks_(found_inf: torch.Tensor) -> None:

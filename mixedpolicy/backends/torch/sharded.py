@@ -8,6 +8,7 @@ from typing import Any, Callable
 import torch
 
 from mixedpolicy.backends.torch.arrays import TORCH_DTYPES
+from mixedpolicy.backends.torch.found_inf import FSDP1_SHARD
 from mixedpolicy.backends.torch.regions import _autocasts
 
 
@@ -15,6 +16,13 @@ def fsdp_units(model: torch.nn.Module) -> list:
     """The modules of `model` that FSDP2's ``fully_shard`` made units of (none where torch has no FSDP2)."""
     fsdp = getattr(getattr(torch.distributed, "fsdp", None), "FSDPModule", None)
     return [] if fsdp is None else [m for m in model.modules() if isinstance(m, fsdp)]
+
+
+def _wrapped_by_fsdp1(model: torch.nn.Module) -> bool:
+    """Whether FSDP's ``FullyShardedDataParallel`` flattened parameters of `model` (its flat
+    parameters, or the original ones with ``use_orig_params=True``, carry its mark; the model
+    given may be the module inside the wrapper)."""
+    return any(getattr(p, FSDP1_SHARD, False) for p in model.parameters())
 
 
 def _gathered_in(model: torch.nn.Module) -> dict:
@@ -65,7 +73,8 @@ def refuse_sharded_changes(model: torch.nn.Module, steps: list, variables: Any, 
     could not take effect: refused before anything changes, as is a region that would cast its
     inputs to another dtype than its unit gathers its weights in. A mixed policy (float32
     variables, a compute region) works on a sharded model as on any other."""
-    if not fsdp_units(model):
+    fsdp2 = bool(fsdp_units(model))
+    if not fsdp2 and not _wrapped_by_fsdp1(model):
         return
     for step in steps:
         changed = [where for where, dtype in variables(step.layer, step.path)
@@ -73,12 +82,21 @@ def refuse_sharded_changes(model: torch.nn.Module, steps: list, variables: Any, 
         if changed or step.policy.float8_recipe is not None:
             what = (f"stores {', '.join(changed)} in {step.policy.variable_dtype}" if changed
                     else f"computes in fp8 ({step.policy.float8_recipe})")
+            if fsdp2:
+                raise ValueError(
+                    f"Received a model sharded by FSDP2 (fully_shard) and a policy under which layer {step.path!r} "
+                    f"{what} ({step.policy}): FSDP2 gathers parameters in the dtype they had when they were "
+                    f"sharded, so this cannot take effect after it. Apply the policy before fully_shard "
+                    f"(mp.apply_policy(model, ...), then fully_shard each block), or keep float32 variables and "
+                    f"pass mp_policy=policy.to_fsdp() to fully_shard; nothing was changed.")
             raise ValueError(
-                f"Received a model sharded by FSDP2 (fully_shard) and a policy under which layer {step.path!r} "
-                f"{what} ({step.policy}): FSDP2 gathers parameters in the dtype they had when they were "
-                f"sharded, so this cannot take effect after it. Apply the policy before fully_shard "
-                f"(mp.apply_policy(model, ...), then fully_shard each block), or keep float32 variables and "
-                f"pass mp_policy=policy.to_fsdp() to fully_shard; nothing was changed.")
+                f"Received a model wrapped in FSDP's FullyShardedDataParallel and a policy under which layer "
+                f"{step.path!r} {what} ({step.policy}): FSDP flattened its parameters into shards in the dtype "
+                f"they had when it wrapped them, so this cannot take effect after it. Apply the policy before "
+                f"wrapping (FSDP flattens each unit's parameters into one tensor of one dtype: wrap the layers "
+                f"the policy keeps in another dtype, such as norms, as units of their own), or keep float32 "
+                f"variables under a mixed policy, whose regions compute around FSDP's parameters; nothing "
+                f"was changed.")
     gathered = _gathered_in(model)
     if gathered:
         _refuse_casts_of_gathered(steps, gathered, gets_region)

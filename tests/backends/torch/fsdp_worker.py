@@ -140,6 +140,18 @@ def _fsdp1_skips_as_sharded_grad_scaler(rank):
         assert ours == theirs, (rank, use_orig_params, ours, theirs)
         assert ours[2][1] == ours[1][1] / 2, ours  # the poisoned step backed off on both ranks
         assert all(torch.equal(a, b) for a, b in zip(ours_weights, their_weights)), (rank, use_orig_params)
+        # a pure policy cannot change the dtype of what FSDP flattened: refused up front, the
+        # mixed policy the model had kept (it failed at the first call, inside torch)
+        wrapped = FullyShardedDataParallel(mp.apply_policy(torch.nn.Sequential(torch.nn.Linear(8, 4)), "mixed_float16"),
+                                           use_orig_params=use_orig_params, device_id=torch.device("cpu"))
+        try:
+            mp.apply_policy(wrapped, "bfloat16")
+        except ValueError as err:
+            assert "wrapped in FSDP's FullyShardedDataParallel" in str(err) and "before wrapping" in str(err), err
+        else:
+            raise AssertionError("a pure policy on an FSDP-wrapped model was not refused")
+        assert [r.policy for r in mp.describe(wrapped)] == [mp.Policy("mixed_float16")] * 2
+        assert wrapped(torch.randn(2, 8)).dtype == torch.float16
 
 
 def run(rank, world, port):

@@ -103,7 +103,8 @@ def test_fsdp2_under_to_fsdp_trains_as_by_hand_and_ranks_skip_together():
     model computes a mixed policy (overrides too) as on the unsharded one and refuses one that
     would store parameters in another dtype. Under FSDP (FullyShardedDataParallel, flat or
     original parameters) an overflow in one rank's shard makes both skip, bit for bit as torch's
-    ShardedGradScaler (fsdp_worker.py)."""
+    ShardedGradScaler, and a policy that would change what FSDP flattened is refused up front
+    (fsdp_worker.py)."""
     require_module("torch")
     assert _report("fsdp_worker.py") == {"ok": True}
 
