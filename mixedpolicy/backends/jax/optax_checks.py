@@ -71,4 +71,3 @@ def refuse_reevaluation(extra_args: dict, what: str) -> None:
             f"LBFGS is refused under scaling for the same reason). Under a bfloat16 or float32 "
             f"policy the wrapper scales nothing and takes it; with float16 compute use a "
             f"first-order optimizer such as optax.adamw.")
-
