@@ -22,6 +22,16 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 import mixedpolicy as mp
 
 
+def _refused(error, call, *said):
+    """Asserts `call()` raises `error` whose message says each of `said`."""
+    try:
+        call()
+    except error as err:
+        assert all(part in str(err) for part in said), err
+    else:
+        raise AssertionError(f"not refused; expected {error.__name__} saying {said}")
+
+
 def _sharded(mp_policy, model=None):
     torch.manual_seed(0)
     if model is None:
@@ -68,33 +78,18 @@ def _policy_on_a_sharded_model():
     sharded(x).float().sum().backward()
     assert all(p.grad.dtype == torch.float32 and type(p.grad).__name__ == "DTensor" for p in sharded.parameters())
     mp.apply_policy(sharded, rules)  # after a step, the root's gathered parameters still registered
-    try:
-        mp.apply_policy(sharded, "bfloat16")
-    except ValueError as err:
-        assert "sharded by FSDP2" in str(err) and "before fully_shard" in str(err), err
-    else:
-        raise AssertionError("a pure policy on a sharded model was not refused")
+    _refused(ValueError, lambda: mp.apply_policy(sharded, "bfloat16"), "sharded by FSDP2", "before fully_shard")
     assert mp.describe(sharded)[3].policy == mp.Policy("float32") and sharded(x).dtype == torch.float32
     # a float32 override inside a unit whose mp_policy gathers bfloat16: refused up front (torch
     # failed at the layer's first matmul); a mixed policy there runs
     gathering = _sharded(MixedPrecisionPolicy(torch.bfloat16, torch.float32))
-    try:
-        mp.apply_policy(gathering, rules)
-    except ValueError as err:
-        assert "gathers 2.weight in bfloat16" in str(err) and "unit of its own" in str(err), err
-    else:
-        raise AssertionError("a float32 override inside a bfloat16-gathering unit was not refused")
+    _refused(ValueError, lambda: mp.apply_policy(gathering, rules), "gathers 2.weight in bfloat16", "unit of its own")
     assert mp.apply_policy(gathering, "mixed_bfloat16")(x).dtype == torch.bfloat16
     # the same policy applied before fully_shard: said at the first call, with the fix
     torch.manual_seed(0)
     early = _sharded(MixedPrecisionPolicy(torch.bfloat16, torch.float32), mp.apply_policy(
         torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)), rules))
-    try:
-        early(x)
-    except RuntimeError as err:
-        assert "its weight 'weight' is bfloat16 at this call" in str(err) and "unit of its own" in str(err), err
-    else:
-        raise AssertionError("a float32 region over bfloat16-gathered weights ran")
+    _refused(RuntimeError, lambda: early(x), "its weight 'weight' is bfloat16 at this call", "unit of its own")
 
 
 def _fsdp1_train(rank, ours, use_orig_params):
@@ -144,12 +139,8 @@ def _fsdp1_skips_as_sharded_grad_scaler(rank):
         # mixed policy the model had kept (it failed at the first call, inside torch)
         wrapped = FullyShardedDataParallel(mp.apply_policy(torch.nn.Sequential(torch.nn.Linear(8, 4)), "mixed_float16"),
                                            use_orig_params=use_orig_params, device_id=torch.device("cpu"))
-        try:
-            mp.apply_policy(wrapped, "bfloat16")
-        except ValueError as err:
-            assert "wrapped in FSDP's FullyShardedDataParallel" in str(err) and "before wrapping" in str(err), err
-        else:
-            raise AssertionError("a pure policy on an FSDP-wrapped model was not refused")
+        _refused(ValueError, lambda: mp.apply_policy(wrapped, "bfloat16"),
+                 "wrapped in FSDP's FullyShardedDataParallel", "before wrapping")
         assert [r.policy for r in mp.describe(wrapped)] == [mp.Policy("mixed_float16")] * 2
         assert wrapped(torch.randn(2, 8)).dtype == torch.float16
 
