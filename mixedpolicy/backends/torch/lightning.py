@@ -18,7 +18,6 @@ wrapper and act on it alone; ``fabric.save(path, {..., "precision": plugin})`` c
 from __future__ import annotations
 
 import contextlib
-import logging
 from typing import Any, Callable, Iterator
 
 import torch
@@ -26,6 +25,7 @@ import torch
 from mixedpolicy.backends.torch.regions import (cast_floating, cast_inputs, device_type, policy_autocast,
                                                 region_context)
 from mixedpolicy.backends.torch.found_inf import any_gradient
+from mixedpolicy.backends.torch.lightning_fsdp import ShardedPlugin
 from mixedpolicy.backends.torch.optimizer import TorchLossScaleOptimizer
 from mixedpolicy.backends.torch.scaler_view import GRADSCALER_INITIAL_SCALE, GradScalerView
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, summary
@@ -38,8 +38,6 @@ _LIGHTNING_NAMES = {("float32", "float16"): "16-mixed", ("float32", "bfloat16"):
                     ("float32", "float32"): "32-true", ("float16", "float16"): "16-true",
                     ("bfloat16", "bfloat16"): "bf16-true", ("float64", "float64"): "64-true"}
 _built: dict = {}
-_THEIRS = "MixedPrecision"  # the checkpoint key of Lightning's own plugin (its GradScaler's state)
-_log = logging.getLogger("mixedpolicy")
 
 
 def _loss_scale_for(policy_map: PolicyMap, settings: dict, loss_scale: LossScale | None) -> LossScale:
@@ -65,7 +63,7 @@ def _unwrap(optimizer: Any) -> Any:
     return getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer holds the torch one
 
 
-class PolicyPrecision:
+class PolicyPrecision(ShardedPlugin):
     """A Lightning precision plugin that trains under a mixedpolicy policy or `PolicyMap`.
 
     ``Trainer(plugins=[mixedpolicy.lightning.Precision("mixed_float16", {"head": "float32"})])``:
@@ -94,7 +92,6 @@ class PolicyPrecision:
     def __init__(self, policy: Any = None, overrides: Any = None, *, initial_scale: Any = None,
                  dynamic_growth_steps: Any = None, growth_factor: Any = None, backoff_factor: Any = None,
                  min_scale: Any = None, max_scale: Any = None, loss_scale: LossScale | None = None):
-        super().__init__()
         self.policy_map = as_policy_map(policy, overrides)
         if self.policy_map.default is None:  # the global policy now, as a script would read it
             self.policy_map = self.policy_map.with_default(global_policy())
@@ -153,6 +150,7 @@ class PolicyPrecision:
                 self.__class__ = precision_class(pl)
                 break
         self._module = apply_policy(module, self.policy_map)
+        self._check_sharding(self._module)  # under FSDPStrategy: before it wraps the module
         return self._module
 
     @contextlib.contextmanager
@@ -175,13 +173,13 @@ class PolicyPrecision:
     def convert_input(self, data: Any) -> Any:
         # a pure (half-precision variables) policy: the batch's floating tensors in its compute
         # dtype, as Lightning's own "bf16-true" casts them
-        return super().convert_input(data if self._module is None else cast_inputs(self._module, data))
+        return self._plain().convert_input(self, data if self._module is None else cast_inputs(self._module, data))
 
     def convert_output(self, data: Any) -> Any:
         # Fabric: the loss is computed outside the model, where no region runs; the model's
         # floating outputs come back in torch's default dtype, as Fabric's own plugins give them
         if self._in_trainer:
-            return super().convert_output(data)
+            return self._plain().convert_output(self, data)
         return cast_floating(data, torch.get_default_dtype())
 
     def connect(self, model: Any, optimizers: list, lr_schedulers: list) -> tuple:
@@ -196,7 +194,7 @@ class PolicyPrecision:
                     "(opt.inner_optimizer); pass the scale settings to Precision(...).")
         if inners:
             self._wrap(inners)
-        return super().connect(model, optimizers, lr_schedulers)
+        return self._plain().connect(self, model, optimizers, lr_schedulers)
 
     def _policies(self) -> tuple:
         return (self.policy_map.default, *(p for _, p in self.policy_map.overrides))
@@ -215,6 +213,7 @@ class PolicyPrecision:
         return wrapper
 
     def _with_updates(self, inners: list) -> None:
+        self._check_sharded_optimizers(inners)
         if inners:  # an update recipe (stochastic rounding, a state dtype): the optimizers carry it out
             from mixedpolicy.backends.torch.optimizer import TorchOptimizers
             from mixedpolicy.optimizer import _with_updates
@@ -243,15 +242,15 @@ class PolicyPrecision:
             return tensor
         if self.optimizer is not None:
             tensor = self.optimizer.scale_loss(tensor)
-        return super().pre_backward(tensor, module)
+        return self._plain().pre_backward(self, tensor, module)
 
     def backward(self, tensor: torch.Tensor, model: Any, *args: Any, **kwargs: Any) -> None:
         if self._in_trainer:
-            return super().backward(tensor, model, *args, **kwargs)
+            return self._plain().backward(self, tensor, model, *args, **kwargs)
         self._fabric_wrapper().scale_loss(tensor).backward(*args, **kwargs)
 
     def post_backward(self, tensor: torch.Tensor, module: Any) -> Any:
-        return super().post_backward(tensor, module) if self._in_trainer else tensor.detach()
+        return self._plain().post_backward(self, tensor, module) if self._in_trainer else tensor.detach()
 
     def unscale_gradients(self, optimizer: Any) -> None:
         """Fabric's ``clip_gradients``: the gradients of `optimizer` unscaled, once a step. Under
@@ -283,7 +282,7 @@ class PolicyPrecision:
                     if waiting is not None:  # the device's flag may hold another's answer
                         wrapper._checks.clean.clear()
         if self.optimizer is None:
-            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+            return self._plain().optimizer_step(self, optimizer, model=model, closure=closure, **kwargs)
         inner = _unwrap(optimizer)
         if isinstance(inner, torch.optim.LBFGS):
             raise TypeError("Received torch.optim.LBFGS with mixedpolicy.lightning.Precision: it "
@@ -309,7 +308,7 @@ class PolicyPrecision:
             with self.optimizer.acting_on(_unwrap(optimizer)):
                 self.optimizer.unscale_()  # manual optimization: clip true gradients, not scaled ones
         kwargs = {} if gradient_clip_algorithm is None else {"gradient_clip_algorithm": gradient_clip_algorithm}
-        super().clip_gradients(optimizer, clip_val=clip_val, **kwargs)
+        self._plain().clip_gradients(self, optimizer, clip_val=clip_val, **kwargs)
 
     # -- checkpoints ----------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -325,26 +324,25 @@ class PolicyPrecision:
             return
         self.optimizer.load_scaler_state_dict(state_dict)
 
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        # the scale also where Lightning's own 16-mixed keeps it, in GradScaler's format: a run
-        # resumed with Trainer(precision="16-mixed") goes on from it
-        if self.optimizer is not None and self.optimizer.is_enabled():
-            checkpoint[_THEIRS] = self.optimizer.scaler_state_dict()
-
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        # a checkpoint of Lightning's own 16-mixed (no state of ours): its GradScaler's scale
-        if checkpoint.get(_THEIRS) and type(self).__qualname__ not in checkpoint:
-            _log.info("Reading the loss scale Lightning's MixedPrecision saved in the checkpoint (%s)",
-                      checkpoint[_THEIRS].get("scale"))
-            self.load_state_dict(checkpoint[_THEIRS])
-
 
 def precision_class(*pls: Any) -> type:
     """The ``Precision`` plugin subclass for the Lightning packages `pls` (built once): `PolicyPrecision`
-    over each package's own ``Precision`` base, so that a Trainer of either accepts it."""
+    over each package's ``FSDPPrecision`` and its Fabric's (each a ``Precision``, and the only
+    plugin the package's ``FSDPStrategy`` takes), so that a Trainer or Fabric of either accepts it
+    under every strategy."""
     key = ("precision", *(pl.__name__ for pl in pls))
     if key not in _built:
-        _built[key] = type("Precision", (PolicyPrecision, *(pl.plugins.precision.Precision for pl in pls)),
+        plain = [pl.plugins.precision.Precision for pl in pls]
+        fabric = [next(c for c in base.__mro__[1:] if c.__name__ == "Precision") for base in plain]
+        bases = [_fsdp_precision(base) for base in plain + fabric]
+        _built[key] = type("Precision", (PolicyPrecision, *bases),
                            {"__module__": "mixedpolicy.lightning", "__qualname__": "Precision",
                             "__doc__": PolicyPrecision.__doc__, "lightning_packages": pls})
     return _built[key]
+
+
+def _fsdp_precision(precision: type) -> type:
+    """The ``FSDPPrecision`` beside the ``Precision`` class `precision` (its own module's package)."""
+    import importlib
+
+    return importlib.import_module(precision.__module__.rsplit(".", 1)[0]).FSDPPrecision

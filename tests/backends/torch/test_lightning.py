@@ -470,3 +470,15 @@ def test_init_module_makes_weights_in_the_dtype_lightnings_own_plugins_make_them
     trainer.fit(module, _data())
     assert module.head.weight.dtype == dtype and module.body[1].weight.dtype == torch.float32  # the LayerNorm
     assert torch.isfinite(_weights(module)).all() and plugin.optimizer.num_skipped_steps == 0
+
+
+def test_under_fsdp_strategy_ranks_skip_together_as_by_hand_with_sharded_grad_scaler():
+    """Lightning's FSDPStrategy takes the plugin (a subclass of its FSDPPrecision) on two gloo
+    ranks: an overflow in one rank's shard makes both skip and back off together, norm clipping
+    runs over every rank's shards, and the weights are bit for bit those of the same model and
+    batches trained by hand with FSDP and torch's ShardedGradScaler; a policy FSDP cannot carry
+    out is refused before wrapping, the module given back as it was (lightning_fsdp_worker.py)."""
+    from test_torch_distributed import _report
+
+    assert _report("lightning_fsdp_worker.py") == {"ok": True}
+    assert issubclass(mpl.Precision, pl.plugins.precision.FSDPPrecision)

@@ -1,0 +1,182 @@
+"""The Lightning plugin under Lightning's ``FSDPStrategy`` (torch's ``FullyShardedDataParallel``).
+
+The strategy takes only a subclass of Lightning's ``FSDPPrecision``, and reads from it the
+``MixedPrecision`` it wraps the model with; it calls ``convert_module`` on the bare
+LightningModule before wrapping it, so the policy's regions are in place around the parameters
+FSDP then flattens and gathers. Here: what that ``MixedPrecision`` is for a policy (parameters
+gathered as they are stored, the regions cast for compute; gradients reduce-scattered in the
+policy's reduce dtype), what FSDP cannot carry out (several reduce dtypes in one model, the 8-bit
+codecs, a pure policy whose float32 layers share a unit with its half-precision ones), refused
+before the model is wrapped, and clipping by norm over the shards (FSDP's own
+``clip_grad_norm_`` on the root, where ``torch.nn.utils.clip_grad_norm_`` would clip each rank's
+shard by its own norm).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import logging
+
+import torch
+
+from mixedpolicy.backends.torch.found_inf import FSDP1_SHARD
+from mixedpolicy.policy_map import PolicyMap
+
+_CARRIED = ("float32", "bfloat16", "float16")  # reduce dtypes FSDP's reduce-scatter carries
+# the checkpoint keys of Lightning's own plugins (their GradScaler's state): MixedPrecision's, FSDPPrecision's
+_THEIRS = ("MixedPrecision", "FSDPPrecision")
+_log = logging.getLogger("mixedpolicy")
+
+
+def fsdp_strategy(module: Any) -> Any:
+    """The Trainer's strategy if it is a Lightning ``FSDPStrategy`` (either package), else None."""
+    trainer = getattr(module, "_trainer", None)
+    strategy = getattr(trainer, "strategy", None)
+    if strategy is None:
+        return None
+    kinds = [getattr(pl.strategies, "FSDPStrategy", None) for pl in _lightning_packages()]
+    return strategy if any(k is not None and isinstance(strategy, k) for k in kinds) else None
+
+
+def _lightning_packages() -> list:
+    import sys
+
+    return [sys.modules[name] for name in ("pytorch_lightning", "lightning.pytorch") if name in sys.modules]
+
+
+def reduce_dtype(policy_map: PolicyMap) -> str:
+    """The one dtype FSDP reduce-scatters every gradient in, as the policy says it.
+
+    Raises:
+      ValueError: an 8-bit reduce dtype, or overrides that reduce in another dtype than the
+        default's (FSDP wraps every unit with one ``MixedPrecision``).
+    """
+    default = policy_map.default
+    chosen = default.reduce_dtype
+    if chosen not in _CARRIED:
+        raise ValueError(
+            f"Received the policy {default.name!r} with reduce_dtype={chosen!r} under Lightning's "
+            f"FSDPStrategy, whose reduce-scatter carries only {list(_CARRIED)}. Use DDPStrategy for the "
+            "8-bit codecs (its communication hook carries them), or a reduce dtype FSDP carries.")
+    others = sorted({(key if isinstance(key, str) else getattr(key, "__name__", str(key)), p.reduce_dtype)
+                     for key, p in policy_map.overrides if p is not None and p.reduce_dtype != chosen},
+                    key=str)
+    if others:
+        raise ValueError(
+            f"Received a PolicyMap whose default reduces gradients in {chosen} and whose overrides "
+            f"reduce in other dtypes ({', '.join(f'{k!r}: {d}' for k, d in others)}), under Lightning's "
+            f"FSDPStrategy, which reduce-scatters every unit in one dtype. Give the overrides "
+            f"reduce_dtype={chosen!r} (e.g. mp.Policy('float32', reduce_dtype={chosen!r})), or shard "
+            "with FSDP2's fully_shard per block with each policy's to_fsdp().")
+    return chosen
+
+
+def mixed_precision(policy_map: PolicyMap) -> Any:
+    """torch FSDP's ``MixedPrecision`` for the policy: parameters gathered in the dtype they are
+    stored in (the policy's regions cast them for compute, per layer), gradients reduced in the
+    policy's reduce dtype where it is not the one they are stored in (else each in its own, as a
+    pure policy's float32 norms need). Never None: Lightning's throughput monitor reads it."""
+    from torch.distributed.fsdp import MixedPrecision
+
+    dtype = reduce_dtype(policy_map)
+    return MixedPrecision(reduce_dtype=None if dtype == policy_map.default.variable_dtype else getattr(torch, dtype))
+
+
+def check_before_wrapping(module: torch.nn.Module, policy_map: PolicyMap, strategy: Any) -> None:
+    """Refuses, before FSDP wraps `module` (under `policy_map`, applied), what FSDP would refuse
+    deep inside its wrapping or carry out otherwise than the policy says.
+
+    Raises:
+      ValueError: see `reduce_dtype`; parameters of several dtypes (a pure policy's half-precision
+        weights beside the float32 norms it keeps) while the strategy wraps the whole model as one
+        unit, which FSDP flattens into one dtype.
+    """
+    reduce_dtype(policy_map)
+    dtypes = sorted({str(p.dtype).replace("torch.", "") for p in module.parameters() if p.is_floating_point()})
+    kwargs = getattr(strategy, "kwargs", {}) or {}
+    if len(dtypes) > 1 and kwargs.get("auto_wrap_policy") is None:
+        raise ValueError(
+            f"Received the policy {policy_map.default.name!r} under Lightning's FSDPStrategy with no "
+            f"auto_wrap_policy: the model's parameters are then {dtypes} (the layers the policy keeps "
+            "in float32, such as norms, beside the others), and FSDP flattens one unit into one dtype. "
+            "Give FSDPStrategy an auto_wrap_policy that makes those layers units of their own, e.g. "
+            "ModuleWrapPolicy({torch.nn.LayerNorm, ...}) with the blocks, or a mixed policy "
+            "('bf16-mixed'), whose weights all stay float32.")
+
+
+class ShardedPlugin:
+    """What the plugin adds for Lightning's ``FSDPStrategy`` (it is also a subclass of Lightning's
+    ``FSDPPrecision``, the only plugin that strategy takes; elsewhere these do what Lightning's
+    base plugin does), and the checkpoint keys of Lightning's own plugins. Needs ``policy_map``,
+    ``_module`` (the LightningModule, once converted), ``optimizer`` and ``load_state_dict``."""
+
+    policy_map: PolicyMap
+    _module: Any
+    optimizer: Any
+    lightning_packages: tuple  # set on the class `precision_class` builds
+
+    def _plain(self) -> Any:
+        """Lightning's base ``Precision`` (of the first package): what the plugin's methods hand
+        on to, where ``super()`` would reach ``FSDPPrecision``'s, which need its own state (its
+        precision string, its scaler). Nor does ``__init__`` call ``super().__init__()``."""
+        return self.lightning_packages[0].plugins.precision.Precision
+
+    @property
+    def mixed_precision_config(self) -> Any:
+        """The ``MixedPrecision`` Lightning's FSDPStrategy wraps the model with (see `mixed_precision`);
+        its throughput monitor reads it under every strategy, so what FSDP cannot carry is refused
+        elsewhere (`_check_sharding`, `_check_sharded_optimizers`), never here."""
+        try:
+            return mixed_precision(self.policy_map)
+        except ValueError:
+            from torch.distributed.fsdp import MixedPrecision
+
+            return MixedPrecision()
+
+    def _check_sharded_optimizers(self, optimizers: list) -> None:
+        """Optimizers of FSDP's parameters (under Fabric, the first place the plugin sees FSDP):
+        refuses a policy whose reduce dtypes FSDP cannot carry, before any step (see `reduce_dtype`)."""
+        if any(getattr(p, FSDP1_SHARD, False) for opt in optimizers for g in opt.param_groups for p in g["params"]):
+            reduce_dtype(self.policy_map)
+
+    def _check_sharding(self, module: torch.nn.Module) -> None:
+        """Under FSDPStrategy, what FSDP cannot carry out, refused with the policy taken off again
+        (the module as it was given: a pure policy gives back its unrounded values)."""
+        strategy = fsdp_strategy(module)
+        if strategy is None:
+            return
+        try:
+            check_before_wrapping(module, self.policy_map, strategy)
+        except ValueError:
+            from mixedpolicy.api import remove_policy
+
+            remove_policy(module)
+            raise
+
+    def clip_grad_by_norm(self, optimizer: Any, clip_val: Any) -> None:
+        """Under FSDP, by the norm over every rank's shards with FSDP's own ``clip_grad_norm_`` on
+        the root (on every rank, as Lightning calls it; Lightning's ``FSDPPrecision`` refuses norm
+        clipping); elsewhere ``torch.nn.utils.clip_grad_norm_``, as Lightning's base plugin."""
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        root = getattr(fsdp_strategy(self._module), "model", None)
+        if isinstance(root, FullyShardedDataParallel):
+            root.clip_grad_norm_(clip_val)
+        else:
+            torch.nn.utils.clip_grad_norm_(self.main_params(optimizer), clip_val)  # type: ignore[attr-defined]
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # the scale also where Lightning's own 16-mixed keeps it, in GradScaler's format (under
+        # FSDPStrategy, where its FSDPPrecision keeps it): a run resumed with Lightning's own
+        # Trainer(precision="16-mixed") goes on from it
+        if self.optimizer is not None and self.optimizer.is_enabled():
+            checkpoint[_THEIRS[fsdp_strategy(self._module) is not None]] = self.optimizer.scaler_state_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        # a checkpoint of Lightning's own 16-mixed (no state of ours): its GradScaler's scale
+        key = next((key for key in _THEIRS if checkpoint.get(key)), None)
+        if key is not None and type(self).__qualname__ not in checkpoint:
+            _log.info("Reading the loss scale Lightning's %s saved in the checkpoint (%s)", key,
+                      checkpoint[key].get("scale"))
+            self.load_state_dict(checkpoint[key])
