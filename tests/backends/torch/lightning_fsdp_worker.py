@@ -23,7 +23,7 @@ torch.set_num_threads(1)
 
 import lightning_fabric  # noqa: E402
 import pytorch_lightning as pl  # noqa: E402
-from pytorch_lightning.strategies import FSDPStrategy  # noqa: E402
+from pytorch_lightning.strategies import FSDPStrategy, ModelParallelStrategy  # noqa: E402
 
 import mixedpolicy as mp  # noqa: E402
 import mixedpolicy.lightning as mpl  # noqa: E402
@@ -74,6 +74,25 @@ class Module(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.trainer.model.parameters(), lr=0.5)
+
+
+class Sharded2(Module):
+    """FSDP2 (`fully_shard` in configure_model), as Lightning's ModelParallelStrategy runs it; an
+    inf in rank 1's shard of the first weight's gradient alone at step POISON."""
+
+    def configure_model(self):
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for layer in (self.net[0], self.net[3], self.net):
+            fully_shard(layer, mesh=mesh)
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.cross_entropy(self.net(batch[0]).float(), batch[1])
+
+    def on_after_backward(self):
+        if self.global_step == POISON and self.global_rank == 1:
+            self.net[0].weight.grad.to_local()[0, 0] = float("inf")
 
 
 def _row(module, path):
@@ -214,6 +233,17 @@ def main():
             raise AssertionError(f"{policy} not refused under FSDPStrategy")
         assert all(torch.equal(a, b) for a, b in zip(before, module.parameters()))
         assert _row(module, "net.0").source == "no policy applied"
+
+    # ModelParallelStrategy (FSDP2 applied in configure_model, before the plugin's policy): both
+    # ranks skip together, the policy computes per layer as describe says
+    module, plugin = Sharded2(), mpl.Precision(POLICY)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=ModelParallelStrategy(2, 1), plugins=[plugin],
+                         max_steps=STEPS, gradient_clip_val=1.0, use_distributed_sampler=False, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, _loader())
+    assert plugin.optimizer.num_skipped_steps == 1 and float(plugin.optimizer.loss_scale) == 2.0**15
+    assert _row(module, "net.3").compute_dtype == "float32" and _row(module, "net.0").compute_dtype == "float16"
+    assert all(torch.isfinite(p.full_tensor()).all() for p in module.parameters())
 
     done = torch.ones(1)
     dist.all_reduce(done)  # both ranks got here

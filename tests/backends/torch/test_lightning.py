@@ -477,7 +477,8 @@ def test_under_fsdp_strategy_ranks_skip_together_as_by_hand_with_sharded_grad_sc
     ranks: an overflow in one rank's shard makes both skip and back off together, norm clipping
     runs over every rank's shards, and the weights are bit for bit those of the same model and
     batches trained by hand with FSDP and torch's ShardedGradScaler; a policy FSDP cannot carry
-    out is refused before wrapping, the module given back as it was (lightning_fsdp_worker.py)."""
+    out is refused before wrapping, the module given back as it was; Fabric's FSDPStrategy alike;
+    ModelParallelStrategy (FSDP2) skips together (lightning_fsdp_worker.py)."""
     from test_torch_distributed import _report
 
     assert _report("lightning_fsdp_worker.py") == {"ok": True}
