@@ -50,8 +50,8 @@ def check_half_master_weights(group: dict, loss_scale: LossScale, variable_dtype
     if isinstance(loss_scale, NoLossScale) and variable_dtypes is None:
         return
     for p in group["params"]:
-        if p.dtype not in (torch.float16, torch.bfloat16):
-            continue
+        if p.dtype not in (torch.float16, torch.bfloat16) or not p.requires_grad:
+            continue  # (a frozen one is no master weight; unfrozen later, its half gradients are refused at step)
         name = str(p.dtype).rpartition(".")[2]
         if variable_dtypes is not None and name in variable_dtypes:
             continue

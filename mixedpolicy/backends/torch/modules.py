@@ -129,7 +129,7 @@ class TorchModels(ModelAdapter):
             for name, p in module.named_parameters(recurse=False):
                 p.__dict__[PARAMETER_POLICY] = policy  # what LossScaleOptimizer(opt) follows
                 state.marked.append(p)
-                if p.is_floating_point() and p.dtype != target:
+                if p.is_floating_point() and p.dtype != target and not _kept_frozen(p, policy):
                     state["dtypes"][name] = p.dtype
                     state.setdefault("originals", {})[name] = p.data
                     p.data = p.data.to(target)
@@ -241,14 +241,26 @@ def _planned(model: torch.nn.Module, policy_map: Any, variables: Any) -> tuple:
 
 
 def _own_parameters(module: torch.nn.Module, path: str) -> list:
-    return [(join(path, name), _NAMES.get(p.dtype)) for name, p in module.named_parameters(recurse=False)]
+    """(path, dtype name) of the parameters `module` trains: a frozen one (``requires_grad=False``,
+    the base of a LoRA model) is no master weight, whatever its dtype (its dtype None here)."""
+    return [(join(path, name), _NAMES.get(p.dtype) if p.requires_grad else None)
+            for name, p in module.named_parameters(recurse=False)]
 
 
 def _before_policy(module: torch.nn.Module, path: str) -> list:
     """`_own_parameters` as they were before the policy on `module` (what `remove_policy` restores)."""
     before = (getattr(module, _STATE, None) or {}).get("dtypes", {})
-    return [(join(path, name), _NAMES.get(before.get(name, p.dtype)))
+    return [(join(path, name), _NAMES.get(before.get(name, p.dtype)) if p.requires_grad else None)
             for name, p in module.named_parameters(recurse=False)]
+
+
+def _kept_frozen(p: torch.Tensor, policy: Policy) -> bool:
+    """A frozen half-precision parameter under a policy that computes in half precision over
+    float32 variables stays as it is (no float32 copy: a LoRA model's half base weights, which
+    autocast casts per op as it casts them under Lightning's or the Hugging Face Trainer's own
+    mixed precision); where the layer computes in float32 it is widened, as any other."""
+    return (not p.requires_grad and p.dtype in (torch.float16, torch.bfloat16)
+            and policy.variable_dtype == "float32" and policy.compute_dtype in ("float16", "bfloat16"))
 
 
 class _LayerState(dict):

@@ -509,3 +509,28 @@ def test_resume_from_checkpoint_brings_the_scale_and_skips_back_bit_for_bit(tmp_
         assert (opt.num_skipped_steps, float(opt.loss_scale)) == (1, 2.0**16)  # halved at the skip, grown once
     for a, b in zip(whole.model.parameters(), resumed.model.parameters()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("half, policy, native", [(torch.bfloat16, "bf16-mixed", "bf16"),
+                                                  (torch.float16, "16-mixed", "fp16")])
+def test_a_lora_model_on_half_base_weights_trains_as_under_the_trainers_own_mixed_precision(
+        tmp_path, half, policy, native):
+    """peft's LoRA on a base model loaded in half precision (the usual recipe): the frozen base
+    weights are no master weights, so the policy keeps them half (no float32 copy) and trains the
+    float32 adapters as the Trainer's own mixed precision does."""
+    peft = pytest.importorskip("peft")
+
+    def model():
+        base = _model().to(half)
+        config = peft.LoraConfig(r=4, target_modules=["c_attn"], lora_dropout=0.0, init_lora_weights="gaussian")
+        return peft.get_peft_model(base, config)
+
+    theirs = transformers.Trainer(model=model(), args=_args(tmp_path, **{native: True}), train_dataset=_data())
+    theirs.train()
+    ours = Trainer(model=model(), args=_args(tmp_path), train_dataset=_data(), policy=policy)
+    ours.train()
+    torch.testing.assert_close(torch.tensor(_losses(ours)), torch.tensor(_losses(theirs)), rtol=1e-3, atol=0)
+    params = dict(ours.model.named_parameters())
+    assert {p.dtype for p in params.values() if p.requires_grad} == {torch.float32}
+    assert all(p.dtype == half for n, p in params.items() if "base_layer.weight" in n)
+    assert ours.loss_scale_optimizer.num_skipped_steps == 0

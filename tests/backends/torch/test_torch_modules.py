@@ -212,6 +212,50 @@ def test_mixed_policy_on_half_weights_is_an_error():
     assert all("forward" not in m.__dict__ for m in model.modules())  # nothing was changed
 
 
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16])
+def test_frozen_half_weights_under_a_mixed_policy_stay_as_they_are_and_train_as_under_autocast(half):
+    """A LoRA model: frozen half-precision base weights (no master weights: they are not trained)
+    and trainable float32 adapters. Kept half where the layer computes in half precision (no
+    float32 copy), widened where it computes in float32 (a norm); the loop trains as autocast
+    with GradScaler does; a float16 parameter unfrozen later is refused at the step, as GradScaler
+    refuses its gradients."""
+    policy = "mixed_float16" if half == torch.float16 else "mixed_bfloat16"
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+        model.to(half).requires_grad_(False)
+        model.append(torch.nn.Linear(4, 4))  # the trainable adapter, float32
+        return model
+
+    x = torch.randn(4, 8)
+    theirs, ours = build(), mp.apply_policy(build(), policy)
+    assert ours[0].weight.dtype == half and ours[1].weight.dtype == torch.float32 and ours[3].weight.dtype == torch.float32
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**15, enabled=half == torch.float16)
+    opt = torch.optim.SGD(theirs.parameters(), lr=0.1)  # (frozen ones included, as users pass them)
+    wrapper = mp.LossScaleOptimizer(torch.optim.SGD(ours.parameters(), lr=0.1))
+    for _ in range(3):
+        with torch.autocast("cpu", dtype=half):
+            loss = theirs(x).float().square().mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        wrapper.scale_loss(ours(x).float().square().mean()).backward()
+        wrapper.step()
+        wrapper.zero_grad()
+    assert wrapper.num_skipped_steps == 0
+    torch.testing.assert_close(ours[3].weight, theirs[3].weight, rtol=1e-2, atol=1e-3)  # (norms: see the guide)
+    mp.remove_policy(ours)
+    assert [p.dtype for p in ours[:3].parameters()] == [half] * 6  # the widened norm given back
+    if half == torch.float16:  # unfrozen: a float16 master weight, whose gradients GradScaler refuses too
+        mp.apply_policy(ours, policy)
+        ours[0].weight.requires_grad_(True)
+        wrapper.scale_loss(ours(x).float().square().mean()).backward()
+        with pytest.raises(ValueError, match="float16 gradients"):
+            wrapper.step()
+
+
 def test_unmatched_override_warns_with_nearest_paths():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
