@@ -9,6 +9,12 @@ from mixedpolicy.policy import Policy
 NOT_APPLIED = "no policy applied"  # the source of a layer no policy was put on
 
 
+def unapplied_source(policy: Policy, own: str) -> str:
+    """The source of a layer no policy was put on: `NOT_APPLIED` where it computes in float32 over
+    float32 variables, else `own`, what set its dtypes (Keras's dtype policy, Flax's dtype=)."""
+    plain = policy.variable_dtype == policy.compute_dtype == policy.output_dtype == "float32"
+    return NOT_APPLIED if plain else own
+
 
 class LayerPolicy(NamedTuple):
     """One row of `describe`: a layer, its policy and where that policy came from.

@@ -18,7 +18,7 @@ from mixedpolicy.backends.jax.flax_common import cast_tree, dotted_path, layer_k
 from mixedpolicy.layer_plan import dotted_chains, join, plan
 from mixedpolicy.policy import Policy
 from mixedpolicy.policy_map import LayerInfo, PolicyMap
-from mixedpolicy.table import NOT_APPLIED, LayerPolicy
+from mixedpolicy.table import LayerPolicy, unapplied_source
 
 _STATE = "_mixedpolicy"
 
@@ -168,7 +168,7 @@ def nnx_describe(model: Any) -> list:
             variable = dtype_name(getattr(module, "param_dtype", None)) or "float32"
             compute = dtype_name(getattr(module, "dtype", None)) or variable
             policy = Policy(f"params={variable},compute={compute},output={compute}")
-            source, cls = NOT_APPLIED, type(module)
+            source, cls = unapplied_source(policy, "its own dtype/param_dtype"), type(module)
         rows.append(LayerPolicy(path, cls.__name__, policy, source, applied is not None and applied.dot_general is not _MISSING))
         if applied is not None and applied.linen is not _MISSING and module.to_nnx__module.has_run():
             rows += [row._replace(path=join(path, row.path))  # the linen layers it has run, by their paths

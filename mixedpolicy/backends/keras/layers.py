@@ -35,7 +35,7 @@ from keras.src.backend.common import global_state
 
 from mixedpolicy._adapter import ModelAdapter
 from mixedpolicy._dtypes import HALF_DTYPES
-from mixedpolicy.table import NOT_APPLIED, LayerPolicy
+from mixedpolicy.table import LayerPolicy, unapplied_source
 from mixedpolicy.policy import Policy
 from mixedpolicy.backends.keras import float8, patches
 from mixedpolicy.backends.keras.policy_maps import keep_through_save, own_policy, set_policy
@@ -208,10 +208,12 @@ class KerasModels(ModelAdapter):
         rows = []
         for layer, chain in _layers(model):
             state = layer.__dict__.get(_STATE)
-            source = state[1] if state is not None else NOT_APPLIED
             dtype_policy = own_policy(layer)
             policy = (Policy.from_keras(dtype_policy) if getattr(dtype_policy, "quantization_mode", None) == "float8"
                       else Policy(dtype_policy.name, float8_recipe=float8.tensorwise_recipe(layer)))
+            # a layer apply_policy left alone computes in its Keras dtype policy (the global one when
+            # it was built, or its dtype=)
+            source = state[1] if state is not None else unapplied_source(policy, "Keras dtype policy")
             rows.append(LayerPolicy(chain[-1].path, type(layer).__name__, policy, source))
         return rows
 

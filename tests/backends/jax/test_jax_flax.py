@@ -315,6 +315,13 @@ def test_nnx_remove_policy_restores_everything():
     assert {r.source for r in mp.describe(model)} == {"no policy applied"}
 
 
+def test_describe_says_where_a_modules_own_dtype_arguments_set_its_dtypes():
+    model = nnx.Sequential(nnx.Linear(2, 3, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), nnx.Linear(3, 3, rngs=nnx.Rngs(0)))
+    rows = {r.path: r for r in mp.describe(model)}
+    assert rows["layers.0"].compute_dtype == "bfloat16" and rows["layers.0"].source == "its own dtype/param_dtype"
+    assert rows["layers.1"].source == "no policy applied"
+
+
 def test_nnx_applying_twice_replaces_the_first_policy():
     model = mp.apply_policy(net(), "bfloat16")
     mp.apply_policy(model, "mixed_float16")

@@ -104,6 +104,20 @@ def test_per_layer_maps():
     mp.set_global_policy(None)
 
 
+def test_describe_names_keras_own_policy_where_a_layer_was_built_under_the_global_one():
+    """Built under mp.set_global_policy and never given apply_policy, a layer computes in the Keras
+    dtype policy it was built with: describe says so (it said "no policy applied" beside float16)."""
+    mp.set_global_policy("mixed_float16")
+    try:
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="d")])
+    finally:
+        mp.set_global_policy(None)
+    model.add(keras.layers.Dense(2, name="plain"))
+    rows = {r.path.rpartition("/")[2]: r for r in mp.describe(model)}
+    assert rows["d"].compute_dtype == "float16" and rows["d"].source == "Keras dtype policy", rows["d"]
+    assert rows["plain"].compute_dtype == "float32" and rows["plain"].source == "no policy applied"
+
+
 @pytest.mark.parametrize("pure", ["float16", "bfloat16"])
 def test_a_functional_model_built_under_a_pure_global_policy_applies_it_and_trains(pure):
     """The functional API builds each layer as the model is defined: under a pure global
