@@ -41,7 +41,7 @@ import torch
 
 from mixedpolicy._adapter import ModelAdapter
 from mixedpolicy.backends.torch.arrays import NAMES as _NAMES, PARAMETER_POLICY, TORCH_DTYPES as _TORCH_DTYPES
-from mixedpolicy.table import NOT_APPLIED, LayerPolicy
+from mixedpolicy.table import LayerPolicy, unapplied_source
 from mixedpolicy.policy import Policy
 from mixedpolicy.layer_plan import dotted_chains, join, plan
 from mixedpolicy.policy_map import (EMBEDDING, HEAD, LOSS, NO_FLOAT8, NORMALIZATION, SMALL_MATMUL, LayerInfo,
@@ -188,7 +188,8 @@ class TorchModels(ModelAdapter):
             else:
                 dtypes = {_NAMES.get(p.dtype) for p in module.parameters(recurse=False)} - {None}
                 dtype = dtypes.pop() if len(dtypes) == 1 else "float32"
-                policy, source = Policy(dtype), NOT_APPLIED
+                policy = Policy(dtype)
+                source = unapplied_source(policy, "its parameters' dtype")  # (a model.half(), say)
             # fp8 runs where a layer was swapped for an fp8 one, not in its container or a dropout
             rows.append(LayerPolicy(path, type(module).__name__, policy, source,
                                     runs_float8=state is not None and "float8_original" in state))
