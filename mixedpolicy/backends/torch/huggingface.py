@@ -223,10 +223,11 @@ def _outputs_in_float32(module: Any, args: Any, output: Any) -> Any:
 def _subclass(name: str, ours: type, theirs: type) -> type:
     """`ours` over the library's class `theirs`, as ``mixedpolicy.huggingface.<name>`` (built
     once per process)."""
-    if name not in _built:
-        _built[name] = type(name, (ours, theirs), {"__module__": "mixedpolicy.huggingface", "__qualname__": name,
-                                                   "__doc__": ours.__doc__})
-    return _built[name]
+    key = (name, theirs)
+    if key not in _built:
+        _built[key] = type(name, (ours, theirs), {"__module__": "mixedpolicy.huggingface", "__qualname__": name,
+                                                  "__doc__": ours.__doc__})
+    return _built[key]
 
 
 def accelerator_class(accelerate: Any) -> type:
@@ -234,6 +235,18 @@ def accelerator_class(accelerate: Any) -> type:
     return _subclass("Accelerator", PolicyAccelerator, accelerate.Accelerator)
 
 
-def trainer_class(transformers: Any) -> type:
-    """The ``transformers.Trainer`` subclass: `PolicyTrainer` over it."""
-    return _subclass("Trainer", PolicyTrainer, transformers.Trainer)
+def trainer_class(transformers: Any, base: Any = None) -> type:
+    """`PolicyTrainer` over `base`, ``transformers.Trainer`` or a subclass of it
+    (``Seq2SeqTrainer``, TRL's ``SFTTrainer``, a Trainer of one's own), named as `base` is.
+
+    Raises:
+      TypeError: `base` is no subclass of ``transformers.Trainer``.
+    """
+    base = transformers.Trainer if base is None else base
+    if not (isinstance(base, type) and issubclass(base, transformers.Trainer)):
+        raise TypeError(f"Received {base!r:.80} ({type(base).__name__}); expected transformers.Trainer or a "
+                        f"subclass of it (Seq2SeqTrainer, trl's SFTTrainer, your own), e.g. "
+                        f"mixedpolicy.huggingface.trainer_class(Seq2SeqTrainer).")
+    if issubclass(base, PolicyTrainer):
+        return base  # under a policy already
+    return _subclass(base.__name__, PolicyTrainer, base)

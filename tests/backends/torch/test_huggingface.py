@@ -534,3 +534,36 @@ def test_a_lora_model_on_half_base_weights_trains_as_under_the_trainers_own_mixe
     assert {p.dtype for p in params.values() if p.requires_grad} == {torch.float32}
     assert all(p.dtype == half for n, p in params.items() if "base_layer.weight" in n)
     assert ours.loss_scale_optimizer.num_skipped_steps == 0
+
+
+def test_seq2seq_and_any_trainer_subclass_train_under_a_policy_as_under_their_own_bf16(tmp_path):
+    """Seq2SeqTrainer (a T5) and a Trainer subclass of one's own (trainer_class, as for TRL's
+    SFTTrainer) take the policy and train as they do under their own bf16=True."""
+    from mixedpolicy.huggingface import Seq2SeqTrainer, trainer_class
+
+    _, cls, config = next(iter(_declaring_models()))
+    saved = _saved(tmp_path, cls, config)
+    args = dict(predict_with_generate=False, **{k: v for k, v in _args(tmp_path).to_dict().items()
+                                                 if k in ("output_dir", "per_device_train_batch_size", "max_steps",
+                                                          "use_cpu", "report_to", "logging_steps", "save_strategy",
+                                                          "disable_tqdm", "learning_rate", "seed")})
+    theirs = transformers.Seq2SeqTrainer(model=cls.from_pretrained(saved), train_dataset=_data(),
+                                         args=transformers.Seq2SeqTrainingArguments(bf16=True, **args))
+    theirs.train()
+    ours = Seq2SeqTrainer(model=cls.from_pretrained(saved), train_dataset=_data(),
+                          args=transformers.Seq2SeqTrainingArguments(**args), policy="bf16-mixed")
+    ours.train()
+    assert isinstance(ours, transformers.Seq2SeqTrainer) and ours.loss_scale_optimizer is not None
+    torch.testing.assert_close(torch.tensor(_losses(ours)), torch.tensor(_losses(theirs)), rtol=2e-2, atol=0)
+
+    class Halved(transformers.Trainer):  # a Trainer of one's own: its compute_loss runs as written
+        def compute_loss(self, model, inputs, *rest, **kwargs):
+            return super().compute_loss(model, inputs, *rest, **kwargs) / 2
+
+    mine = trainer_class(Halved)(model=_model(), args=_args(tmp_path), train_dataset=_data(), policy="16-mixed",
+                                  overrides={"lm_head": "float32"})
+    mine.train()
+    assert isinstance(mine, Halved) and trainer_class(type(mine)) is type(mine)
+    assert mine.loss_scale_optimizer.loss_scaling.startswith("dynamic") and len(_losses(mine)) == 6
+    with pytest.raises(TypeError, match="subclass of it"):
+        trainer_class(transformers.TrainingArguments)
