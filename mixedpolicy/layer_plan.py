@@ -143,7 +143,10 @@ def check_master_weights(where: str, dtype: str | None, policy: Any, fix: str) -
             f"Received a model whose variable {where!r} is already {dtype}, but the policy "
             f"{policy.name} keeps variables in float32 and computes in {policy.compute_dtype}: "
             f"applying it would silently train half-precision master weights. {fix} before "
-            f"apply_policy, or use the pure policy {dtype!r} if half-precision weights are intended.")
+            f"apply_policy, or use the pure policy {dtype!r} if half-precision weights are intended. "
+            f"If they are not trained (a LoRA model's base), keep them under the pure policy and "
+            f"give the trained layers the mixed one: PolicyMap({dtype!r}, {{'*.lora': {policy.name!r}}}) "
+            f"(torch keeps frozen parameters, requires_grad=False, as they are).")
 
 
 #: type_at(layer path) -> the class of the layer at that path, or None where none is known

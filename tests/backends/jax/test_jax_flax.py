@@ -315,6 +315,35 @@ def test_nnx_remove_policy_restores_everything():
     assert {r.source for r in mp.describe(model)} == {"no policy applied"}
 
 
+def test_a_lora_model_keeps_its_half_base_under_a_pure_default_and_trains_float32_adapters():
+    """nnx.LoRALinear on a bfloat16 base: a mixed policy over it is refused with the map that works
+    (the base is no master weight only where nothing trains it), and that map trains the adapters
+    in float32 with the base left as it is."""
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.body = nnx.LoRALinear(8, 16, lora_rank=2, rngs=rngs, param_dtype=jnp.bfloat16,
+                                       lora_param_dtype=jnp.float32)
+            self.head = nnx.Linear(16, 4, rngs=rngs, param_dtype=jnp.bfloat16)
+
+        def __call__(self, x):
+            return self.head(self.body(x))
+
+    with pytest.raises(ValueError, match=r"PolicyMap\('bfloat16', \{'\*.lora': 'mixed_bfloat16'\}\)"):
+        mp.apply_policy(Net(nnx.Rngs(0)), "mixed_bfloat16")
+    import optax
+
+    policy = mp.PolicyMap("bfloat16", {"*.lora": "mixed_bfloat16"})
+    model = mp.apply_policy(Net(nnx.Rngs(0)), policy)
+    optimizer = nnx.Optimizer(model, mp.LossScaleOptimizer(optax.sgd(0.1), policy=policy), wrt=nnx.LoRAParam)
+    base, adapter = model.body.kernel.get_value(), model.body.lora.lora_b.get_value()  # (lora_a's gradient: 0 at first)
+    grads = nnx.grad(lambda m: m(jnp.ones((4, 8))).astype(jnp.float32).sum(),
+                     argnums=nnx.DiffState(0, nnx.LoRAParam))(model)
+    optimizer.update(model, grads)
+    assert model.body.lora.lora_b.get_value().dtype == jnp.float32
+    assert not jnp.array_equal(model.body.lora.lora_b.get_value(), adapter)
+    assert model.body.kernel.get_value().dtype == jnp.bfloat16 and jnp.array_equal(model.body.kernel.get_value(), base)
+
+
 def test_describe_says_where_a_modules_own_dtype_arguments_set_its_dtypes():
     model = nnx.Sequential(nnx.Linear(2, 3, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), nnx.Linear(3, 3, rngs=nnx.Rngs(0)))
     rows = {r.path: r for r in mp.describe(model)}
