@@ -98,11 +98,12 @@ def check_before_wrapping(module: torch.nn.Module, policy_map: PolicyMap, strate
     if len(dtypes) > 1 and kwargs.get("auto_wrap_policy") is None:
         raise ValueError(
             f"Received the policy {policy_map.default.name!r} under Lightning's FSDPStrategy with no "
-            f"auto_wrap_policy: the model's parameters are then {dtypes} (the layers the policy keeps "
-            "in float32, such as norms, beside the others), and FSDP flattens one unit into one dtype. "
-            "Give FSDPStrategy an auto_wrap_policy that makes those layers units of their own, e.g. "
-            "ModuleWrapPolicy({torch.nn.LayerNorm, ...}) with the blocks, or a mixed policy "
-            "('bf16-mixed'), whose weights all stay float32.")
+            f"auto_wrap_policy: the model's parameters are then {dtypes} (layers the policy keeps in "
+            "float32, such as norms, or frozen half-precision weights beside trained float32 ones), and "
+            "FSDP flattens one unit into one dtype. Give FSDPStrategy an auto_wrap_policy that makes "
+            "those layers units of their own, e.g. ModuleWrapPolicy({torch.nn.LayerNorm, ...}) with the "
+            "blocks, or keep every weight in one dtype (a mixed policy such as 'bf16-mixed' over float32 "
+            "weights).")
 
 
 class ShardedPlugin:
