@@ -14,9 +14,8 @@ shard by its own norm).
 
 from __future__ import annotations
 
-from typing import Any
-
 import logging
+from typing import Any
 
 import torch
 
@@ -161,11 +160,18 @@ class ShardedPlugin:
         clipping); elsewhere ``torch.nn.utils.clip_grad_norm_``, as Lightning's base plugin."""
         from torch.distributed.fsdp import FullyShardedDataParallel
 
-        root = getattr(fsdp_strategy(self._module), "model", None)
-        if isinstance(root, FullyShardedDataParallel):
-            root.clip_grad_norm_(clip_val)
-        else:
+        strategy = fsdp_strategy(self._module)
+        if strategy is None:
             torch.nn.utils.clip_grad_norm_(self.main_params(optimizer), clip_val)  # type: ignore[attr-defined]
+        elif isinstance(strategy.model, FullyShardedDataParallel):
+            strategy.model.clip_grad_norm_(clip_val)
+        else:  # submodules wrapped by hand (configure_sharded_model): no root knows every shard
+            raise ValueError(
+                f"Received gradient_clip_algorithm='norm' under Lightning's FSDPStrategy with a root "
+                f"module of type {type(strategy.model).__name__}, not FullyShardedDataParallel: each rank "
+                f"would clip its shards by their own norm. Let the strategy wrap the root (an "
+                f"auto_wrap_policy in place of wrapping by hand), or clip by value "
+                f"(gradient_clip_algorithm='value').")
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # the scale also where Lightning's own 16-mixed keeps it, in GradScaler's format (under
