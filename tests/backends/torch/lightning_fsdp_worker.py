@@ -43,6 +43,14 @@ class CPUFSDPStrategy(FSDPStrategy):
                                         device_id=torch.device("cpu"), **self.kwargs)
 
 
+class ByHandFSDPStrategy(CPUFSDPStrategy):
+    """Submodules wrapped by hand, the root left unwrapped (what configure_sharded_model gives)."""
+
+    def _setup_model(self, model):
+        model.net[0] = FullyShardedDataParallel(model.net[0], device_id=torch.device("cpu"), use_orig_params=True)
+        return model
+
+
 class CPUFabricFSDPStrategy(lightning_fabric.strategies.FSDPStrategy):
     """Fabric's FSDPStrategy on the CPU, for this test only, as `CPUFSDPStrategy`."""
 
@@ -233,6 +241,18 @@ def main():
             raise AssertionError(f"{policy} not refused under FSDPStrategy")
         assert all(torch.equal(a, b) for a, b in zip(before, module.parameters()))
         assert _row(module, "net.0").source == "no policy applied"
+
+    # norm clipping with a root FSDP does not wrap: each rank would clip by its own shards' norm
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=ByHandFSDPStrategy(use_orig_params=True),
+                         plugins=[mpl.Precision("bf16-mixed")], max_steps=1, gradient_clip_val=1.0,
+                         use_distributed_sampler=False, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    try:
+        trainer.fit(Module(), _loader())
+    except ValueError as err:
+        assert "not FullyShardedDataParallel" in str(err) and "gradient_clip_algorithm='value'" in str(err), err
+    else:
+        raise AssertionError("norm clipping under a root FSDP does not wrap was not refused")
 
     # ModelParallelStrategy (FSDP2 applied in configure_model, before the plugin's policy): both
     # ranks skip together, the policy computes per layer as describe says
