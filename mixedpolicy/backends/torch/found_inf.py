@@ -114,9 +114,10 @@ def grads_by_device_and_dtype(param_groups: list, half_allowed: bool) -> dict:
                 raise ValueError(
                     "Attempting to unscale float16 gradients of float16 parameters (as "
                     "torch.amp.GradScaler refuses to): the model was made half precision "
-                    "(.half()) after the optimizer was wrapped, so its master weights are "
-                    "float16 and updates are lost to rounding. Keep parameters in float32 and "
-                    "compute in float16 with apply_policy(model, 'mixed_float16').")
+                    "(.half()), or a frozen float16 weight was unfrozen, after the optimizer was "
+                    "wrapped, so its master weights are float16 and updates are lost to rounding. "
+                    "Keep trained parameters in float32 and compute in half precision with "
+                    "apply_policy(model, 'mixed_float16'), or train under the pure policy 'float16'.")
             if g.is_sparse:
                 g = g.coalesce()._values() if g.dtype == torch.float16 else g._values()
             groups[(g.device, g.dtype)].append(g)

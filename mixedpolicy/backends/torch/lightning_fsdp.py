@@ -28,20 +28,12 @@ _THEIRS = ("MixedPrecision", "FSDPPrecision")
 _log = logging.getLogger("mixedpolicy")
 
 
-def fsdp_strategy(module: Any) -> Any:
-    """The Trainer's strategy if it is a Lightning ``FSDPStrategy`` (either package), else None."""
-    trainer = getattr(module, "_trainer", None)
-    strategy = getattr(trainer, "strategy", None)
-    if strategy is None:
-        return None
-    kinds = [getattr(pl.strategies, "FSDPStrategy", None) for pl in _lightning_packages()]
-    return strategy if any(k is not None and isinstance(strategy, k) for k in kinds) else None
-
-
-def _lightning_packages() -> list:
-    import sys
-
-    return [sys.modules[name] for name in ("pytorch_lightning", "lightning.pytorch") if name in sys.modules]
+def fsdp_strategy(module: Any, packages: tuple) -> Any:
+    """The strategy of `module`'s Trainer if it is the ``FSDPStrategy`` of one of the Lightning
+    `packages` (the plugin's own), else None."""
+    strategy = getattr(getattr(module, "_trainer", None), "strategy", None)
+    kinds = tuple(pl.strategies.FSDPStrategy for pl in packages)
+    return strategy if strategy is not None and isinstance(strategy, kinds) else None
 
 
 def reduce_dtype(policy_map: PolicyMap) -> str:
@@ -143,7 +135,7 @@ class ShardedPlugin:
     def _check_sharding(self, module: torch.nn.Module) -> None:
         """Under FSDPStrategy, what FSDP cannot carry out, refused with the policy taken off again
         (the module as it was given: a pure policy gives back its unrounded values)."""
-        strategy = fsdp_strategy(module)
+        strategy = fsdp_strategy(module, self.lightning_packages)
         if strategy is None:
             return
         try:
@@ -160,7 +152,7 @@ class ShardedPlugin:
         clipping); elsewhere ``torch.nn.utils.clip_grad_norm_``, as Lightning's base plugin."""
         from torch.distributed.fsdp import FullyShardedDataParallel
 
-        strategy = fsdp_strategy(self._module)
+        strategy = fsdp_strategy(self._module, self.lightning_packages)
         if strategy is None:
             torch.nn.utils.clip_grad_norm_(self.main_params(optimizer), clip_val)  # type: ignore[attr-defined]
         elif isinstance(strategy.model, FullyShardedDataParallel):
@@ -178,7 +170,8 @@ class ShardedPlugin:
         # FSDPStrategy, where its FSDPPrecision keeps it): a run resumed with Lightning's own
         # Trainer(precision="16-mixed") goes on from it
         if self.optimizer is not None and self.optimizer.is_enabled():
-            checkpoint[_THEIRS[fsdp_strategy(self._module) is not None]] = self.optimizer.scaler_state_dict()
+            sharded = fsdp_strategy(self._module, self.lightning_packages) is not None
+            checkpoint[_THEIRS[sharded]] = self.optimizer.scaler_state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         # a checkpoint of Lightning's own 16-mixed (no state of ours): its GradScaler's scale

@@ -144,8 +144,11 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, OneByOne, torch.optim.Opti
     def _unscale_and_check(self, inv_scale: Any, scale: torch.Tensor, what: str = "step()") -> torch.Tensor:
         """Multiplies every gradient by `inv_scale` (None: only checks); one found-inf flag, no sync."""
         groups = self.param_groups if self._acting_on is None else self._acting_on.param_groups
-        # float16 weights' gradients are unscaled where nothing scales or a followed policy stores them
-        half_allowed = isinstance(self._scale_settings, NoLossScale) or "float16" in (self._variable_dtypes or ())
+        # float16 weights' gradients are taken where a followed policy stores float16 weights, or where
+        # the wrapper follows none and scales nothing (NoLossScale by hand): under a policy, the same
+        # misuse (a weight made half, or unfrozen half, after wrapping) is refused whether it scales or not
+        half_allowed = ("float16" in self._variable_dtypes if self._variable_dtypes is not None
+                        else isinstance(self._scale_settings, NoLossScale))
         return self._checks.check(groups, half_allowed, inv_scale, scale, what)
 
     def unscale_(self, optimizer: Any = None) -> None:

@@ -256,6 +256,22 @@ def test_frozen_half_weights_under_a_mixed_policy_stay_as_they_are_and_train_as_
             wrapper.step()
 
 
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_a_float16_weight_unfrozen_after_wrapping_is_refused_at_the_step_under_every_policy(policy):
+    """The same misuse gets the same answer whether the wrapper scales or not: a float16 weight
+    trained as its own master weight (GradScaler refuses its gradients; so does the pass-through)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4).half().requires_grad_(False), torch.nn.Linear(4, 4))
+    mp.apply_policy(model, policy)
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))  # scaling, or not, as the policy says
+    model[0].weight.requires_grad_(True)
+    opt.scale_loss(model(torch.randn(2, 4)).float().sum()).backward()
+    with pytest.raises(ValueError, match="float16 gradients"):
+        opt.step()
+    # a NoLossScale given by hand checks no weights: the documented way to train float16 ones
+    by_hand = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), loss_scale=mp.NoLossScale())
+    by_hand.step()
+
+
 def test_unmatched_override_warns_with_nearest_paths():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
