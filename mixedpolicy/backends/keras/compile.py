@@ -30,16 +30,8 @@ def compile_with_loss_scale(model: Any, scaled: bool = True, reduce_policy: Any 
             from mixedpolicy.backends.keras.optimizer import KerasOptimizers
 
             optimizer = _with_updates(KerasOptimizers(), optimizer, (updates,))  # refused with the fix
-        followed = getattr(optimizer, "__dict__", {}).get("_followed_policies")
-        warned = getattr(optimizer, "__dict__", {}).get("_mixedpolicy_warned_unscaled")  # as it was made
-        if scaled and followed and not any(p.needs_loss_scaling for p in followed) and not optimizer.built \
-                and not warned:
-            warnings.warn(
-                f"Received a LossScaleOptimizer that scales nothing (it followed "
-                f"{', '.join(sorted({p.name for p in followed}))} when it was made) for a model whose policy "
-                f"computes in float16: its float16 gradients may underflow to zero unscaled. Make it with "
-                f"the model's policy, mp.LossScaleOptimizer(opt, policy=...), or pass the plain optimizer "
-                f"to compile, which wraps it with a dynamic scale.", UserWarning, stacklevel=2)
+        if scaled:
+            warn_if_it_scales_nothing(optimizer)
         if kwargs.get("auto_scale_loss", True) and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             scale = {} if scaled else {"loss_scale": NoLossScale(skip_nonfinite=False)}
             optimizer = LossScaleOptimizer(optimizer, name="loss_scale_optimizer", reduce_policy=reduce_policy,
@@ -48,6 +40,25 @@ def compile_with_loss_scale(model: Any, scaled: bool = True, reduce_policy: Any 
 
     compile.__doc__ = compile_.__doc__
     return compile
+
+
+def warn_if_it_scales_nothing(optimizer: Any) -> None:
+    """Warns, once per optimizer, where mixedpolicy's ``LossScaleOptimizer`` that followed
+    policies with no float16 compute (a pass-through) is compiled into a model that computes in
+    float16: its gradients may underflow unscaled, and nothing else would say so."""
+    from mixedpolicy._warnings import user_stacklevel
+
+    state = getattr(optimizer, "__dict__", {})
+    followed = state.get("_followed_policies")
+    if followed and not any(p.needs_loss_scaling for p in followed) and not optimizer.built \
+            and not state.get("_mixedpolicy_warned_unscaled"):
+        state["_mixedpolicy_warned_unscaled"] = True
+        warnings.warn(
+            f"Received a LossScaleOptimizer that scales nothing (it followed "
+            f"{', '.join(sorted({p.name for p in followed}))} when it was made) for a model whose policy "
+            f"computes in float16: its float16 gradients may underflow to zero unscaled. Make it with "
+            f"the model's policy, mp.LossScaleOptimizer(opt, policy=...), or pass the plain optimizer "
+            f"to compile, which wraps it with a dynamic scale.", UserWarning, stacklevel=user_stacklevel("keras"))
 
 
 _patch_lock = threading.Lock()
@@ -67,7 +78,7 @@ def use_bounded_loss_scale_in_compile(on: bool = True) -> None:
     from keras.src.trainers import trainer
 
     with _patch_lock:
-        trainer.LossScaleOptimizer = _WrapInCompile if on else keras.optimizers.LossScaleOptimizer
+        trainer.LossScaleOptimizer = _WrapInCompile if on else _CheckInCompile
 
 
 _keras_compile: list = []  # Keras's own Trainer.compile while the update patch is on
@@ -111,12 +122,27 @@ def carry_updates_in_compile(on: bool = True) -> None:
             Trainer.compile = _keras_compile.pop()
 
 
-class _WrapInCompileMeta(type):
-    # compile asks "is it a LossScaleOptimizer already?" (any, Keras's own included)
-    # and, if not, calls the name to wrap the plain optimizer: mixedpolicy's then.
+class _CheckInCompileMeta(type):
+    # compile asks "is it a LossScaleOptimizer already?" only of a model whose policy is
+    # mixed_float16: one of ours that scales nothing is, and is warned of there.
     def __instancecheck__(cls, obj: Any) -> bool:
-        return isinstance(obj, keras.optimizers.LossScaleOptimizer)
+        if isinstance(obj, keras.optimizers.LossScaleOptimizer):
+            warn_if_it_scales_nothing(obj)
+            return True
+        return False
 
+    def __call__(cls, optimizer: Any, **kwargs: Any) -> Any:
+        return keras.optimizers.LossScaleOptimizer(optimizer, **kwargs)
+
+
+class _CheckInCompile(metaclass=_CheckInCompileMeta):
+    """What ``model.compile`` calls ``LossScaleOptimizer`` with mixedpolicy loaded: Keras's own,
+    which a pass-through of ours compiled into a mixed_float16 model is warned of."""
+
+
+class _WrapInCompileMeta(_CheckInCompileMeta):
+    # and, once mixedpolicy's global policy computes in float16, the name that wraps a plain
+    # optimizer is mixedpolicy's.
     def __call__(cls, optimizer: Any, **kwargs: Any) -> Any:
         from mixedpolicy.backends.keras.optimizer import LossScaleOptimizer
 

@@ -7,15 +7,17 @@ Three, each because Keras offers no hook for it:
   among them was written by the user, and wins over a map's default) and so that a thread
   that never set a Keras policy sees the one mixedpolicy's global policy maps to (Keras keeps
   its global policy per thread; mixedpolicy's is process-wide);
-- while mixedpolicy's global policy computes in float16, the name ``compile`` wraps a plain
-  optimizer with points at mixedpolicy's ``LossScaleOptimizer``
+- the name ``compile`` checks a mixed_float16 model's optimizer against and wraps a plain one
+  with: it warns of a pass-through ``LossScaleOptimizer`` of mixedpolicy's (one that scales
+  nothing) compiled into that model, and, while mixedpolicy's global policy computes in
+  float16, wraps with mixedpolicy's ``LossScaleOptimizer`` instead of Keras's
   (`mixedpolicy.backends.keras.compile.use_bounded_loss_scale_in_compile`);
 - while it asks the optimizer for an update recipe (rounding, state dtype), Keras's
   ``Trainer.compile`` wraps a plain optimizer in that ``LossScaleOptimizer``, which carries
   the recipe out (`mixedpolicy.backends.keras.compile.carry_updates_in_compile`).
 
-`install` puts the first in place when Keras is imported with mixedpolicy loaded (and again
-whenever mixedpolicy sets a Keras global policy); `uninstall` gives Keras both back
+`install` puts the first two in place when Keras is imported with mixedpolicy loaded (and again
+whenever mixedpolicy sets a Keras global policy); `uninstall` gives Keras all three back
 (``mp.keras.uninstall()``), leaving Keras's modules as they were before mixedpolicy.
 """
 
@@ -27,6 +29,8 @@ from typing import Any
 
 from keras.src.backend.common import global_state
 from keras.src.dtype_policies import dtype_policy as _keras_dtype_policy
+from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer as _KerasLossScaleOptimizer
+from keras.src.trainers import trainer as _keras_trainer
 
 # Every Keras global DTypePolicy object seen: a layer built with dtype=None holds the very
 # object in force then, so a policy object not among these was written by the user.
@@ -34,6 +38,7 @@ from keras.src.dtype_policies import dtype_policy as _keras_dtype_policy
 seen_globals: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 process_policy: list = [None]  # the Keras policy mixedpolicy's global policy maps to
 _keras_own = _keras_dtype_policy.dtype_policy  # Keras's function, as Keras defined it
+_keras_loss_scale_optimizer = _KerasLossScaleOptimizer  # the class Keras's compile names
 _lock = threading.Lock()
 
 
@@ -60,15 +65,19 @@ def installed() -> bool:
 
 
 def install() -> None:
-    """Wraps Keras's ``dtype_policy()`` (idempotent)."""
+    """Wraps Keras's ``dtype_policy()`` and checks ``compile``'s optimizer (idempotent)."""
+    from mixedpolicy.backends.keras.compile import _CheckInCompile
+
     with _lock:
         if not installed():
             _keras_dtype_policy.dtype_policy = _dtype_policy_for_this_thread
+        if _keras_trainer.LossScaleOptimizer is _keras_loss_scale_optimizer:
+            _keras_trainer.LossScaleOptimizer = _CheckInCompile
     note_global()
 
 
 def uninstall() -> None:
-    """Gives Keras its own ``dtype_policy()`` and ``compile``'s ``LossScaleOptimizer`` back.
+    """Gives Keras its own ``dtype_policy()``, ``compile`` and ``compile``'s ``LossScaleOptimizer`` back.
 
     Layers built after this in a thread that never set a Keras policy take Keras's default
     there (as in plain Keras), ``compile`` wraps float16 models in Keras's own
@@ -83,3 +92,4 @@ def uninstall() -> None:
         process_policy[0] = None
     use_bounded_loss_scale_in_compile(False)
     carry_updates_in_compile(False)
+    _keras_trainer.LossScaleOptimizer = _keras_loss_scale_optimizer

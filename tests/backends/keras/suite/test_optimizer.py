@@ -376,7 +376,8 @@ def test_keras_own_compile_wrapping_is_ours_only_while_the_global_policy_compute
         ours = mp.apply_policy(net(), "mixed_float16")
     finally:
         mp.set_global_policy(None)
-    assert trainer.LossScaleOptimizer is keras.optimizers.LossScaleOptimizer  # Keras's own again
+    # Keras's own again (the name compile calls builds Keras's class; it only checks a pass-through of ours)
+    assert type(trainer.LossScaleOptimizer(keras.optimizers.SGD())) is keras.optimizers.LossScaleOptimizer
     keras.config.set_dtype_policy("mixed_float16")
     try:
         theirs = net()
@@ -531,6 +532,41 @@ def test_compile_warns_of_a_wrapper_that_followed_a_policy_without_scaling_for_a
     assert compiled("mixed_float16", False, policy="mixed_float16") == []
     assert compiled("mixed_float16", loss_scale=mp.NoLossScale()) == []  # chosen, not followed
     assert compiled("mixed_bfloat16") == [] and compiled("mixed_bfloat16", False) == []  # nothing to scale
+
+
+@pytest.mark.parametrize("setter", ["keras", "mixedpolicy"])
+def test_plain_compile_warns_of_a_wrapper_made_after_the_global_policy_went_back_to_float32(setter):
+    # a model built under a global mixed_float16 (no apply_policy), the global policy set back to
+    # float32, then the wrapper made: it follows float32 and scales nothing; Keras's own compile
+    # keeps it as the model's LossScaleOptimizer, so nothing else would say its float16 gradients
+    # go unscaled
+    import warnings
+
+    set_policy = keras.config.set_dtype_policy if setter == "keras" else mp.set_global_policy
+
+    def compiled(optimizer_of, model_policy="mixed_float16"):
+        set_policy(model_policy)
+        try:
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        finally:
+            set_policy("float32")
+        optimizer = optimizer_of()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.compile(optimizer=optimizer, loss="mse")
+            model.compile(optimizer=optimizer, loss="mse")  # said once
+        assert model.optimizer is optimizer
+        return [w for w in caught if "scales nothing" in str(w.message)]
+
+    try:
+        (warning,) = compiled(lambda: mp.LossScaleOptimizer(keras.optimizers.SGD()))
+        assert "followed float32" in str(warning.message) and warning.filename == __file__
+        assert compiled(lambda: mp.LossScaleOptimizer(keras.optimizers.SGD(), policy="mixed_float16")) == []
+        assert compiled(lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())) == []  # Keras's own
+        assert compiled(lambda: mp.LossScaleOptimizer(keras.optimizers.SGD()), "mixed_bfloat16") == []
+    finally:
+        mp.set_global_policy(None)
+        keras.config.set_dtype_policy("float32")
 
 
 def test_apply_takes_the_variables_as_any_iterable_as_keras_own_does():
