@@ -63,6 +63,8 @@ class PolicyTrainer:
         if model is not None:
             model = _with_policy(model, policy_map)
         super().__init__(model, args, *rest, **kwargs)
+        if model is not None:
+            _carry_to_fsdp(self.accelerator, model, not _names_nothing(policy_map))
 
     def create_optimizer(self, model: Any = None) -> Any:
         optimizer = super().create_optimizer(model) if model is not None else super().create_optimizer()
@@ -109,6 +111,27 @@ def _with_policy(model: Any, policy_map: Any) -> Any:
     if isinstance(model, torch.nn.Module) and _outputs_in_float32 not in model._forward_hooks.values():
         model.register_forward_hook(_outputs_in_float32)
     return model
+
+
+def _carry_to_fsdp(accelerator: Any, model: Any, applied: bool) -> None:
+    """Under Accelerate's FSDP plugin, the ``MixedPrecision`` FSDP wraps `model` with is the one
+    its policies say: the regions compute, FSDP reduce-scatters in the reduce dtype (Accelerate
+    would make one from ``mixed_precision``, which is refused here, so the policy's reduce dtype
+    would be lost). Refused before Accelerate wraps, the policy taken off again where it was
+    `applied` here (a model that carried its own keeps it)."""
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if plugin is None or not isinstance(model, torch.nn.Module):
+        return
+    from mixedpolicy.backends.torch.lightning_fsdp import accelerate_mixed_precision
+
+    try:
+        plugin.mixed_precision_policy = accelerate_mixed_precision(model, plugin)
+    except ValueError:
+        if applied:
+            from mixedpolicy.api import remove_policy
+
+            remove_policy(model)
+        raise
 
 
 def _wrapped(optimizer: Any, policy_map: Any, scale_settings: dict) -> TorchLossScaleOptimizer:
@@ -182,6 +205,7 @@ class PolicyAccelerator:
     def prepare_model(self, model: Any, *args: Any, **kwargs: Any) -> Any:
         if not getattr(model, "_is_accelerate_prepared", False):
             model = _with_policy(model, self.policy_map)
+            _carry_to_fsdp(self, model, not _names_nothing(self.policy_map))
         return super().prepare_model(model, *args, **kwargs)
 
     def prepare_optimizer(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:

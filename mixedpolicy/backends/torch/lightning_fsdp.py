@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from mixedpolicy.backends.torch.arrays import PARAMETER_POLICY
 from mixedpolicy.backends.torch.found_inf import FSDP1_SHARD
 from mixedpolicy.policy_map import PolicyMap
 
@@ -180,3 +181,55 @@ class ShardedPlugin:
             _log.info("Reading the loss scale Lightning's %s saved in the checkpoint (%s)", key,
                       checkpoint[key].get("scale"))
             self.load_state_dict(checkpoint[key])
+
+
+def accelerate_mixed_precision(model: torch.nn.Module, plugin: Any) -> Any:
+    """What Accelerate's ``FullyShardedDataParallelPlugin`` wraps `model` with under the
+    policies on its parameters: FSDP's ``MixedPrecision`` (``fsdp_version=1``) or FSDP2's
+    ``MixedPrecisionPolicy``, parameters gathered as stored (the policy's regions cast them for
+    compute), gradients reduce-scattered in the policies' reduce dtype (each in its own dtype
+    where every policy reduces in its variable dtype, as a pure policy's float32 norms need).
+    The plugin's own policy is returned where no policy is on the model.
+
+    Raises:
+      ValueError: a ``mixed_precision_policy`` on the plugin that casts the parameters or reduces
+        otherwise; reduce dtypes FSDP cannot carry (8-bit) or several of them; parameters of
+        several dtypes with no ``auto_wrap_policy`` (FSDP flattens a unit into one dtype).
+    """
+    trained = [p for p in model.parameters() if p.requires_grad]
+    policies = {p.__dict__[PARAMETER_POLICY] for p in trained if PARAMETER_POLICY in p.__dict__}
+    if not policies:
+        return plugin.mixed_precision_policy
+    where = "Accelerate's FSDP plugin"
+    dtypes = sorted({p.reduce_dtype for p in policies})
+    if not set(dtypes) <= set(_CARRIED) or (len(dtypes) > 1 and any(p.reduce_dtype != p.variable_dtype
+                                                                     for p in policies)):
+        raise ValueError(
+            f"Received a model whose policies reduce gradients in {dtypes} under {where}, whose "
+            f"reduce-scatter carries one dtype of {list(_CARRIED)} for the whole model. Give every "
+            "policy one reduce dtype FSDP carries (e.g. mp.Policy('mixed_bfloat16', reduce_dtype='bfloat16')); "
+            "the 8-bit codecs go through DDP (mp.torch.register(ddp_model, policy) puts them in its communication hook).")
+    each_own = all(p.reduce_dtype == p.variable_dtype for p in policies)
+    reduce = None if each_own else getattr(torch, dtypes[0])
+    given = plugin.mixed_precision_policy
+    if given is not None and (getattr(given, "param_dtype", None) is not None
+                              or getattr(given, "reduce_dtype", None) not in (None, reduce)):
+        raise ValueError(
+            f"Received {where} with mixed_precision_policy={given!r} for a model under a mixedpolicy "
+            f"policy: FSDP would cast the parameters (or reduce in another dtype) beside the policy's "
+            f"own regions. Leave mixed_precision_policy unset: the policy says the compute dtype per "
+            f"layer and the reduce dtype ({dtypes[0] if reduce is not None else 'each parameter its own'}).")
+    stored = sorted({str(p.dtype).replace("torch.", "") for p in trained if p.is_floating_point()})
+    if len(stored) > 1 and plugin.auto_wrap_policy in (None, "NO_WRAP"):
+        raise ValueError(
+            f"Received a model whose trained parameters are {stored} (layers the policy keeps in float32, "
+            f"such as norms) under {where} with no auto_wrap_policy: FSDP flattens one unit into one "
+            "dtype. Give the plugin auto_wrap_policy='transformer_based_wrap' (or a policy that makes "
+            "those layers units of their own), or keep every weight in one dtype (a mixed policy).")
+    if plugin.fsdp_version == 2:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(reduce_dtype=reduce)
+    from torch.distributed.fsdp import MixedPrecision
+
+    return MixedPrecision(reduce_dtype=reduce)

@@ -431,6 +431,96 @@ def test_two_optimizers_under_a_bfloat16_policy_each_skip_their_own_step(fresh_a
     assert not g_opt.step_was_skipped and torch.isfinite(generator.weight).all()
 
 
+@pytest.mark.parametrize("version", [1, 2])
+def test_under_accelerates_fsdp_plugin_fsdp_reduces_in_the_policys_reduce_dtype(fresh_accelerate, version):
+    """Accelerate builds FSDP's MixedPrecision from mixed_precision, which the policy replaces:
+    the plugin is given the one the policy says (parameters gathered as stored, the reduce dtype
+    the policy's), and what FSDP cannot carry is refused before Accelerate wraps, the model given
+    back as it was. Accelerate runs FSDP only on GPUs: here its plugin is put on the state by hand
+    (prepare_model then goes on without wrapping)."""
+    from accelerate import FullyShardedDataParallelPlugin
+    from mixedpolicy.huggingface import Accelerator
+
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 2))
+
+    def prepared(policy, overrides=None, model=None, **plugin_kw):
+        fresh_accelerate.state.AcceleratorState._reset_state(True)
+        accelerator = Accelerator(cpu=True, policy=policy, overrides=overrides)
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=version, **plugin_kw)
+        accelerator.state.fsdp_plugin = plugin
+        accelerator.prepare_model(net() if model is None else model)
+        return plugin.mixed_precision_policy
+
+    kind = "MixedPrecisionPolicy" if version == 2 else "MixedPrecision"
+    got = prepared(mp.Policy("mixed_bfloat16", reduce_dtype="bfloat16"))
+    assert type(got).__name__ == kind and got.param_dtype is None and got.reduce_dtype == torch.bfloat16
+    got = prepared("mixed_float16")  # float32 weights reduced in float32: no cast
+    assert got.param_dtype is None and got.reduce_dtype is None
+    # a pure policy keeps its norms in float32: each gradient in its own dtype, in units of their own
+    got = prepared("bfloat16", auto_wrap_policy="size_based_wrap")
+    assert got.param_dtype is None and got.reduce_dtype is None
+    for policy, overrides, kw, message in [
+        ("bfloat16", None, {}, r"\['bfloat16', 'float32'\].*no auto_wrap_policy.*auto_wrap_policy="),
+        (mp.Policy("mixed_bfloat16", reduce_dtype="bfloat16"), {"2": "mixed_bfloat16"}, {},
+         r"reduce gradients in \['bfloat16', 'float32'\].*one reduce dtype"),
+        (mp.Policy("mixed_bfloat16", reduce_dtype="float8_e5m2"), None, {}, r"reduce gradients in \['float8_e5m2'\]"),
+        ("mixed_bfloat16", None, {"mixed_precision_policy": "bf16"}, r"mixed_precision_policy=.*Leave .* unset"),
+    ]:
+        model = net()
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        with pytest.raises(ValueError, match=message):
+            prepared(policy, overrides, model=model, **kw)
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+        assert all(row.source == "no policy applied" for row in mp.describe(model))
+    # a model that carries a policy and is given none keeps it, refused or not
+    carried = mp.apply_policy(net(), "bfloat16")
+    with pytest.raises(ValueError, match="no auto_wrap_policy"):
+        prepared(None, model=carried)
+    assert carried[0].weight.dtype == torch.bfloat16
+    # no FSDP plugin: nothing set (the DDP and single-device paths above)
+    fresh_accelerate.state.AcceleratorState._reset_state(True)
+    Accelerator(cpu=True, policy="mixed_bfloat16").prepare_model(net())
+
+
+_FSDP_ON_CUDA = """
+import os, torch
+import mixedpolicy as mp
+from accelerate import FullyShardedDataParallelPlugin
+from torch.distributed.fsdp import FullyShardedDataParallel
+from mixedpolicy.huggingface import Accelerator
+
+plugin = FullyShardedDataParallelPlugin(fsdp_version=1)
+accelerator = Accelerator(fsdp_plugin=plugin, policy=mp.Policy("mixed_bfloat16", reduce_dtype="bfloat16"))
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+model, opt = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+assert isinstance(model, FullyShardedDataParallel), type(model)
+assert model.mixed_precision.reduce_dtype == torch.bfloat16 and model.mixed_precision.param_dtype is None
+x = torch.randn(4, 8, device=accelerator.device)
+accelerator.backward(model(x).float().square().mean())
+opt.step()
+assert not opt.step_was_skipped
+print("ok")
+"""
+
+
+@pytest.mark.gpu
+def test_on_cuda_accelerates_fsdp_reduces_in_the_policys_reduce_dtype(tmp_path):
+    # one rank of Accelerate's FSDP (it runs FSDP only on GPUs), in a process of its own
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT="29561", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    proc = subprocess.run([sys.executable, "-c", _FSDP_ON_CUDA], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_the_accelerator_under_ddp_on_two_gloo_ranks_skips_together():
     """Accelerate wraps the policy's model in DDP (two gloo ranks on CPU): the per-layer override
