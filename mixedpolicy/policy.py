@@ -32,7 +32,8 @@ class Policy:
     Args:
       name: a policy name of any of the families above, a dtype object (``np.float16``,
         ``jnp.bfloat16``, ``torch.bfloat16``: that dtype everywhere), or ``None`` to build
-        the policy from the keywords alone.
+        the policy from the keywords alone; with no keywords either (``Policy()``), the
+        policy in force (`global_policy`), as Keras's ``DTypePolicy(None)`` takes its global.
       compute_dtype: dtype the math runs in.
       output_dtype: dtype layer outputs are cast to. With these two, ``Policy(param, compute,
         output)`` reads as jmp's ``Policy(param_dtype, compute_dtype, output_dtype)``.
@@ -87,10 +88,16 @@ class Policy:
     update_rounding: str
     optimizer_state_dtype: str
 
-    def __init__(self, name: Any = "float32", compute_dtype: Any = None, output_dtype: Any = None, *,
+    def __init__(self, name: Any = None, compute_dtype: Any = None, output_dtype: Any = None, *,
                  variable_dtype: Any = None, reduce_dtype: Any = None,
                  float8_recipe: Any = None, amax_history_len: int | None = None, margin: int | None = None,
                  update_rounding: Any = None, optimizer_state_dtype: Any = None):
+        if name is None and all(v is None for v in (compute_dtype, output_dtype, variable_dtype, reduce_dtype,
+                                                    float8_recipe, amax_history_len, margin, update_rounding,
+                                                    optimizer_state_dtype)):
+            from mixedpolicy.scope import global_policy  # (imports this module)
+
+            name = global_policy()  # nothing given: the policy in force, as Keras's DTypePolicy(None)
         reduce: str | None = None
         compute: str | None
         output: str | None

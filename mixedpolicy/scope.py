@@ -17,7 +17,7 @@ from typing import Any, Iterator
 from mixedpolicy._registry import global_policy_changed
 from mixedpolicy.policy import Policy, as_policy
 
-_DEFAULT = Policy("float32")
+_DEFAULT = Policy("float32")  # (named: Policy() reads the global policy)
 _lock = threading.Lock()
 _global: Policy = _DEFAULT
 _scoped: contextvars.ContextVar[Policy | None] = contextvars.ContextVar(

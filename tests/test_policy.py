@@ -78,6 +78,23 @@ def test_keywords_override_the_name_and_default_like_jmp():
     assert Policy(None) == Policy("float32") == Policy()
 
 
+def test_no_name_and_no_keywords_is_the_policy_in_force_as_kerass_dtype_policy_none():
+    import mixedpolicy as mp
+
+    for name in ("float32", "float16", "bfloat16", "mixed_float16", "mixed_bfloat16"):
+        mp.set_global_policy(name)
+        try:
+            assert Policy() == Policy(None) == Policy(name=None) == Policy(name)
+            assert Policy(name=None).name == name
+            # keywords build from themselves alone, whatever the global policy (jmp's defaults)
+            assert Policy(None, variable_dtype="bf16") == Policy("bfloat16")
+        finally:
+            mp.set_global_policy(None)
+    with mp.policy_scope("mixed_bfloat16"):
+        assert Policy() == Policy("mixed_bfloat16")
+    assert Policy() == Policy("float32")
+
+
 def test_dtype_objects_are_accepted():
     import ml_dtypes
 
