@@ -64,3 +64,22 @@ def to_fsdp(policy: Any) -> Any:
     refuse_uncarried([policy.reduce_dtype], f"{policy!r} for to_fsdp()", "FSDP2", _FSDP_REDUCE,
                      why="; it reduce-scatters in a torch float dtype")
     return _registry.conversion("torch", "to_fsdp")(policy)
+
+
+def dtypes_of(obj: Any, kind: str, **fields: str) -> dict:
+    """The ``variable_dtype``, ``compute_dtype`` (and ``output_dtype``) keywords of `Policy` that
+    `obj`, a Keras or jmp policy, holds under the attribute names `fields` give.
+
+    Raises:
+      TypeError: `obj` lacks one of them.
+      ValueError: one is None (a quantized or unset policy).
+    """
+    missing = [attr for attr in fields.values() if not hasattr(obj, attr)]
+    if missing:
+        raise TypeError(f"Received {type(obj).__name__}, which has no {missing}; "
+                        f"expected a {kind} with fields {list(fields.values())}.")
+    values = {key: getattr(obj, attr) for key, attr in fields.items()}
+    if any(v is None for v in values.values()):
+        raise ValueError(f"Received a {kind} whose dtypes are {values}; a quantized or "
+                         f"unset policy has no mixedpolicy equivalent.")
+    return {f"{key}_dtype": value for key, value in values.items()}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from mixedpolicy import _conversions
+from mixedpolicy import _conversions, _in_force
 from mixedpolicy._dtypes import DType, canonical_dtype, canonical_reduce_dtype, is_dtype_object, show
 from mixedpolicy._names import canonical_name, read_name
 from mixedpolicy._registry import cast_tree
@@ -95,9 +95,7 @@ class Policy:
         if name is None and all(v is None for v in (compute_dtype, output_dtype, variable_dtype, reduce_dtype,
                                                     float8_recipe, amax_history_len, margin, update_rounding,
                                                     optimizer_state_dtype)):
-            from mixedpolicy.scope import global_policy  # (imports this module)
-
-            name = global_policy()  # nothing given: the policy in force, as Keras's DTypePolicy(None)
+            name = _in_force.current() or "float32"  # nothing given: the policy in force (Keras's DTypePolicy(None))
         reduce: str | None = None
         compute: str | None
         output: str | None
@@ -162,6 +160,12 @@ class Policy:
         Policy('params=float32,compute=bfloat16,output=float32')
         """
         return Policy(self, output_dtype=canonical_dtype(output_dtype, what="output_dtype"))
+
+    @property
+    def quantization_mode(self) -> str | None:
+        """Keras's name for how the matmuls are quantized: ``"float8"`` under an fp8 recipe (Keras's
+        ``QuantizedFloat8DTypePolicy``), else None (a plain ``DTypePolicy``'s)."""
+        return None if self.float8_recipe is None else "float8"
 
     @property
     def needs_loss_scaling(self) -> bool:
@@ -261,14 +265,14 @@ class Policy:
                 f"(quantization_mode={mode!r}); a mixedpolicy Policy sets variable and compute "
                 f"dtypes only, and is not a policy mixedpolicy knows with quantization. Set it "
                 f"with keras.config.set_dtype_policy, or quantize with model.quantize(...).")
-        return _from_fields(dtype_policy, "Keras DTypePolicy",
-                            variable="variable_dtype", compute="compute_dtype")
+        return cls(None, **_conversions.dtypes_of(dtype_policy, "Keras DTypePolicy",
+                                                  variable="variable_dtype", compute="compute_dtype"))
 
     @classmethod
     def from_jmp(cls, jmp_policy: Any) -> "Policy":
         """Converts a ``jmp.Policy`` (or anything with its three dtype fields)."""
-        return _from_fields(jmp_policy, "jmp Policy", variable="param_dtype",
-                            compute="compute_dtype", output="output_dtype")
+        return cls(None, **_conversions.dtypes_of(jmp_policy, "jmp Policy", variable="param_dtype",
+                                                  compute="compute_dtype", output="output_dtype"))
 
     def to_keras(self) -> Any:
         """Returns the equivalent ``keras.DTypePolicy`` (imports Keras)."""
@@ -308,19 +312,6 @@ def _without_float8(policy: Policy) -> Policy:
     return Policy(None, variable_dtype=policy.variable_dtype, compute_dtype=policy.compute_dtype,
                   output_dtype=policy.output_dtype, reduce_dtype=reduce, update_rounding=policy.update_rounding,
                   optimizer_state_dtype=policy.optimizer_state_dtype)
-
-
-def _from_fields(obj: Any, kind: str, **fields: str) -> Policy:
-    missing = [attr for attr in fields.values() if not hasattr(obj, attr)]
-    if missing:
-        raise TypeError(f"Received {type(obj).__name__}, which has no {missing}; "
-                        f"expected a {kind} with fields {list(fields.values())}.")
-    values = {key: getattr(obj, attr) for key, attr in fields.items()}
-    if any(v is None for v in values.values()):
-        raise ValueError(f"Received a {kind} whose dtypes are {values}; a quantized or "
-                         f"unset policy has no mixedpolicy equivalent.")
-    return Policy(None, variable_dtype=values["variable"], compute_dtype=values["compute"],
-                  output_dtype=values.get("output"))
 
 
 def as_policy(value: Any, *, what: str = "policy") -> Policy:

@@ -10,18 +10,15 @@ other's.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import threading
 from typing import Any, Iterator
 
+from mixedpolicy import _in_force
 from mixedpolicy._registry import global_policy_changed
 from mixedpolicy.policy import Policy, as_policy
 
-_DEFAULT = Policy("float32")  # (named: Policy() reads the global policy)
+_DEFAULT = Policy("float32")
 _lock = threading.Lock()
-_global: Policy = _DEFAULT
-_scoped: contextvars.ContextVar[Policy | None] = contextvars.ContextVar(
-    "mixedpolicy_policy_scope", default=None)
 
 
 def set_global_policy(policy: Any) -> None:
@@ -42,17 +39,15 @@ def set_global_policy(policy: Any) -> None:
     Policy('mixed_bfloat16')
     >>> set_global_policy(None)
     """
-    global _global
     new = _DEFAULT if policy is None else as_policy(policy)
     with _lock:
-        _global = new
+        _in_force.global_policy[0] = new
     global_policy_changed(new)
 
 
 def global_policy() -> Policy:
     """Returns the policy in force here: the innermost `policy_scope`, else the global one."""
-    scoped = _scoped.get()
-    return _global if scoped is None else scoped
+    return _in_force.current() or _DEFAULT
 
 
 @contextlib.contextmanager
@@ -69,8 +64,8 @@ def policy_scope(policy: Any) -> Iterator[Policy]:
     Policy('float32')
     """
     new = as_policy(policy)
-    token = _scoped.set(new)
+    token = _in_force.scoped.set(new)
     try:
         yield new
     finally:
-        _scoped.reset(token)
+        _in_force.scoped.reset(token)

@@ -281,3 +281,9 @@ def test_unknown_names_say_so_in_jmps_words():
         assert name.partition("=")[2] in str(err.value) and "Expected" in str(err.value)
     with pytest.raises(ValueError, match="Unknown key in the part 'x=f16'"):
         Policy("x=f16")
+
+
+def test_quantization_mode_reads_as_kerass():
+    assert Policy("mixed_float16").quantization_mode is None
+    assert Policy("float8_from_mixed_bfloat16").quantization_mode == "float8"
+    assert Policy("mixed_bfloat16", float8_recipe="tensorwise").quantization_mode == "float8"
