@@ -638,3 +638,32 @@ def test_a_stateless_step_scales_by_the_scale_it_carries():
     for a, b, c in zip(carried, stateful, baked):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)  # two programs
     assert not all(np.allclose(np.asarray(b), np.asarray(c), atol=1e-3) for b, c in zip(stateful, baked))
+
+
+def test_a_multi_optimizer_steps_as_alone_scaled_or_not_and_skips_a_non_finite_step():
+    # Keras's MultiOptimizer (one optimizer per variable path) refuses a LossScaleOptimizer inside
+    # it; around it, the wrapper steps as it does alone, scaling or not
+    from keras import optimizers
+
+    x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+    y = np.arange(32) % 3
+
+    def trained(wrap, inputs=x):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, name="encoder"),
+                                  keras.layers.Dense(3, name="head")])
+        inner = optimizers.MultiOptimizer(optimizers.OptimizerMap(optimizers.SGD(0.1),
+                                                                  {"encoder/.*": optimizers.Adam(0.01)}))
+        model.compile(wrap(inner), "sparse_categorical_crossentropy")
+        losses = model.fit(inputs, y, epochs=2, batch_size=8, verbose=0, shuffle=False).history["loss"]
+        return losses, model
+
+    alone, _ = trained(lambda opt: opt)
+    for wrap in (mp.LossScaleOptimizer, lambda opt: mp.LossScaleOptimizer(opt, policy="mixed_float16")):
+        np.testing.assert_allclose(trained(wrap)[0], alone, rtol=1e-6)
+    poisoned = x.copy()
+    poisoned[:8] = np.inf  # each epoch's first step's gradients are not finite: skipped, the rest trains on
+    _, model = trained(mp.LossScaleOptimizer, poisoned)
+    assert int(model.optimizer.num_skipped_steps) == 2
+    assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 6
+    assert all(np.isfinite(keras.ops.convert_to_numpy(v)).all() for v in model.trainable_variables)
