@@ -21,6 +21,19 @@ def _value(x: Any) -> Any:
     return x.get_value()
 
 
+def _inner_field(state: Any, name: str) -> Any:
+    """A field of the wrapped transformation's state read through the wrapper's (the states'
+    ``__getattr__``): helpers that read their own state by attribute, such as optax's
+    ``schedule_free_eval_params`` (``state.b1``, ``state.z``), take the wrapper's state as theirs."""
+    if name.startswith("__") or name == "inner_state":  # (copy's and pickle's probes, a state half made)
+        raise AttributeError(name)
+    try:
+        return getattr(state.inner_state, name)
+    except AttributeError:
+        raise AttributeError(f"{type(state).__name__!r} object has no attribute {name!r}, nor has its "
+                             f"inner_state ({type(state.inner_state).__name__})") from None
+
+
 class LossScaleState(NamedTuple):
     """The state of an optax `LossScaleOptimizer`.
 
@@ -30,7 +43,7 @@ class LossScaleState(NamedTuple):
     its float32 bit pattern, exactly. All of them are read as fields.
 
     Attributes:
-      inner_state: the wrapped transformation's state.
+      inner_state: the wrapped transformation's state (its fields read through this one too).
       counts: ``[counter, last_step_skipped, num_skipped_steps, the scale's float32 bits]``,
         int32.
       loss_scale: the current scale, a float32 scalar.
@@ -41,6 +54,8 @@ class LossScaleState(NamedTuple):
 
     inner_state: Any
     counts: Any
+
+    __getattr__ = _inner_field
 
     @property
     def loss_scale(self) -> Any:
@@ -82,10 +97,12 @@ class PassThroughState(NamedTuple):
     of another with `LossScaleTransformation.adopt_state`.
 
     Attributes:
-      inner_state: the wrapped transformation's state.
+      inner_state: the wrapped transformation's state (its fields read through this one too).
     """
 
     inner_state: Any
+
+    __getattr__ = _inner_field
 
     @property
     def loss_scale(self) -> Any:

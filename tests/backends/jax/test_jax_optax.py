@@ -591,3 +591,36 @@ def test_a_line_search_runs_where_nothing_is_scaled_and_is_refused_under_scaling
     with pytest.raises(TypeError, match=r"value_fn= for an update under dynamic loss scale.*re-evaluates the loss "
                                         r"\(a line search.*Under a bfloat16 or float32 policy.*optax.adamw"):
         run(mp.LossScaleOptimizer(optax.lbfgs(), policy="mixed_float16"), steps=1)
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
+def test_helpers_that_read_their_own_state_read_it_through_the_wrappers(policy):
+    # optax's schedule_free_eval_params reads state.b1 and state.z by attribute: the wrapper's
+    # state answers with its inner state's fields (a scaling or a pass-through wrapper alike)
+    import copy
+    import pickle
+
+    import optax.contrib
+
+    params = {"w": jnp.ones((4, 3))}
+    x = jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
+
+    def run(tx, scale=lambda s: 1.0):
+        state, p = tx.init(params), params
+        for _ in range(3):
+            g = jax.grad(lambda q: jnp.mean((x @ q["w"]) ** 2) * scale(state))(p)
+            updates, state = tx.update(g, state, p)
+            p = optax.apply_updates(p, updates)
+        return optax.contrib.schedule_free_eval_params(state, p), state
+
+    with jax.numpy_dtype_promotion("standard"):  # optax's own mixing inside schedule-free
+        alone, _ = run(optax.contrib.schedule_free_adamw(1e-2))
+        wrapped, state = run(mp.LossScaleOptimizer(optax.contrib.schedule_free_adamw(1e-2), policy=policy),
+                             lambda s: s.loss_scale)
+    np.testing.assert_allclose(wrapped["w"], alone["w"], rtol=1e-6)
+    assert state.b1 == state.inner_state.b1
+    with pytest.raises(AttributeError, match="no attribute 'nothing', nor has its inner_state"):
+        state.nothing
+    # copies and pickles as before (their probes of dunder names are not sent on)
+    assert jax.tree.structure(copy.deepcopy(state)) == jax.tree.structure(state)
+    assert jax.tree.structure(pickle.loads(pickle.dumps(state))) == jax.tree.structure(state)
