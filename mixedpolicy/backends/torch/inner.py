@@ -43,6 +43,23 @@ class InnerView:
         self._inners[0].add_param_group(param_group)
         warn_vanishing_eps(self._inners[0], self._inners[0].param_groups[-1:])  # its options filled in now
 
+    def __getattr__(self, name: str) -> Any:
+        """A public attribute of the one inner optimizer that the wrapper has not of its own, read
+        through it as through no wrapper: schedule-free optimizers' ``train()`` / ``eval()`` (which
+        the Hugging Face Trainer and Accelerate call where the optimizer has them), an
+        optimizer's own settings. Private names and a wrapper of several optimizers answer
+        AttributeError, as for any attribute it lacks."""
+        inners = self.__dict__.get("_inners") if not name.startswith("_") else None
+        if inners and len(inners) == 1:
+            try:
+                return getattr(inners[0], name)
+            except AttributeError:
+                pass
+        held = "" if not inners else f", nor has its inner {' or '.join(type(o).__name__ for o in inners)}"
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}{held}"
+                             + (" (several optimizers: read it from wrapper.inner_optimizers[i])"
+                                if inners and len(inners) > 1 else ""))
+
     @property
     def inner_optimizers(self) -> list:
         return list(self._inners)

@@ -657,3 +657,30 @@ def test_seq2seq_and_any_trainer_subclass_train_under_a_policy_as_under_their_ow
     assert mine.loss_scale_optimizer.loss_scaling.startswith("dynamic") and len(_losses(mine)) == 6
     with pytest.raises(TypeError, match="subclass of it"):
         trainer_class(transformers.TrainingArguments)
+
+
+class _ModeSwitching(torch.optim.AdamW):
+    """An optimizer with schedule-free's train()/eval() (the weights it steps are not the ones
+    to evaluate: the Trainer and Accelerate call these where an optimizer has them)."""
+
+    calls: list = []
+
+    def train(self):
+        self.calls.append("train")
+
+    def eval(self):
+        self.calls.append("eval")
+
+
+def test_the_trainer_switches_a_schedule_free_optimizers_mode_through_the_wrapper(tmp_path):
+    # the Trainer asks its (accelerated) optimizer for train()/eval(), which asks ours: the
+    # wrapper answers for the inner optimizer's public methods, so the switch reaches it
+    model = _model()
+    _ModeSwitching.calls = []
+    optimizer = _ModeSwitching(model.parameters(), lr=1e-3)
+    trainer = Trainer(model=model, args=_args(tmp_path, max_steps=2), train_dataset=_data(), eval_dataset=_data()[:4],
+                      optimizers=(optimizer, None), policy="mixed_bfloat16")
+    trainer.train()
+    trainer.evaluate()
+    assert _ModeSwitching.calls[:1] == ["train"] and "eval" in _ModeSwitching.calls
+    assert trainer.loss_scale_optimizer.inner_optimizer is optimizer
