@@ -49,7 +49,8 @@ class PolicyTrainer:
     ``TrainingArguments``: the policy decides the dtypes.
 
     Raises:
-      ValueError: ``fp16=True`` or ``bf16=True`` in the arguments; a bad policy.
+      ValueError: ``fp16=True``, ``bf16=True``, ``fp16_full_eval=True`` or ``bf16_full_eval=True``
+        in the arguments; a bad policy.
     """
 
     def __init__(self, model: Any = None, args: Any = None, *rest: Any, policy: Any = None,
@@ -58,6 +59,15 @@ class PolicyTrainer:
         if args is not None and (getattr(args, "fp16", False) or getattr(args, "bf16", False)):
             _refuse_native_precision(f"TrainingArguments(fp16={args.fp16}, bf16={args.bf16})",
                                      "Set fp16=False and bf16=False", policy_map.default or global_policy())
+        full_eval = [f for f in ("fp16_full_eval", "bf16_full_eval") if getattr(args, f, False)]
+        if full_eval:  # the Trainer casts the whole model for evaluate(), and leaves it cast
+            raise ValueError(
+                f"Received TrainingArguments({full_eval[0]}=True) with a mixedpolicy policy "
+                f"({(policy_map.default or global_policy()).name}): evaluate() would cast every "
+                f"parameter to {'float16' if full_eval[0].startswith('fp16') else 'bfloat16'}, the "
+                f"layers the policy keeps in float32 included, and leave the model so for training. Set "
+                f"{full_eval[0]}=False: evaluation computes as the policy says, as training does (a "
+                f"pure policy such as 'bfloat16' keeps the weights in half precision throughout).")
         self.policy_map = policy_map
         self.scale_settings = _scale_settings(scale_settings)
         if model is not None:

@@ -112,6 +112,12 @@ def test_bad_arguments_are_refused_with_the_fix(tmp_path):
         Trainer(model=_model(), args=_args(tmp_path, fp16=True), train_dataset=_data(), policy="mixed_float16")
     with pytest.raises(ValueError, match="ambiguous"):
         Trainer(model=_model(), args=_args(tmp_path), train_dataset=_data(), policy="bf16")
+    # evaluate() would cast the whole model (the policy's float32 layers too) and leave it cast
+    for flag in ("bf16_full_eval", "fp16_full_eval"):
+        model = _model()
+        with pytest.raises(ValueError, match=f"{flag}=True.*leave the model so for training. Set {flag}=False"):
+            Trainer(model=model, args=_args(tmp_path, **{flag: True}), train_dataset=_data(), policy="mixed_bfloat16")
+        assert {row.source for row in mp.describe(model)} == {"no policy applied"}
     with pytest.raises(TypeError, match="scale_settings of type"):
         Trainer(model=_model(), args=_args(tmp_path), train_dataset=_data(), scale_settings=2.0)
     # the settings are checked when the Trainer is made, not at the first step of train()
