@@ -219,11 +219,12 @@ def accelerate_mixed_precision(model: torch.nn.Module, plugin: Any) -> Any:
             f"policy: FSDP would cast the parameters (or reduce in another dtype) beside the policy's "
             f"own regions. Leave mixed_precision_policy unset: the policy says the compute dtype per "
             f"layer and the reduce dtype ({dtypes[0] if reduce is not None else 'each parameter its own'}).")
-    stored = sorted({str(p.dtype).replace("torch.", "") for p in trained if p.is_floating_point()})
+    stored = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters() if p.is_floating_point()})
     if len(stored) > 1 and plugin.auto_wrap_policy in (None, "NO_WRAP"):
         raise ValueError(
-            f"Received a model whose trained parameters are {stored} (layers the policy keeps in float32, "
-            f"such as norms) under {where} with no auto_wrap_policy: FSDP flattens one unit into one "
+            f"Received a model whose parameters are {stored} (layers the policy keeps in float32, such as "
+            f"norms, or frozen half-precision weights beside trained float32 ones) under {where} with no "
+            f"auto_wrap_policy: FSDP flattens one unit into one "
             "dtype. Give the plugin auto_wrap_policy='transformer_based_wrap' (or a policy that makes "
             "those layers units of their own), or keep every weight in one dtype (a mixed policy).")
     if plugin.fsdp_version == 2:

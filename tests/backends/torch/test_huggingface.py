@@ -481,6 +481,13 @@ def test_under_accelerates_fsdp_plugin_fsdp_reduces_in_the_policys_reduce_dtype(
         assert all(p.dtype == torch.float32 for p in model.parameters())
         assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
         assert all(row.source == "no policy applied" for row in mp.describe(model))
+    # frozen half-precision weights kept beside trained float32 ones (LoRA on a half base): one
+    # unit would hold two dtypes
+    lora = net()
+    lora[0].to(torch.bfloat16).requires_grad_(False)
+    with pytest.raises(ValueError, match=r"\['bfloat16', 'float32'\].*frozen half-precision weights"):
+        prepared("mixed_bfloat16", model=lora)
+    assert lora[0].weight.dtype == torch.bfloat16 and lora[2].weight.dtype == torch.float32
     # a model that carries a policy and is given none keeps it, refused or not
     carried = mp.apply_policy(net(), "bfloat16")
     with pytest.raises(ValueError, match="no auto_wrap_policy"):
