@@ -1,4 +1,5 @@
-"""The Lightning plugin under Lightning's ``FSDPStrategy`` (torch's ``FullyShardedDataParallel``).
+"""The Lightning plugin under Lightning's ``FSDPStrategy`` (torch's ``FullyShardedDataParallel``),
+and the ``MixedPrecision`` Accelerate's FSDP plugin gets under a policy (`accelerate_mixed_precision`).
 
 The strategy takes only a subclass of Lightning's ``FSDPPrecision``, and reads from it the
 ``MixedPrecision`` it wraps the model with; it calls ``convert_module`` on the bare
@@ -212,8 +213,9 @@ def accelerate_mixed_precision(model: torch.nn.Module, plugin: Any) -> Any:
     each_own = all(p.reduce_dtype == p.variable_dtype for p in policies)
     reduce = None if each_own else getattr(torch, dtypes[0])
     given = plugin.mixed_precision_policy
+    same = {None, reduce} | ({getattr(torch, dtypes[0])} if len(dtypes) == 1 else set())  # (said outright)
     if given is not None and (getattr(given, "param_dtype", None) is not None
-                              or getattr(given, "reduce_dtype", None) not in (None, reduce)):
+                              or getattr(given, "reduce_dtype", None) not in same):
         raise ValueError(
             f"Received {where} with mixed_precision_policy={given!r} for a model under a mixedpolicy "
             f"policy: FSDP would cast the parameters (or reduce in another dtype) beside the policy's "

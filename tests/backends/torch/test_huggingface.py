@@ -464,6 +464,11 @@ def test_under_accelerates_fsdp_plugin_fsdp_reduces_in_the_policys_reduce_dtype(
     assert type(got).__name__ == kind and got.param_dtype is None and got.reduce_dtype == torch.bfloat16
     got = prepared("mixed_float16")  # float32 weights reduced in float32: no cast
     assert got.param_dtype is None and got.reduce_dtype is None
+    from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
+
+    said = (MixedPrecisionPolicy if version == 2 else MixedPrecision)(reduce_dtype=torch.float32)
+    got = prepared("mixed_float16", mixed_precision_policy=said)
+    assert got.param_dtype is None and got.reduce_dtype is None  # the same said outright: taken
     # a pure policy keeps its norms in float32: each gradient in its own dtype, in units of their own
     got = prepared("bfloat16", auto_wrap_policy="size_based_wrap")
     assert got.param_dtype is None and got.reduce_dtype is None
