@@ -481,3 +481,35 @@ def test_select_tree_refuses_trees_of_as_many_leaves_under_other_keys(backend):
     with pytest.raises(ValueError, match="two structures"):
         mp.select_tree(flag, [xp.ones(2)], (xp.ones(2),))
     assert list(mp.select_tree(flag, {"a": [xp.ones(2)]}, {"a": [xp.ones(2)]})) == ["a"]
+
+
+def test_torch_step_closure_under_scaling_scales_a_backward_it_did_not_scale_once():
+    # a closure called once by step(closure) (torch's optimizers, Lightning): its backward of the
+    # loss runs on the scaled loss and is unscaled at once, as scale_loss(...).backward() and
+    # unscale_() by hand; a closure that scales itself is not scaled twice
+    torch = require_module("torch")
+    x, y = torch.randn(8, 4, generator=torch.Generator().manual_seed(0)), torch.randn(8, 3)
+
+    def run(scales_itself):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), policy="mixed_float16")
+        seen = []
+
+        def closure():
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y) * (float("inf") if len(seen) == 1 else 1.0)
+            (opt.scale_loss(loss) if scales_itself else loss).backward()
+            seen.append(float(model.weight.grad.abs().max()))
+            return loss
+
+        for _ in range(3):
+            opt.step(closure)
+        return model.weight.detach().clone(), opt, seen
+
+    (w_own, opt_own, seen_own), (w_ours, opt_ours, seen_ours) = run(True), run(False)
+    torch.testing.assert_close(w_ours, w_own)
+    assert opt_ours.num_skipped_steps == opt_own.num_skipped_steps == 1
+    assert opt_ours.get_scale() == opt_own.get_scale() == 2.0**14
+    # the closure's own code saw true gradients (Lightning clips there); scale_loss's are scaled
+    assert seen_ours[0] < 100 < seen_own[0]

@@ -1,13 +1,17 @@
-"""The step of an optimizer that re-evaluates its closure (LBFGS), under a LossScaleOptimizer that
-scales nothing: loss scaling cannot follow the re-evaluations, but the skip of a non-finite step
-can be made before the optimizer moves anything."""
+"""Closures under a LossScaleOptimizer: the step of an optimizer that re-evaluates its closure
+(LBFGS), under a wrapper that scales nothing (loss scaling cannot follow the re-evaluations, but
+the skip of a non-finite step can be made before the optimizer moves anything), and a closure
+called once under scaling whose backward is not scaled (Lightning's own loop: `scaled_backward`)."""
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import threading
+from typing import Any, Iterator
 
 import torch
 
+from mixedpolicy.backends.torch.found_inf import any_gradient
 from mixedpolicy.loss_scale import LossScale, NoLossScale, is_pass_through, summary
 
 
@@ -65,3 +69,31 @@ def closure_step(wrapper: Any, optimizer: torch.optim.Optimizer, closure: Any) -
     wrapper._update_scale(found[0])
     wrapper._after_step()
     return result
+
+
+@contextlib.contextmanager
+def scaled_backward(wrapper: Any, stepped: list) -> Iterator[None]:
+    """While a scaling wrapper's ``step(closure)`` calls a closure that backpropagates a loss it
+    did not scale (Lightning's own loop calls ``loss.backward()`` inside the closure it passes),
+    the closure's first backward of a scalar loss, in this thread, onto gradients the closure has
+    just cleared, runs on ``wrapper.scale_loss(loss)`` and is unscaled at once, so that what the
+    closure does next (Lightning clips there) sees true gradients and the step skips or applies
+    as after ``scale_loss(...).backward()``. A closure that scales its loss itself, a backward
+    with an explicit gradient, and gradients accumulated before (micro-batches backpropagated
+    outside the step) are left as they are: such a step is then refused as unscaled, as before."""
+    original = torch.Tensor.backward
+    owner = threading.get_ident()
+
+    def backward(tensor: torch.Tensor, gradient: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if (threading.get_ident() != owner or wrapper._loss_scaled or gradient is not None
+                or tensor.numel() != 1 or any_gradient(stepped)):
+            return original(tensor, gradient, *args, **kwargs)
+        result = original(wrapper.scale_loss(tensor), None, *args, **kwargs)
+        wrapper.unscale_()
+        return result
+
+    torch.Tensor.backward = backward  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.backward = original  # type: ignore[method-assign]

@@ -14,6 +14,7 @@ optimizers, whose kernel unscales and skips. It moves by ``GradScaler``'s kernel
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections import OrderedDict
 from typing import Any
@@ -25,7 +26,8 @@ from mixedpolicy._adapter import OptimizerAdapter
 from mixedpolicy.backends.torch.arrays import PARAMETER_POLICY
 from mixedpolicy.backends.torch.checks import (check_inner, is_own_optimizer, take_fused_kernels, unscaled_step_error,
                                                unscales_itself)
-from mixedpolicy.backends.torch.closure import check_closure_optimizers, closure_step, reevaluates_closure
+from mixedpolicy.backends.torch.closure import (check_closure_optimizers, closure_step, reevaluates_closure,
+                                                scaled_backward)
 from mixedpolicy.backends.torch.found_inf import FoundInf, all_zero, any_gradient
 from mixedpolicy.backends.torch.inner import InnerView
 from mixedpolicy.backends.torch.one_by_one import OneByOne
@@ -218,7 +220,8 @@ class TorchLossScaleOptimizer(Checkpoints, InnerView, OneByOne, torch.optim.Opti
             return closure_step(self, stepped[0], closure)
         result = None
         if closure is not None:
-            with torch.enable_grad():
+            scaling = not pass_through and not isinstance(self._scale_settings, NoLossScale)
+            with torch.enable_grad(), (scaled_backward(self, stepped) if scaling else contextlib.nullcontext()):
                 result = closure()
             if result is None and not pass_through and not self._unscaled and not any_gradient(stepped):
                 # the closure backpropagated nothing (Lightning's training_step returned None

@@ -198,10 +198,32 @@ def test_a_loss_scale_optimizer_from_configure_optimizers():
     module = Net(optimizer=lambda ps: mp.LossScaleOptimizer(torch.optim.SGD(ps, lr=0.1), policy="float32"))
     _fit(module)
     assert torch.isfinite(_weights(module)).all()  # the infinite step was skipped
-    # under float16 scaling, Lightning's own backward is not a scaled one: refused, with the fix
-    module = Net(optimizer=lambda ps: mp.LossScaleOptimizer(torch.optim.SGD(ps, lr=0.1), policy="mixed_float16"))
-    with pytest.raises(RuntimeError, match="no loss was scaled.*mixedpolicy.lightning.Precision"):
-        _fit(module)
+    # under float16 scaling: Lightning's closure backpropagates the loss it returns, which the
+    # wrapper's step(closure) scales (and unscales before Lightning clips), as GradScaler by hand
+    module = Net(optimizer=lambda ps: mp.LossScaleOptimizer(torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+                                                            policy="mixed_float16", initial_scale=2.0**16))
+    trainer = _fit(module, gradient_clip_val=0.5)
+    by_hand = Net()
+    opt = torch.optim.SGD(by_hand.parameters(), lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu")
+    for i, batch in enumerate(_data()):
+        opt.zero_grad()
+        scaler.scale(by_hand._loss(batch, i)).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(by_hand.parameters(), 0.5)
+        scaler.step(opt)
+        scaler.update()
+    assert module.losses == by_hand.losses
+    torch.testing.assert_close(_weights(module), _weights(by_hand))
+    wrapper = trainer.optimizers[0]
+    assert wrapper.num_skipped_steps == 1 and wrapper.get_scale() == scaler.get_scale() == 2.0**15
+    # micro-batches backpropagated outside the step (accumulate_grad_batches) are not scaled:
+    # refused, with the fix; so is manual optimization's manual_backward
+    for kw, manual in (({"accumulate_grad_batches": 2}, False), ({}, True)):
+        module = Net(manual=manual, optimizer=lambda ps: mp.LossScaleOptimizer(torch.optim.SGD(ps, lr=0.1),
+                                                                               policy="mixed_float16"))
+        with pytest.raises(RuntimeError, match="no loss was scaled.*mixedpolicy.lightning.Precision"):
+            _fit(module, **kw)
     # and together with the plugin, which scales itself: refused before any step
     module = Net(optimizer=lambda ps: mp.LossScaleOptimizer(torch.optim.SGD(ps, lr=0.1)))
     with pytest.raises(TypeError, match="scales the loss itself.*plain torch optimizer"):
