@@ -86,17 +86,28 @@ def check_before_wrapping(module: torch.nn.Module, policy_map: PolicyMap, strate
         unit, which FSDP flattens into one dtype.
     """
     reduce_dtype(policy_map)
+    if (getattr(strategy, "kwargs", {}) or {}).get("auto_wrap_policy") is None:
+        refuse_one_unit_of_several_dtypes(
+            module, f"the policy {policy_map.default.name!r} under Lightning's FSDPStrategy",
+            "Give FSDPStrategy an auto_wrap_policy that makes those layers units of their own, e.g. "
+            "ModuleWrapPolicy({torch.nn.LayerNorm, ...}) with the blocks")
+
+
+def refuse_one_unit_of_several_dtypes(module: torch.nn.Module, received: str, fix: str) -> None:
+    """Refuses to let FSDP wrap `module` as one unit where its parameters are of several dtypes
+    (layers a policy keeps in float32, such as norms, or frozen half-precision weights beside
+    trained float32 ones): FSDP flattens a unit into one dtype.
+
+    Raises:
+      ValueError: naming `received` (what was given, and where) and `fix` (how to split the units).
+    """
     dtypes = sorted({str(p.dtype).replace("torch.", "") for p in module.parameters() if p.is_floating_point()})
-    kwargs = getattr(strategy, "kwargs", {}) or {}
-    if len(dtypes) > 1 and kwargs.get("auto_wrap_policy") is None:
+    if len(dtypes) > 1:
         raise ValueError(
-            f"Received the policy {policy_map.default.name!r} under Lightning's FSDPStrategy with no "
-            f"auto_wrap_policy: the model's parameters are then {dtypes} (layers the policy keeps in "
-            "float32, such as norms, or frozen half-precision weights beside trained float32 ones), and "
-            "FSDP flattens one unit into one dtype. Give FSDPStrategy an auto_wrap_policy that makes "
-            "those layers units of their own, e.g. ModuleWrapPolicy({torch.nn.LayerNorm, ...}) with the "
-            "blocks, or keep every weight in one dtype (a mixed policy such as 'bf16-mixed' over float32 "
-            "weights).")
+            f"Received {received}, the model's parameters {dtypes} (layers the policy keeps in float32, "
+            "such as norms, or frozen half-precision weights beside trained float32 ones), and no "
+            f"auto_wrap_policy: FSDP flattens one unit into one dtype. {fix}, or keep every weight in one "
+            "dtype (a mixed policy such as 'bf16-mixed' over float32 weights).")
 
 
 class ShardedPlugin:
@@ -221,14 +232,11 @@ def accelerate_mixed_precision(model: torch.nn.Module, plugin: Any) -> Any:
             f"policy: FSDP would cast the parameters (or reduce in another dtype) beside the policy's "
             f"own regions. Leave mixed_precision_policy unset: the policy says the compute dtype per "
             f"layer and the reduce dtype ({dtypes[0] if reduce is not None else 'each parameter its own'}).")
-    stored = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters() if p.is_floating_point()})
-    if len(stored) > 1 and plugin.auto_wrap_policy in (None, "NO_WRAP"):
-        raise ValueError(
-            f"Received a model whose parameters are {stored} (layers the policy keeps in float32, such as "
-            f"norms, or frozen half-precision weights beside trained float32 ones) under {where} with no "
-            f"auto_wrap_policy: FSDP flattens one unit into one "
-            "dtype. Give the plugin auto_wrap_policy='transformer_based_wrap' (or a policy that makes "
-            "those layers units of their own), or keep every weight in one dtype (a mixed policy).")
+    if plugin.auto_wrap_policy is None:  # (Accelerate reads "NO_WRAP" as None)
+        refuse_one_unit_of_several_dtypes(
+            model, f"a model under a policy and {where}",
+            "Give the plugin auto_wrap_policy='transformer_based_wrap' (or a policy that makes those "
+            "layers units of their own)")
     if plugin.fsdp_version == 2:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
