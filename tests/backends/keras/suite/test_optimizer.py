@@ -660,7 +660,7 @@ def test_a_multi_optimizer_steps_as_alone_scaled_or_not_and_skips_a_non_finite_s
 
     alone, _ = trained(lambda opt: opt)
     for wrap in (mp.LossScaleOptimizer, lambda opt: mp.LossScaleOptimizer(opt, policy="mixed_float16")):
-        np.testing.assert_allclose(trained(wrap)[0], alone, rtol=1e-6)
+        np.testing.assert_allclose(trained(wrap)[0], alone, rtol=1e-5)  # (another compiled program)
     poisoned = x.copy()
     poisoned[:8] = np.inf  # each epoch's first step's gradients are not finite: skipped, the rest trains on
     _, model = trained(mp.LossScaleOptimizer, poisoned)
