@@ -170,8 +170,9 @@ def above_goal(runs: list[dict], device: str) -> list[str]:
             continue
         why = ("" if r.get("final_loss_scale") is not None else
                "; the native side applies every step as it comes, ours checks each step's gradients and "
-               "skips a non-finite step (skip_nonfinite=False gives the plain step), a fixed cost per step "
-               "that a step this short shows")
+               "skips a non-finite step (skip_nonfinite=False gives the plain step): a few fixed kernels and "
+               "one read of every gradient a step, which shows where the step is short or the update is a "
+               "large part of it (many parameters, small batches)")
         if recipes.memory_policy(r["policy"]):  # the native side rounds to nearest in the weights' dtype
             why += "; ours also rounds each update as the policy says, which the native side does not"
         out.append(f"note: {label(r)} {r['policy']}: overhead {value:.3f} +-{ci or 0:.3f} is above the "
