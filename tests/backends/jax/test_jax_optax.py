@@ -126,6 +126,52 @@ def test_trajectory_and_params_match_jmp_and_optax_step_for_step(inner, jitted):
         assert int(state.num_skipped_steps) == sum(poison)
 
 
+def test_flax_dynamic_scale_trajectory_with_its_settings_spelled_for_the_wrapper():
+    """Flax's ``flax.training.dynamic_scale.DynamicScale(growth_interval=N)`` grows on the
+    step after N finite ones (N + 1 in a row), starts at 2**16 and has no ceiling but float32's
+    largest: the wrapper with ``initial_scale=2.0**16, dynamic_growth_steps=N + 1``,
+    ``min_scale``/``max_scale`` at float32's smallest normal and largest, gives its scales
+    and its parameters step for step, in Flax's linen loop's select-by-``is_fin`` form (the
+    mapping docs/jax.md gives)."""
+    dynamic_scale = pytest.importorskip("flax.training.dynamic_scale")
+    tiny, largest = float(jnp.finfo(jnp.float32).tiny), float(jnp.finfo(jnp.float32).max)
+    n, tx = 3, optax.sgd(0.1, momentum=0.5)
+    poison = [False] * 5 + [True] + [False] * 4 + [True, True] + [False] * 9
+
+    def loss16(p, poison):  # a float16 loss: at 2**16 its scaled value overflows
+        return jnp.sum(jnp.asarray(p["w"], jnp.float16) ** 2) * jnp.where(poison, jnp.inf, 1).astype(jnp.float16)
+
+    @jax.jit
+    def flax_step(ds, params, opt_state, poison):
+        ds, finite, _, grads = ds.value_and_grad(loss16)(params, poison)
+        updates, new_state = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731 (Flax's examples' select)
+        return ds, jax.tree_util.tree_map(keep, new_params, params), jax.tree_util.tree_map(keep, new_state, opt_state)
+
+    opt = mp.LossScaleOptimizer(tx, initial_scale=2.0**16, dynamic_growth_steps=n + 1, min_scale=tiny,
+                                max_scale=largest)
+
+    @jax.jit
+    def step(params, state, poison):
+        grads = jax.grad(lambda p: opt.scale_loss(loss16(p, poison), state))(params)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    start = {"w": jnp.array([1.0, -2.0, 0.5], jnp.float32)}
+    ds, ref, ref_state = dynamic_scale.DynamicScale(growth_interval=n), start, tx.init(start)
+    params, state = start, opt.init(start)
+    scales = []
+    for p in poison:
+        with jax.numpy_dtype_promotion("standard"):  # Flax multiplies its float32 scale by the float16 loss
+            ds, ref, ref_state = flax_step(ds, ref, ref_state, p)
+        params, state = step(params, state, p)
+        assert float(state.loss_scale) == float(ds.scale)
+        np.testing.assert_allclose(np.asarray(params["w"]), np.asarray(ref["w"]), rtol=JIT_RTOL)
+        scales.append(float(ds.scale))
+    assert max(scales) > min(scales[5:]) and len(set(scales)) > 3  # it backed off and grew
+
+
 def test_a_skipped_step_leaves_params_inner_state_and_its_count_alone(skip_by):
     with adam():
         opt = mp.LossScaleOptimizer(optax.adam(1e-2))
