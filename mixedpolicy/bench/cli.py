@@ -17,6 +17,7 @@ import time
 
 from mixedpolicy.bench import data, models, progress, replicas, report, runners
 from mixedpolicy.bench.outputs import check_out
+from mixedpolicy.bench.ratios import goal
 from mixedpolicy.bench.spec import (BASELINES, FRAMEWORKS, MODELS, POLICIES, PURE, RunSpec, memory_policy,
                                     mp_float8, resolve_compile, resolve_frameworks, resolve_model, resolve_policies,
                                     user_model_info)
@@ -296,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
             except RuntimeError as err:
                 shown.fail(f"mixedpolicy bench: error: {err}")
                 return 1
+            record["overhead_goal"] = goal(args.device)  # what the table's flag and the notes hold it to
             runs.append(record)
             accuracy = "-" if record["accuracy"] is None else f"{record['accuracy']:.3f}"
             shown.done(i, name, f"{record['step_time_s']['median'] * 1e3:.2f} ms/step, accuracy {accuracy}, "

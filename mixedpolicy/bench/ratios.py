@@ -18,6 +18,15 @@ def goal(device: str) -> float:
     return 1.05 if device == "cpu" else 1.03
 
 
+def above_goal(run: dict, device: str) -> bool:
+    """Is the run's overhead steadily above the goal: over it, with an interval narrow enough
+    to tell (a noisy one is flagged as noise instead)? The run's own recorded goal counts
+    where it has one (`overhead_goal`, written by the bench with its device's)."""
+    value, _ = ratio(run, "overhead")
+    bound = run.get("overhead_goal", goal(device))
+    return value is not None and round(value, 3) > bound and not noisy(run, "overhead")
+
+
 def median_ci(ratios: list[float]) -> float | None:
     """The half width of an approximate 95% confidence interval of the median of `ratios`
     (McGill's notch: 1.57 x IQR / sqrt(n)); None with fewer than 4 ratios (too few to tell)."""

@@ -244,6 +244,11 @@ def test_on_a_busy_machine_each_ratio_holds_or_the_run_says_it_is_noisy(tmp_path
                 assert "NOISY" in row and any(line.startswith("warning: torch") and f" {run['policy']}: " in line
                                               for line in proc.stderr.splitlines())  # the warnings' stream
                 assert any("NOISY" in line for line in report.splitlines() if f"| {run['policy']} |" in line)
+        # within the goal, or flagged: noisy, or steadily above it with the note saying why
+        if round(run["overhead_vs_native"], 3) > run["overhead_goal"] and not noisy(run, "overhead"):
+            assert "ABOVE GOAL" in row and any(line.startswith(f"note: torch {run['policy']}: ")
+                                               for line in proc.stderr.splitlines()), (row, proc.stderr)
+            assert any("ABOVE GOAL" in line for line in report.splitlines() if f"| {run['policy']} |" in line)
 
 
 @pytest.mark.slow
@@ -431,6 +436,11 @@ def test_policies_in_every_spelling_and_the_spread_of_the_pair_ratios():
     assert "rounds each update" in rounded and "rounds" not in note
     assert report.above_goal([dict(over, overhead_vs_native=1.04, overhead_ratios=[1.04] * 5)], "cpu") == []
     assert "above the 3% goal" in report.above_goal([dict(over, overhead_vs_native=1.04)], "cuda")[0]
+    # the table flags such a row too, against the goal the bench recorded with the run
+    assert report.noise(dict(over, overhead_goal=1.05)) == "ABOVE GOAL" and report.noise(over) == ""
+    assert report.noise(dict(over, overhead_goal=1.08)) == "" and report.above_goal([dict(over, overhead_goal=1.08)],
+                                                                                   "cpu") == []
+    assert report.noise(dict(noisy, overhead_vs_native=1.2, overhead_goal=1.05)) == "NOISY overhead"
 
 
 def test_model_input_shapes_and_sizes():
