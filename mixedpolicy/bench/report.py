@@ -165,14 +165,14 @@ def wide(runs: list[dict]) -> list[str]:
 
 
 def above_goal(runs: list[dict], device: str) -> list[str]:
-    """A note per run whose overhead is above the goal and not noise (its interval within +-3%),
-    saying what ours does there that the native side does not."""
-    out = []
+    """A note per reason for the runs whose overhead is above the goal and not noise (interval
+    within +-3%), naming them with their figures and saying what ours does there that the
+    native side does not: one note for the rows that share a reason, short enough to read."""
+    grouped: dict = {}
     for r in runs:
         if not ratios.above_goal(r, device):
             continue
         value, ci = ratio(r, "overhead")
-        bound = r.get("overhead_goal", goal(device))
         why = ("" if r.get("final_loss_scale") is not None else
                "; the native side applies every step as it comes, ours checks each step's gradients and "
                "skips a non-finite step (skip_nonfinite=False gives the plain step): a few fixed kernels and "
@@ -180,9 +180,10 @@ def above_goal(runs: list[dict], device: str) -> list[str]:
                "large part of it (many parameters, small batches)")
         if recipes.memory_policy(r["policy"]):  # the native side rounds to nearest in the weights' dtype
             why += "; ours also rounds each update as the policy says, which the native side does not"
-        out.append(f"note: {label(r)} {r['policy']}: overhead {value:.3f} +-{ci or 0:.3f} is above the "
-                   f"{bound - 1:.0%} goal{why} (docs/benchmarks.md).")
-    return out
+        key = (r.get("overhead_goal", goal(device)), why)
+        grouped.setdefault(key, []).append(f"{label(r)} {r['policy']} {value:.3f} +-{ci or 0:.3f}")
+    return [f"note: overhead above the {bound - 1:.0%} goal: {', '.join(rows)}{why} (docs/benchmarks.md)."
+            for (bound, why), rows in grouped.items()]
 
 
 def _ratio(run: dict, kind: str, digits: int, unit: str = "") -> str:

@@ -246,7 +246,7 @@ def test_on_a_busy_machine_each_ratio_holds_or_the_run_says_it_is_noisy(tmp_path
                 assert any("NOISY" in line for line in report.splitlines() if f"| {run['policy']} |" in line)
         # within the goal, or flagged: noisy, or steadily above it with the note saying why
         if round(run["overhead_vs_native"], 3) > run["overhead_goal"] and not noisy(run, "overhead"):
-            assert "ABOVE GOAL" in row and any(line.startswith(f"note: torch {run['policy']}: ")
+            assert "ABOVE GOAL" in row and any(line.startswith("note: ") and f"torch {run['policy']} " in line
                                                for line in proc.stderr.splitlines()), (row, proc.stderr)
             assert any("ABOVE GOAL" in line for line in report.splitlines() if f"| {run['policy']} |" in line)
 
@@ -428,7 +428,9 @@ def test_policies_in_every_spelling_and_the_spread_of_the_pair_ratios():
     # does there that a native side without a loss scale does not; noise is left to the warning
     over = dict(steady, overhead_vs_native=1.07, overhead_ratios=[1.06, 1.07, 1.07, 1.08, 1.07], final_loss_scale=None)
     note, = report.above_goal([steady, over, dict(noisy, overhead_vs_native=1.2)], "cpu")
-    assert note.startswith("note: torch float32: overhead 1.070 +-") and "above the 5% goal" in note
+    assert note.startswith("note: overhead above the 5% goal: torch float32 1.070 +-")
+    both, = report.above_goal([over, dict(over, policy="mixed_bfloat16")], "cpu")  # one note per reason
+    assert "torch float32 1.070" in both and "torch mixed_bfloat16 1.070" in both
     assert "skips a non-finite step" in note and "skip_nonfinite=False" in note
     scaled, = report.above_goal([dict(over, final_loss_scale=32768.0)], "cpu")
     assert "skips" not in scaled  # both sides check there
