@@ -4,8 +4,8 @@ to be read in a few seconds:
 - overhead.png: ours / native per framework and policy, a point at the median with whiskers
   at its 95% interval, 1.0 and the goal (DESIGN's 5% on a CPU, 3% on a GPU) marked; the
   axis spans the medians and the intervals of the rows that are not noisy, so one wild row
-  cannot flatten the rest; a noisy row is grey and labelled, and a point beyond the axis
-  sits on its edge with its value written;
+  cannot flatten the rest; a noisy row is grey and labelled, a steady one above the goal
+  labelled, and a point beyond the axis sits on its edge with its value written;
 - speedup.png: the speed-up over float32 the same way (ours under float32 / ours, measured
   in the same process), on a log axis;
 - step_time.png: ours and native median step times side by side (log scale);
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 
-from mixedpolicy.bench.ratios import goal, noisy, ratio
+from mixedpolicy.bench.ratios import above_goal, goal, noisy, ratio
 from mixedpolicy.bench.spec import loss_figure, run_label as label
 
 #: the widest an axis of ratios is allowed: beyond it, points are clipped to its edge
@@ -51,8 +51,10 @@ def _points(ax, runs: list, kind: str, colors, log: bool = False) -> None:
                     lo, hi = max(value - ci, low), min(value + ci, high)
                     ax.plot([x, x], [lo, hi], color=color, linewidth=1.5)
                 ax.plot([x], [shown], "o", color=color, markersize=6)
-                if grey or shown != value:
-                    note = ("noisy " if grey else "") + (f"{value:.2f}" if shown != value else "")
+                flagged = kind == "overhead" and "overhead_goal" in r and above_goal(r, "")
+                if grey or shown != value or flagged:
+                    note = ("noisy " if grey else "above goal " if flagged else "") + (
+                        f"{value:.2f}" if shown != value else "")
                     ax.annotate(note.strip(), (x, shown), textcoords="offset points", xytext=(4, 4),
                                 fontsize=7, color="0.35")
     ax.set_ylim(low, high)
