@@ -173,7 +173,9 @@ def above_goal(runs: list[dict], device: str) -> list[str]:
         if not ratios.above_goal(r, device):
             continue
         value, ci = ratio(r, "overhead")
-        why = ("" if r.get("final_loss_scale") is not None else
+        why = ("; both sides scale the loss and skip a non-finite step; ours also bounds the scale and "
+               "counts the skipped steps (its skip counters), which the native side does not"
+               if r.get("final_loss_scale") is not None else
                "; the native side applies every step as it comes, ours checks each step's gradients and "
                "skips a non-finite step (skip_nonfinite=False gives the plain step): a few fixed kernels and "
                "one read of every gradient a step, which shows where the step is short or the update is a "

@@ -433,7 +433,7 @@ def test_policies_in_every_spelling_and_the_spread_of_the_pair_ratios():
     assert "torch float32 1.070" in both and "torch mixed_bfloat16 1.070" in both
     assert "skips a non-finite step" in note and "skip_nonfinite=False" in note
     scaled, = report.above_goal([dict(over, final_loss_scale=32768.0)], "cpu")
-    assert "skips" not in scaled  # both sides check there
+    assert "skip_nonfinite=False" not in scaled and "both sides scale" in scaled  # both sides check there
     rounded, = report.above_goal([dict(over, policy="bfloat16_stochastic")], "cpu")
     assert "rounds each update" in rounded and "rounds" not in note
     assert report.above_goal([dict(over, overhead_vs_native=1.04, overhead_ratios=[1.04] * 5)], "cpu") == []
