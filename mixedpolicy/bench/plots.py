@@ -51,7 +51,7 @@ def _points(ax, runs: list, kind: str, colors, log: bool = False) -> None:
                     lo, hi = max(value - ci, low), min(value + ci, high)
                     ax.plot([x, x], [lo, hi], color=color, linewidth=1.5)
                 ax.plot([x], [shown], "o", color=color, markersize=6)
-                flagged = kind == "overhead" and "overhead_goal" in r and above_goal(r, "")
+                flagged = kind == "overhead" and above_goal(r)
                 if grey or shown != value or flagged:
                     note = ("noisy " if grey else "above goal " if flagged else "") + (
                         f"{value:.2f}" if shown != value else "")

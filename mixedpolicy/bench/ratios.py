@@ -18,13 +18,13 @@ def goal(device: str) -> float:
     return 1.05 if device == "cpu" else 1.03
 
 
-def above_goal(run: dict, device: str) -> bool:
+def above_goal(run: dict, device: str | None = None) -> bool:
     """Is the run's overhead steadily above the goal: over it, with an interval narrow enough
-    to tell (a noisy one is flagged as noise instead)? The run's own recorded goal counts
-    where it has one (`overhead_goal`, written by the bench with its device's)."""
+    to tell (a noisy one is flagged as noise instead)? The goal is the one the bench recorded
+    with the run (`overhead_goal`), else `device`'s; with neither, there is none to be above."""
     value, _ = ratio(run, "overhead")
-    bound = run.get("overhead_goal", goal(device))
-    return value is not None and round(value, 3) > bound and not noisy(run, "overhead")
+    bound = run.get("overhead_goal", goal(device) if device else None)
+    return value is not None and bound is not None and round(value, 3) > bound and not noisy(run, "overhead")
 
 
 def median_ci(ratios: list[float]) -> float | None:

@@ -137,7 +137,7 @@ def noise(run: dict) -> str:
     flagged = [name for kind, name in (("overhead", "overhead"), ("speedup", "speed-up"),
                                        ("speedup_vs_source", "fp8")) if noisy(run, kind)]
     said = ["NOISY " + "+".join(flagged)] if flagged else []
-    if "overhead_goal" in run and ratios.above_goal(run, ""):
+    if ratios.above_goal(run):
         said.append("ABOVE GOAL")
     return ", ".join(said)
 
