@@ -821,6 +821,13 @@ def test_a_user_model_with_its_own_batches_and_loss(tmp_path, factory, framework
         assert all(0 <= r["accuracy"] <= 1 for r in runs)
         # ours and native start from the same build: the same float32 accuracy
         assert all(r["accuracy"] == r["native_accuracy"] for r in runs if r["policy"] == "float32")
+    # every row reports its loss gap to native, overhead, speed-up over float32 and memory,
+    # and its accuracy gap to float32 where its targets are classes
+    for r in runs:
+        assert np.isfinite(r["max_loss_gap_vs_native"]) and r["overhead_vs_native"] > 0, r
+        assert r["speedup_vs_float32"] > 0 and r["peak_memory_bytes"] > 0, r
+        assert r["memory"]["ours"]["bytes_per_parameter"] > 0 and r["memory"]["native"]["bytes_per_parameter"] > 0
+        assert (r.get("accuracy_gap_vs_float32") is None) == (factory == "nnx_regression"), r
     # the same weights and batches: the first loss agrees on every framework and policy
     first = [r["loss_curve"][0][1] for r in runs]
     np.testing.assert_allclose(first, first[0], rtol=2e-2)
