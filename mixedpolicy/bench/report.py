@@ -302,7 +302,7 @@ def csv_rows(runs: list[dict]) -> list[list]:
     header = ["framework", "compile", "policy", "model", "data", "batch_size", "step_ms", "native_step_ms",
               "throughput_per_s", "peak_memory_mb", "bytes_per_parameter", "speedup_vs_float32", "speedup_ci",
               "final_loss", "max_loss_gap_vs_native", "accuracy", "accuracy_gap_vs_float32", "skipped_steps",
-              "final_loss_scale", "overhead_vs_native", "overhead_ci", "noise"]
+              "final_loss_scale", "overhead_vs_native", "overhead_ci", "flag"]
     rows = [header]
     for r in runs:
         rows.append([r["framework"], r.get("compile", False), r["policy"], r["model"], r.get("data", "digits"),
