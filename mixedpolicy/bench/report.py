@@ -173,7 +173,7 @@ def above_goal(runs: list[dict], device: str) -> list[str]:
         if not ratios.above_goal(r, device):
             continue
         value, ci = ratio(r, "overhead")
-        why = ("; both sides scale the loss and skip a non-finite step; ours also bounds the scale and "
+        why = ("; both sides scale the loss and skip a non-finite step; ours also caps the scale (max_scale) and "
                "counts the skipped steps (its skip counters), which the native side does not"
                if r.get("final_loss_scale") is not None else
                "; the native side applies every step as it comes, ours checks each step's gradients and "
