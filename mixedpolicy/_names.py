@@ -72,6 +72,13 @@ def parse_name(name: str) -> Parsed:
                 f"source write the jmp form, e.g. 'params=float32,compute=bfloat16,float8=delayed'.")
         variable, compute, output, reduce, _, _ = parse_name(source)
         return variable, compute, output, reduce, Float8Recipe("delayed"), {}  # what Keras means by it
+    mode, _, source = key.partition("_from_")
+    if source and mode.split("/")[0] in ("int8", "int4", "gptq", "awq"):  # Keras's integer weights
+        raise ValueError(
+            f"Received policy name {show(name)}, Keras's name for weights model.quantize stored as "
+            f"integers: a mixedpolicy policy sets variable and compute dtypes, not integer weights. "
+            f"Quantize with Keras (model.quantize({mode.split('/')[0]!r})) and apply the policy they "
+            f"compute in ({show(source)}): apply_policy keeps the integer weights, and describe shows both.")
     if key.startswith("mixed_"):
         compute = canonical_dtype(key[len("mixed_"):], what=f"the dtype in {show(name)}")
         if compute not in HALF_DTYPES:

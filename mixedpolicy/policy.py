@@ -242,8 +242,8 @@ class Policy:
 
         Keras's fp8 policies (``float8_from_mixed_bfloat16``...) become the fp8 policy with
         the ``"delayed"`` recipe and their amax history; other quantized policies
-        (``int8_from_...``) are refused: a Policy has no integer quantization, and dropping
-        it would change the model.
+        (``int8_from_...``) are refused: a Policy has no integer weights, and dropping them
+        would change the model (`apply_policy` on a quantized Keras model keeps them).
         """
         if isinstance(dtype_policy, Mapping) and hasattr(dtype_policy, "default_policy"):  # a DTypePolicyMap
             if len(dtype_policy):
@@ -263,8 +263,11 @@ class Policy:
             raise ValueError(
                 f"Received the quantized Keras policy {show(getattr(dtype_policy, 'name', dtype_policy))} "
                 f"(quantization_mode={mode!r}); a mixedpolicy Policy sets variable and compute "
-                f"dtypes only, and is not a policy mixedpolicy knows with quantization. Set it "
-                f"with keras.config.set_dtype_policy, or quantize with model.quantize(...).")
+                f"dtypes only and has no integer weights; dropping them would change the model. The "
+                f"policy those weights compute in is Policy.from_keras(keras.DTypePolicy("
+                f"{show(getattr(dtype_policy, '_source_name', 'its source_name'))})); apply_policy on a model "
+                f"quantized by model.quantize(...) keeps the integer weights and sets that, and describe "
+                f"shows both.")
         return cls(None, **_conversions.dtypes_of(dtype_policy, "Keras DTypePolicy",
                                                   variable="variable_dtype", compute="compute_dtype"))
 

@@ -22,6 +22,10 @@ class LayerPolicy(NamedTuple):
     ``runs_float8`` is False for a layer whose policy has an fp8 recipe but that has no
     matmul of its own to run in fp8 (a dropout, an activation, a container): its ``float8``
     cell then reads ``"-"``, while ``policy`` keeps what was applied to it.
+
+    ``quantized`` names how the layer's weights are stored as integers where a framework's
+    own quantization did that (Keras's ``model.quantize("int8")``: ``"int8"``, ``"int4/128"``,
+    ``"gptq"``...), else None; ``policy`` is then what the layer computes in around them.
     """
 
     path: str
@@ -29,6 +33,7 @@ class LayerPolicy(NamedTuple):
     policy: Policy
     source: str
     runs_float8: bool = True
+    quantized: str | None = None
 
     @property
     def variable_dtype(self) -> str:
@@ -86,13 +91,16 @@ class PolicyTable(tuple):
         return super().__new__(cls, rows)
 
     def _rows(self, path: str) -> tuple[tuple, list[tuple]]:
-        """(header, cells): an fp8 column after reduce where any layer runs fp8 matmuls; rounding
-        and state columns where any layer's policy asks the optimizer for an update recipe."""
+        """(header, cells): an fp8 column after reduce where any layer runs fp8 matmuls, a
+        quantized column where any layer's weights are integers; rounding and state columns where
+        any layer's policy asks the optimizer for an update recipe."""
         fp8 = any(r.policy.float8_recipe is not None for r in self)
+        quantized = any(r.quantized is not None for r in self)
         updates = any(not r.policy.updates_as_the_optimizer_does for r in self)
-        header = self._HEADER[:6] + ("fp8",) * fp8 + ("rounding", "state") * updates + self._HEADER[6:]
+        header = (self._HEADER[:6] + ("fp8",) * fp8 + ("quantized",) * quantized + ("rounding", "state") * updates
+                  + self._HEADER[6:])
         return header, [(path.format(r.path or "(root)"), r.layer_type, r.variable_dtype, r.compute_dtype,
-                         r.output_dtype, r.reduce_dtype, *((r.float8,) * fp8),
+                         r.output_dtype, r.reduce_dtype, *((r.float8,) * fp8), *((r.quantized or "-",) * quantized),
                          *((r.update_rounding, r.optimizer_state_dtype) * updates), r.source) for r in self]
 
     def __str__(self) -> str:

@@ -121,6 +121,11 @@ def test_a_quantized_keras_policy_is_refused_not_stripped():
     with pytest.raises(ValueError, match="quantization_mode='int8'"):
         mp.set_global_policy(Quantized())
     assert mp.global_policy() == mp.Policy("float32")
+    # Keras's names for integer weights, given as a policy name: the Keras recipe in the message
+    for name, mode, source in [("int8_from_mixed_bfloat16", "int8", "mixed_bfloat16"),
+                               ("int4/128_from_float32", "int4", "float32"), ("gptq_from_bfloat16", "gptq", "bfloat16")]:
+        with pytest.raises(ValueError, match=rf"model.quantize\('{mode}'\)\) and apply the policy .*'{source}'"):
+            mp.Policy(name)
 
 
 def test_an_array_is_no_dtype_even_where_numpy_would_read_it_as_one():

@@ -38,6 +38,7 @@ from mixedpolicy._dtypes import HALF_DTYPES
 from mixedpolicy.table import LayerPolicy, unapplied_source
 from mixedpolicy.policy import Policy
 from mixedpolicy.backends.keras import float8, patches
+from mixedpolicy.backends.keras.quantized import refuse_float8, source_name, weight_mode, with_source
 from mixedpolicy.backends.keras.policy_maps import keep_through_save, own_policy, set_policy
 from mixedpolicy.backends.keras.compile import (carry_updates_in_compile, compile_with_loss_scale,
                                                 use_bounded_loss_scale_in_compile)
@@ -133,7 +134,8 @@ class KerasModels(ModelAdapter):
             layer, chain, resolution = step.layer, step.chain, step.resolution
             policy, source = resolution.policy, resolution.source
             explicit = _explicit_dtype(layer, by_path.get(chain[-2].path) if len(chain) > 1 else None)
-            if explicit is not None and resolution.origin != "key" and layer is not model:
+            quantized = weight_mode(own_policy(layer))  # (Keras made it: not a dtype= of the user's)
+            if explicit is not None and quantized is None and resolution.origin != "key" and layer is not model:
                 planned.append((layer, explicit.name, f"the layer's own dtype={explicit.name!r}", None))
                 continue
             if resolution.origin == "rule" and chain[-1].kind == NORMALIZATION:
@@ -164,6 +166,11 @@ class KerasModels(ModelAdapter):
                     f"mp.set_global_policy({name!r}) or with dtype={name!r}; or choose a policy "
                     f"with {own_policy(layer).variable_dtype} variables. Nothing was applied.")
             recipe = policy.float8_recipe if float8.eligible(layer) else None
+            if quantized is not None:  # its integer weights stay; the policy becomes their source
+                if recipe is not None:
+                    raise refuse_float8(own_policy(layer), policy.name, chain[-1].path)
+                planned.append((layer, with_source(own_policy(layer), name, chain[-1].path), source, None))
+                continue
             if recipe is not None:
                 float8.check(recipe, chain[-1].path, policy.reduce_dtype)
             planned.append((layer, name if recipe is None else float8.dtype_policy(name, recipe), source, recipe))
@@ -209,12 +216,17 @@ class KerasModels(ModelAdapter):
         for layer, chain in _layers(model):
             state = layer.__dict__.get(_STATE)
             dtype_policy = own_policy(layer)
-            policy = (Policy.from_keras(dtype_policy) if getattr(dtype_policy, "quantization_mode", None) == "float8"
-                      else Policy(dtype_policy.name, float8_recipe=float8.tensorwise_recipe(layer)))
+            quantized = weight_mode(dtype_policy)
+            if quantized is not None:  # integer weights (model.quantize): the policy they compute in
+                policy = Policy(source_name(dtype_policy))
+            elif getattr(dtype_policy, "quantization_mode", None) == "float8":
+                policy = Policy.from_keras(dtype_policy)
+            else:
+                policy = Policy(dtype_policy.name, float8_recipe=float8.tensorwise_recipe(layer))
             # a layer apply_policy left alone computes in its Keras dtype policy (the global one when
             # it was built, or its dtype=)
             source = state[1] if state is not None else unapplied_source(policy, "Keras dtype policy")
-            rows.append(LayerPolicy(chain[-1].path, type(layer).__name__, policy, source))
+            rows.append(LayerPolicy(chain[-1].path, type(layer).__name__, policy, source, quantized=quantized))
         return rows
 
 

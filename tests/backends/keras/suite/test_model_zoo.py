@@ -210,3 +210,59 @@ def test_a_task_models_optimizer_state_resumes_by_compiling_again_then_loading_t
         m.train_on_batch(x2, y2)
     for a, b in zip(model.get_weights(), again.get_weights()):
         np.testing.assert_array_equal(a, b)
+
+
+def test_an_int8_quantized_model_with_lora_takes_a_policy_as_keras_own_quantizes_under_one():
+    """`model.quantize("int8")` then LoRA (keras-hub's fine-tuning recipe), under a policy: the
+    integer weights stay, the policy becomes what the layers compute in around them (Keras's
+    ``int8_from_<policy>``, as Keras's own quantize under a global policy gives), `describe`
+    shows both, training matches Keras's own, the policies survive a save, and an fp8 policy
+    (a second quantization of the same matmuls) is refused with nothing changed."""
+    start = classifier().get_weights()
+
+    def quantized(model):
+        model.set_weights(start)
+        model.quantize("int8")
+        keras.utils.set_random_seed(1)
+        model.backbone.enable_lora(2)
+        return model
+
+    ours = quantized(classifier())
+    before = {layer.path: layer.dtype_policy.name for layer in ours._flatten_layers() if layer.path}
+    with pytest.raises(ValueError, match="integer weights and cannot also run in fp8"):
+        mp.apply_policy(ours, "float8_from_mixed_bfloat16")
+    assert {layer.path: layer.dtype_policy.name for layer in ours._flatten_layers() if layer.path} == before
+    mp.apply_policy(ours, "mixed_bfloat16")
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    try:
+        native = quantized(classifier())
+    finally:
+        keras.config.set_dtype_policy("float32")
+    rows = by_path(ours)
+    pairs = [(a, b) for a, b in zip(ours._flatten_layers(include_self=False), native._flatten_layers(include_self=False))
+             if a.path in rows]
+    int8 = [a.path for a, _ in pairs if rows[a.path].quantized == "int8"]
+    assert len(int8) >= 4, int8  # the attention projections and the feed-forward's at least
+    kinds = [[(m.compute_dtype, m.variable_dtype, m.quantization_mode) for m in pair] for pair in pairs]
+    assert all(a == b for a, b in kinds), [(p[0].path, *k) for p, k in zip(pairs, kinds) if k[0] != k[1]]
+    assert all(rows[p].policy == mp.Policy("mixed_bfloat16") for p in int8)
+    assert "quantized" in str(mp.describe(ours)).splitlines()[0]
+    x, _ = batches(1)[0]
+    np.testing.assert_array_equal(*(keras.ops.convert_to_numpy(keras.ops.cast(m(x), "float32")) for m in (ours, native)))
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    ours.compile(mp.LossScaleOptimizer(keras.optimizers.SGD(0.1)), loss)
+    native.compile(keras.optimizers.SGD(0.1), loss)
+    for x, y in batches():
+        a = float(ours.train_on_batch(x, y, return_dict=True)["loss"])
+        b = float(native.train_on_batch(x, y, return_dict=True)["loss"])
+        assert np.isfinite(a) and abs(a - b) < 2e-2 * max(1.0, abs(b)), (a, b)
+    lora = [v for v in ours.trainable_variables if "lora" in v.path]
+    assert lora and all(v.dtype == "float32" for v in lora)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "int8.keras")
+        ours.save(path)
+        again = keras.saving.load_model(path)
+    assert {row.path: (row.policy, row.quantized) for row in mp.describe(again) if row.path in int8} == {
+        p: (mp.Policy("mixed_bfloat16"), "int8") for p in int8}
+    mp.remove_policy(ours)
+    assert {layer.path: layer.dtype_policy.name for layer in ours._flatten_layers() if layer.path} == before
