@@ -40,10 +40,11 @@ import optax
 from mixedpolicy._adapter import OptimizerAdapter
 from mixedpolicy.backends.jax.arrays import all_finite
 from mixedpolicy.backends.jax.optax_state import _STATES, LossScaleState, PassThroughState, adopted_scale, pack_counts
-from mixedpolicy.backends.jax.optax_checks import check_gradients, is_number, refuse_reevaluation, warn_half_masters
+from mixedpolicy.backends.jax.optax_checks import (check_gradients, is_number, refuse_reevaluation, warn_half_masters,
+                                                   warn_unscaled)
 from mixedpolicy.backends.jax.vanishing import warn_vanishing_eps
 from mixedpolicy.float8 import DELAYED_STATE
-from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, is_pass_through, summary
+from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale, is_pass_through, summary
 
 # The updates each LossScaleOptimizer handed on (their first leaf, weakly): a second
 # wrapper in the same optax.chain receives exactly these and would unscale them again.
@@ -123,6 +124,7 @@ class LossScaleTransformation(optax.GradientTransformationExtraArgs):
             raise TypeError(f"Received a loss of type {type(loss).__name__} ({loss!r:.60}); expected the "
                             f"scalar loss, a JAX array (or a number) of a floating dtype.")
         state = _own_state(state, self.update.loss_scale)
+        self.update.scaled_a_loss = True  # (`warn_unscaled`)
         if isinstance(self.update.loss_scale, NoLossScale):
             return loss
         return jnp.asarray(loss).astype(jnp.float32) * state.loss_scale
@@ -279,6 +281,8 @@ def loss_scale_transformation(inner: Any, config: LossScale, axis_name: Any = No
             return updates, PassThroughState(inner_state)
         if not isinstance(config, NoLossScale):
             refuse_reevaluation(extra_args, summary(config))
+            if not (isinstance(config, StaticLossScale) and float(config.loss_scale) == 1.0):
+                warn_unscaled(update, summary(config))
         scale = _scale_state(config, state)  # NoLossScale: no unscale, but the skip all the same
         grads = scale.unscale(grads)
         finite = all_finite(grads)

@@ -1,5 +1,5 @@
-"""What the optax wrapper checks of what it is given: gradients that are numbers, and weights
-in a dtype the policy it follows stores."""
+"""What the optax wrapper checks of what it is given: gradients that are numbers, weights in a
+dtype the policy it follows stores, and a loss scaled before a scaling update."""
 
 from __future__ import annotations
 
@@ -71,3 +71,25 @@ def refuse_reevaluation(extra_args: dict, what: str) -> None:
             f"LBFGS is refused under scaling for the same reason). Under a bfloat16 or float32 "
             f"policy the wrapper scales nothing and takes it; with float16 compute use a "
             f"first-order optimizer such as optax.adamw.")
+
+
+def warn_unscaled(update: Any, what: str) -> None:
+    """Warns once per wrapper, at the user's line, where a scaling wrapper's `update` comes while
+    its ``scale_loss`` was never called: a loop that differentiates the plain loss has its update
+    divided by the scale. torch's wrapper (and GradScaler) refuse such a step; a JAX wrapper sees
+    arrays only, not where they came from, and gradients multiplied by ``state.loss_scale`` by
+    hand are right, so it warns, and not at all once code of the user's has read that scale.
+    Under ``jax.jit`` the check runs as the step is traced."""
+    from mixedpolicy.backends.jax.optax_state import scale_read_by_user
+
+    if getattr(update, "scaled_a_loss", False) or getattr(update, "warned_unscaled", False) or scale_read_by_user():
+        return
+    update.warned_unscaled = True
+    warnings.warn(
+        f"update() of a LossScaleOptimizer that scales the loss ({what}) was called, and its "
+        f"scale_loss never was: "
+        f"where these are the gradients of the plain loss, dividing them by the loss scale makes "
+        f"the update that many times too small (torch's GradScaler refuses such a step). "
+        f"Differentiate tx.scale_loss(loss, opt_state) (with nnx.Optimizer: "
+        f"optimizer.tx.scale_loss(loss, optimizer.opt_state)).",
+        UserWarning, stacklevel=user_stacklevel("jax", "optax", "flax"))

@@ -33,7 +33,7 @@ from mixedpolicy.backends.keras.reduce import (all_finite, already_summed, check
                                                reduce_to_config, sum_across_replicas)
 from mixedpolicy.backends.keras.updates import KerasUpdates, rounding_to_config
 from mixedpolicy.backends.keras.policy_maps import policies_in
-from mixedpolicy.backends.keras.stateless import StatelessScaling
+from mixedpolicy.backends.keras.stateless import StatelessScaling, note_read
 from mixedpolicy.backends.keras.saving import (SkipCounters, SkipCounts, constructor_arguments, load_keras_layout,
                                                prepared_for_checkpoints, save_keras_layout)
 from mixedpolicy.policy import Policy
@@ -127,10 +127,10 @@ class LossScaleOptimizer(SkipCounters, StatelessScaling, keras.optimizers.LossSc
             if own_build is not None:
                 inner.build = own_build
 
-    # -- what users read -----------------------------------------------------
     @property
     def loss_scale(self) -> float:
         """The current scale (reading it syncs with the device)."""
+        note_read()
         return float(ops.convert_to_numpy(self.dynamic_scale)) if self.built else float(self.initial_scale)
 
     @property
@@ -159,9 +159,9 @@ class LossScaleOptimizer(SkipCounters, StatelessScaling, keras.optimizers.LossSc
     def _unscale(self, grads: Any, trainable_variables: Any) -> list:
         """Divides by the scale in float32 (float64 for float64 gradients); each keeps its dtype.
         A static scale of 1 (what `NoLossScale` becomes) divides nothing: ops saved each step."""
-        if self._unit_scale:
-            # numpy gradients become tensors, as a division makes them (Keras's torch optimizers need them)
+        if self._unit_scale:  # numpy gradients become tensors, as a division makes them (Keras's torch optimizers need them)
             return [g if g is None or ops.is_tensor(g) else ops.convert_to_tensor(g) for g in grads]
+        self._warn_if_never_scaled()
 
         def unscale(g):
             wide = "float64" if keras.backend.standardize_dtype(g.dtype) == "float64" else "float32"

@@ -17,7 +17,19 @@ from typing import Any
 import keras
 from keras.src.backend.common.stateless_scope import in_stateless_scope
 
+from mixedpolicy._warnings import user_stacklevel
 from mixedpolicy.loss_scale import DynamicLossScale
+
+_READ_BY_USER = [False]  # code outside mixedpolicy read a wrapper's scale (to scale a loss by hand)
+
+
+def note_read() -> None:
+    """Notes a read of a wrapper's scale by code outside mixedpolicy and Keras (see above)."""
+    import sys
+
+    if not _READ_BY_USER[0] and str(sys._getframe(2).f_globals.get("__name__")).partition(".")[0] not in (
+            "mixedpolicy", "keras"):
+        _READ_BY_USER[0] = True
 
 
 def _staged(x: Any) -> bool:
@@ -57,6 +69,7 @@ class StatelessScaling:
 
     def _live_scale(self, loss: Any) -> Any:
         """The scale `scale_loss` multiplies by; warns where a compiled step would keep it constant."""
+        self.__dict__["_mixedpolicy_scaled_a_loss"] = True  # (`_warn_if_never_scaled`)
         if not self.built:
             return self.initial_scale
         if (keras.backend.backend() == "jax" and isinstance(self._scale_settings, DynamicLossScale)
@@ -69,3 +82,21 @@ class StatelessScaling:
                 "another. Use optimizer.stateless_scale_loss(optimizer_variables, loss) in the step.",
                 stacklevel=3)
         return self.dynamic_scale
+
+    def _warn_if_never_scaled(self) -> None:
+        """Warns once, at the user's line, where gradients are unscaled while this wrapper's
+        ``scale_loss`` was never called: a custom loop that differentiates the plain loss has its
+        update divided by the scale (torch's wrapper and GradScaler refuse such a step; Keras's
+        trainers call ``scale_loss`` themselves). Gradients scaled by hand with the scale the
+        user's code read (``loss_scale``, ``dynamic_scale``) are not taken for a mistake."""
+        seen = self.__dict__
+        if seen.get("_mixedpolicy_scaled_a_loss") or seen.get("_mixedpolicy_warned_unscaled") or _READ_BY_USER[0]:
+            return
+        seen["_mixedpolicy_warned_unscaled"] = True
+        warnings.warn(
+            f"A LossScaleOptimizer that scales the loss (by {self.initial_scale:g} to start) was given "
+            f"gradients to apply, and its scale_loss was never called: where these are the gradients "
+            f"of the plain loss, dividing them by the loss scale makes the update that many times too "
+            f"small (torch's GradScaler refuses such a step). Differentiate optimizer.scale_loss(loss) "
+            f"(in a stateless JAX step, optimizer.stateless_scale_loss(optimizer_variables, loss)); "
+            f"model.fit does this itself.", UserWarning, stacklevel=user_stacklevel("keras", "jax", "tensorflow", "torch"))

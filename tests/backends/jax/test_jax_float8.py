@@ -205,7 +205,13 @@ def _delayed_step(lr=0.01):
 
     @nnx.jit
     def step(model, optimizer, x, y):
-        loss, grads = nnx.value_and_grad(mse, argnums=nnx.DiffState(0, mp.jax.with_float8()))(model, x, y)
+        def scaled(model, x, y):  # the loss scaled where the optimizer is ours (a float16 source scales)
+            loss = mse(model, x, y)
+            scale = getattr(optimizer.tx, "scale_loss", lambda loss, state: loss)
+            return scale(loss, optimizer.opt_state), loss
+
+        (_, loss), grads = nnx.value_and_grad(scaled, argnums=nnx.DiffState(0, mp.jax.with_float8()),
+                                              has_aux=True)(model, x, y)
         optimizer.update(model, grads)
         mp.jax.update_float8(model, grads, optimizer)
         return loss

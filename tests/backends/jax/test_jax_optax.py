@@ -670,3 +670,50 @@ def test_helpers_that_read_their_own_state_read_it_through_the_wrappers(policy):
     # copies and pickles as before (their probes of dunder names are not sent on)
     assert jax.tree.structure(copy.deepcopy(state)) == jax.tree.structure(state)
     assert jax.tree.structure(pickle.loads(pickle.dumps(state))) == jax.tree.structure(state)
+
+
+def test_a_loop_that_never_scales_its_loss_is_warned_once_where_the_wrapper_scales(monkeypatch):
+    """torch's wrapper (as GradScaler) refuses a step whose gradients no scaled loss made; a JAX
+    wrapper sees arrays only, so the first update of a scaling wrapper whose scale_loss was
+    never called warns, naming the fix (under jit, as the step is traced; once). Nothing is said
+    where nothing is scaled, where the loop scales, or once the user's code has read the scale
+    (to scale by hand)."""
+    from mixedpolicy.backends.jax import optax_state
+
+    monkeypatch.setattr(optax_state, "_READ_BY_USER", [False])
+    params = {"w": jnp.ones(3)}
+
+    def run(tx, scaled, steps=2):
+        @jax.jit
+        def step(params, state):
+            loss = lambda p: jnp.sum(p["w"] ** 2)
+            grads = jax.grad(lambda p: tx.scale_loss(loss(p), state) if scaled else loss(p))(params)
+            updates, state = tx.update(grads, state, params)
+            return optax.apply_updates(params, updates), state
+
+        p, state = params, tx.init(params)
+        for _ in range(steps):
+            p, state = step(p, state)
+        return p
+
+    import warnings
+    forgot = mp.LossScaleOptimizer(optax.sgd(0.1), policy="mixed_float16")
+    with pytest.warns(UserWarning, match="scale_loss never was") as caught:
+        p = run(forgot, scaled=False, steps=3)
+    assert sum("scale_loss never was" in str(w.message) for w in caught) == 1
+    assert "tx.scale_loss(loss, opt_state)" in str(caught[0].message)
+    assert float(p["w"][0]) > 0.999  # what it warns of: the update 32768x too small
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run(forgot, scaled=False)  # said once per wrapper
+        np.testing.assert_allclose(run(mp.LossScaleOptimizer(optax.sgd(0.1), policy="mixed_float16"), scaled=True)["w"],
+                                   run(optax.sgd(0.1), scaled=False)["w"], rtol=1e-6)
+        for settings in ({"policy": "mixed_bfloat16"}, {"policy": "float32"}, {"loss_scale": mp.NoLossScale()},
+                         {"loss_scale": mp.StaticLossScale(1.0)}):
+            run(mp.LossScaleOptimizer(optax.sgd(0.1), **settings), scaled=False)
+        # scaled by hand with the state's own scale: right, and not taken for a mistake
+        by_hand = mp.LossScaleOptimizer(optax.sgd(0.1), policy="mixed_float16")
+        state = by_hand.init(params)
+        grads = jax.grad(lambda p: jnp.sum(p["w"] ** 2) * state.loss_scale)(params)
+        updates, _ = by_hand.update(grads, state, params)
+        np.testing.assert_allclose(updates["w"], -0.2 * np.ones(3), rtol=1e-6)

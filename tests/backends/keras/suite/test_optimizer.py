@@ -667,3 +667,41 @@ def test_a_multi_optimizer_steps_as_alone_scaled_or_not_and_skips_a_non_finite_s
     assert int(model.optimizer.num_skipped_steps) == 2
     assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 6
     assert all(np.isfinite(keras.ops.convert_to_numpy(v)).all() for v in model.trainable_variables)
+
+
+def test_a_custom_loop_that_never_scales_its_loss_is_warned_once(monkeypatch):
+    """A custom loop that applies the gradients of the plain loss under a scaling wrapper has its
+    update divided by the scale (Keras's own wrapper does the same, silently; torch's wrapper and
+    GradScaler refuse the step): ours warns once, naming scale_loss. Nothing is said where the loop
+    scales, where fit scales for it, where nothing is scaled, or once the user's code has read the
+    scale to scale by hand."""
+    import warnings
+
+    from mixedpolicy.backends.keras import stateless
+
+    monkeypatch.setattr(stateless, "_READ_BY_USER", [False])
+    variable = keras.Variable(np.ones(3, "float32"))
+
+    def said(opt, by=1.0, steps=2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(steps):
+                opt.apply_gradients([(keras.ops.ones(3) * by, variable)])
+        return [str(w.message) for w in caught if "scale_loss was never called" in str(w.message)]
+
+    forgot = said(mp.LossScaleOptimizer(keras.optimizers.SGD(0.1), policy="mixed_float16"))
+    assert len(forgot) == 1 and "optimizer.scale_loss(loss)" in forgot[0], forgot
+    assert np.allclose(keras.ops.convert_to_numpy(variable), 1.0, atol=1e-4)  # what it warns of
+    for policy in ("mixed_bfloat16", "float32"):
+        assert not said(mp.LossScaleOptimizer(keras.optimizers.SGD(0.1), policy=policy))
+    scaled = mp.LossScaleOptimizer(keras.optimizers.SGD(0.1), policy="mixed_float16")
+    scaled.scale_loss(keras.ops.ones(()))
+    assert not said(scaled)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    mp.apply_policy(model, "mixed_float16")
+    model.compile(mp.LossScaleOptimizer(keras.optimizers.SGD(0.1), policy="mixed_float16"), "mse")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        model.fit(np.ones((8, 3)), np.ones((8, 2)), verbose=0)
+    by_hand = mp.LossScaleOptimizer(keras.optimizers.SGD(0.1), policy="mixed_float16")
+    assert not said(by_hand, by=by_hand.loss_scale)
