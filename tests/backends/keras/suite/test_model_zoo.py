@@ -47,6 +47,18 @@ def batches(n=3):
     return out
 
 
+def train_side_by_side(ours, native, learning_rate):
+    """Compiles `ours` with our wrapper and `native` with Keras's SGD alone, trains both on the
+    same batches and checks each step's losses agree."""
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    ours.compile(mp.LossScaleOptimizer(keras.optimizers.SGD(learning_rate)), loss)
+    native.compile(keras.optimizers.SGD(learning_rate), loss)
+    for x, y in batches():
+        a = float(ours.train_on_batch(x, y, return_dict=True)["loss"])
+        b = float(native.train_on_batch(x, y, return_dict=True)["loss"])
+        assert np.isfinite(a) and abs(a - b) < 2e-2 * max(1.0, abs(b)), (a, b)
+
+
 def by_path(model):
     return {row.path: row for row in mp.describe(model)}
 
@@ -89,13 +101,7 @@ def test_training_matches_keras_own_policy_and_the_weights_resume():
     finally:
         keras.config.set_dtype_policy("float32")
     native.set_weights(start)
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    ours.compile(mp.LossScaleOptimizer(keras.optimizers.SGD(0.05)), loss)
-    native.compile(keras.optimizers.SGD(0.05), loss)
-    for x, y in batches():
-        a = float(ours.train_on_batch(x, y, return_dict=True)["loss"])
-        b = float(native.train_on_batch(x, y, return_dict=True)["loss"])
-        assert np.isfinite(a) and abs(a - b) < 2e-2 * max(1.0, abs(b)), (a, b)
+    train_side_by_side(ours, native, 0.05)
     assert ours.optimizer.num_skipped_steps == 0
     path = os.path.join(tempfile.mkdtemp(), "zoo.weights.h5")
     ours.save_weights(path)
@@ -249,13 +255,7 @@ def test_an_int8_quantized_model_with_lora_takes_a_policy_as_keras_own_quantizes
     assert "quantized" in str(mp.describe(ours)).splitlines()[0]
     x, _ = batches(1)[0]
     np.testing.assert_array_equal(*(keras.ops.convert_to_numpy(keras.ops.cast(m(x), "float32")) for m in (ours, native)))
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    ours.compile(mp.LossScaleOptimizer(keras.optimizers.SGD(0.1)), loss)
-    native.compile(keras.optimizers.SGD(0.1), loss)
-    for x, y in batches():
-        a = float(ours.train_on_batch(x, y, return_dict=True)["loss"])
-        b = float(native.train_on_batch(x, y, return_dict=True)["loss"])
-        assert np.isfinite(a) and abs(a - b) < 2e-2 * max(1.0, abs(b)), (a, b)
+    train_side_by_side(ours, native, 0.1)
     lora = [v for v in ours.trainable_variables if "lora" in v.path]
     assert lora and all(v.dtype == "float32" for v in lora)
     with tempfile.TemporaryDirectory() as tmp:
