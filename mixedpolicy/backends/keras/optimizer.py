@@ -159,7 +159,7 @@ class LossScaleOptimizer(SkipCounters, StatelessScaling, keras.optimizers.LossSc
     def _unscale(self, grads: Any, trainable_variables: Any) -> list:
         """Divides by the scale in float32 (float64 for float64 gradients); each keeps its dtype.
         A static scale of 1 (what `NoLossScale` becomes) divides nothing: ops saved each step."""
-        if self._unit_scale:  # numpy gradients become tensors, as a division makes them (Keras's torch optimizers need them)
+        if self._unit_scale:  # numpy gradients become tensors, as a division makes them (Keras's torch needs that)
             return [g if g is None or ops.is_tensor(g) else ops.convert_to_tensor(g) for g in grads]
         self._warn_if_never_scaled()
 

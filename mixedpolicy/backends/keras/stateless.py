@@ -87,8 +87,8 @@ class StatelessScaling:
         """Warns once, at the user's line, where gradients are unscaled while this wrapper's
         ``scale_loss`` was never called: a custom loop that differentiates the plain loss has its
         update divided by the scale (torch's wrapper and GradScaler refuse such a step; Keras's
-        trainers call ``scale_loss`` themselves). Gradients scaled by hand with the scale the
-        user's code read (``loss_scale``, ``dynamic_scale``) are not taken for a mistake."""
+        trainers call ``scale_loss`` themselves). Once code of the user's has read ``loss_scale`` (to
+        scale by hand), nothing is said."""
         seen = self.__dict__
         if seen.get("_mixedpolicy_scaled_a_loss") or seen.get("_mixedpolicy_warned_unscaled") or _READ_BY_USER[0]:
             return
@@ -99,4 +99,5 @@ class StatelessScaling:
             f"of the plain loss, dividing them by the loss scale makes the update that many times too "
             f"small (torch's GradScaler refuses such a step). Differentiate optimizer.scale_loss(loss) "
             f"(in a stateless JAX step, optimizer.stateless_scale_loss(optimizer_variables, loss)); "
-            f"model.fit does this itself.", UserWarning, stacklevel=user_stacklevel("keras", "jax", "tensorflow", "torch"))
+            f"model.fit does this itself.", UserWarning,
+            stacklevel=user_stacklevel("keras", "jax", "tensorflow", "torch"))
