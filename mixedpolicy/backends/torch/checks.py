@@ -5,6 +5,7 @@ scale a ``torch.amp.GradScaler`` state dict describes.
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
 from typing import Any
 
@@ -137,7 +138,15 @@ def config_from_scaler_state(cfg: LossScale, state: Any, follows_policy: bool = 
 
 
 def unscaled_step_error(what: str, scale: float) -> RuntimeError:
-    """The refusal of a step (or unscale) whose gradients did not come from a scaled loss."""
+    """The refusal of a step (or unscale) whose gradients did not come from a scaled loss (or
+    came from a ``torch.amp.GradScaler``'s, which is stepping this wrapper: both scale)."""
+    if _driven_by_grad_scaler():
+        return RuntimeError(
+            f"{what} was called by a torch.amp.GradScaler (scaler.step(opt)) on a LossScaleOptimizer, "
+            f"and both scale the loss: the gradients were scaled and unscaled by GradScaler, and this "
+            f"wrapper would divide them by its own scale ({scale:g}) again. Use one of the two: "
+            f"opt.scale_loss(loss).backward(); opt.step() without the GradScaler, or give the "
+            f"GradScaler the plain inner optimizer (opt.inner_optimizer).")
     return RuntimeError(
         f"{what} was called, but no loss was scaled since the last step: the gradients came "
         f"from loss.backward(), not from opt.scale_loss(loss).backward(), and dividing them by "
@@ -147,6 +156,16 @@ def unscaled_step_error(what: str, scale: float) -> RuntimeError:
         f"Precision(policy)]) with the plain optimizer from configure_optimizers; for the "
         f"Hugging Face Trainer, mixedpolicy.huggingface.Trainer(..., policy=policy) scales "
         f"through Accelerate (pass the plain optimizer).")
+
+
+def _driven_by_grad_scaler() -> bool:
+    """Whether a ``torch.amp.GradScaler`` method is among the callers (read on a refusal only)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename.replace("\\", "/").endswith("torch/amp/grad_scaler.py"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 # Device types where reading the found-inf flag on the host (a non-fused optimizer's skip)

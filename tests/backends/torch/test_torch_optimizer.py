@@ -465,6 +465,17 @@ def test_a_step_whose_loss_was_not_scaled_is_refused_under_scaling():
     loss_of(model, x, y).backward()  # the flag is per step
     with pytest.raises(RuntimeError, match="no loss was scaled"):
         opt.step()
+    # a GradScaler stepping the wrapper: both scale; the refusal says so, not "loss.backward()"
+    opt.zero_grad()
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(loss_of(model, x, y)).backward()
+    with pytest.raises(RuntimeError, match=r"called by a torch.amp.GradScaler .* both scale the loss.*inner_optimizer"):
+        scaler.step(opt)
+    opt.zero_grad()  # the fix it names: the GradScaler with the plain optimizer
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(loss_of(model, x, y)).backward()
+    scaler.step(opt.inner_optimizer)
+    scaler.update()
 
 
 def test_isinstance_and_type():
