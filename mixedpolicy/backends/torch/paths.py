@@ -2,7 +2,8 @@
 
 ``torch.compile`` (an ``OptimizedModule`` holding ``_orig_mod``), activation
 checkpointing (``checkpoint_wrapper``: ``_checkpoint_wrapped_module``), FSDP1
-(``_fsdp_wrapped_module``) and Lightning Fabric (``_FabricModule``: ``_forward_module``) put a module of their own between a layer and its parent,
+(``_fsdp_wrapped_module``) and Lightning Fabric (``_FabricModule``: ``_forward_module``) put a module of their own between a layer and its parent
+(``torch.nn.DataParallel``, like DDP, around the root: ``module``),
 so ``named_modules()`` reads ``_orig_mod.head`` or ``layers.0._checkpoint_wrapped_module.attn``
 where the user wrote ``head`` and ``layers.0.attn``. PyTorch's own state-dict helpers
 drop these segments (``clean_tensor_name``); so do `describe`, the `PolicyMap` keys,
@@ -21,6 +22,8 @@ WRAPPED = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_
 
 
 def _wrapped(module: torch.nn.Module) -> torch.nn.Module | None:
+    if isinstance(module, torch.nn.DataParallel):  # its ``module``: too common a name to drop from paths
+        return module.module
     for name in WRAPPED:
         inner = module._modules.get(name)
         if inner is not None:

@@ -341,6 +341,15 @@ def test_keys_written_for_the_bare_model_reach_it_compiled_or_checkpoint_wrapped
     mp.remove_policy(wrapped)
     assert not any("forward" in vars(m) for m in [*wrapped.modules(), *compiled._orig_mod.modules()])
     assert {r.source for r in mp.describe(compiled)} == {"no policy applied"}
+    # torch.nn.DataParallel holds the model as `module`, as DDP does: its paths are the model's too
+    parallel = torch.nn.DataParallel(make())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mp.apply_policy(parallel, "mixed_bfloat16", overrides)
+    assert [(r.path, r.source) for r in mp.describe(parallel)] == [(r.path, r.source) for r in mp.describe(bare)]
+    assert torch.equal(parallel(x.detach()), bare(x.detach()))
+    mp.remove_policy(parallel)
+    assert {r.source for r in mp.describe(parallel)} == {"no policy applied"}
 
 
 def test_explicit_output_dtype_is_honoured():
