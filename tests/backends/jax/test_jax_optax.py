@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import numpy as np
 import pytest
@@ -696,7 +697,6 @@ def test_a_loop_that_never_scales_its_loss_is_warned_once_where_the_wrapper_scal
             p, state = step(p, state)
         return p
 
-    import warnings
     forgot = mp.LossScaleOptimizer(optax.sgd(0.1), policy="mixed_float16")
     with pytest.warns(UserWarning, match="scale_loss never was") as caught:
         p = run(forgot, scaled=False, steps=3)
