@@ -38,7 +38,7 @@ from mixedpolicy._dtypes import HALF_DTYPES
 from mixedpolicy.table import LayerPolicy, unapplied_source
 from mixedpolicy.policy import Policy
 from mixedpolicy.backends.keras import float8, patches
-from mixedpolicy.backends.keras.quantized import refuse_float8, source_name, weight_mode, with_source
+from mixedpolicy.backends.keras.quantized import refuse_float8, restored, source_name, weight_mode, with_source
 from mixedpolicy.backends.keras.policy_maps import keep_through_save, own_policy, set_policy
 from mixedpolicy.backends.keras.compile import (carry_updates_in_compile, compile_with_loss_scale,
                                                 use_bounded_loss_scale_in_compile)
@@ -235,7 +235,7 @@ def remove_policy(model: Any) -> Any:
     for layer, _ in _layers(model):
         state = layer.__dict__.pop(_STATE, None)
         if state is not None:
-            set_policy(layer, state[0])
+            set_policy(layer, restored(own_policy(layer), state[0], layer.path))
             if type(layer) is not state[2]:  # a tensorwise fp8 class: Keras's own back
                 layer.__dict__.pop("_mixedpolicy_float8", None)
                 layer.__class__ = state[2]

@@ -12,6 +12,7 @@ also spells as quantization, are `mixedpolicy.backends.keras.float8`'s.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 
@@ -57,3 +58,20 @@ def refuse_float8(dtype_policy: Any, name: str, path: str) -> ValueError:
         f"integer weights and cannot also run in fp8. Keep it out of fp8 with an override, e.g. "
         f"{{{path!r}: 'mixed_bfloat16'}}, or apply the fp8 policy to a model that was not "
         f"quantized. Nothing was applied.")
+
+
+def restored(current: Any, original: Any, path: str) -> Any:
+    """The policy `remove_policy` gives back to a layer that held `original` before a policy was
+    applied and holds `current` now: `original`, unless the layer was quantized in between
+    (``model.quantize`` after ``apply_policy``), whose integer weights a float policy would have
+    computed with as if they were the weights themselves; then `original` becomes their source."""
+    if weight_mode(current) is None or weight_mode(original) is not None or hasattr(original, "default_policy"):
+        return original  # (a DTypePolicyMap the layer held is given back as it is: quantize wrote into it)
+    try:
+        return with_source(current, original.name, path)
+    except ValueError:
+        warnings.warn(
+            f"Keras layer {path!r} was quantized ({current.name}) after its policy was applied, and Keras "
+            f"refuses its integer weights under the policy it had before ({original.name}): it keeps "
+            f"{current.name}.", UserWarning, stacklevel=4)
+        return current

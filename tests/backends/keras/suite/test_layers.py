@@ -220,3 +220,39 @@ def test_a_class_key_sets_the_reduce_dtype_of_a_keras_models_layers_under_tf_dis
     assert mp.tensorflow.bytes_per_step(variables, by_class, model=model) == f32 - 2 * (4 * 3 + 3)
     with pytest.raises(ValueError, match=r"layer-class keys .*Dense.*pass model="):
         mp.tensorflow.bytes_per_step(variables, by_class)
+
+
+def test_a_model_quantized_under_a_policy_keeps_its_integer_weights_when_the_policy_comes_off():
+    """apply_policy, then model.quantize("int8"): the layers compute as Keras's own quantize under
+    that global policy; remove_policy gives back the policies they had with their integer weights
+    (a float policy on an int8 layer would multiply by the integers themselves, silently); a
+    policy Keras refuses with int8 weights (float16 compute) is refused with nothing changed."""
+    def mlp():
+        return keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(4)])
+
+    weights = mlp().get_weights()
+    x = np.random.default_rng(0).random((4, 16)).astype("float32")
+
+    def quantized(model):
+        model.set_weights(weights)
+        model.quantize("int8")
+        return model
+
+    def out(model):
+        return keras.ops.convert_to_numpy(keras.ops.cast(model(x), "float32"))
+
+    ours = mlp()
+    mp.apply_policy(ours, "mixed_bfloat16")
+    quantized(ours)
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    try:
+        native = quantized(mlp())
+    finally:
+        keras.config.set_dtype_policy("float32")
+    np.testing.assert_array_equal(out(ours), out(native))
+    mp.remove_policy(ours)
+    assert [layer.dtype_policy.name for layer in ours.layers] == ["int8_from_float32"] * 2
+    np.testing.assert_array_equal(out(ours), out(quantized(mlp())))
+    with pytest.raises(ValueError, match=r"whose weights model.quantize stored as int8 .* Keras refuses int8"):
+        mp.apply_policy(ours, "mixed_float16")
+    assert [layer.dtype_policy.name for layer in ours.layers] == ["int8_from_float32"] * 2
