@@ -426,3 +426,25 @@ def test_a_refused_policy_leaves_the_model_under_the_policy_it_had():
     mp.apply_policy(model, "bfloat16")  # bfloat16 weights, then a mixed policy: not the user's
     mp.apply_policy(model, "mixed_bfloat16")
     assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "bfloat16"])
+def test_weights_quantized_by_torchao_after_the_policy_survive_its_removal(policy):
+    """torchao's quantize_ after apply_policy swaps the weights for quantized tensors; removing
+    the policy gives the rest back and leaves those as they are (its restore compared each weight
+    with its original and stopped in torchao's "unimplemented operator" error)."""
+    quantization = require_module("torchao.quantization", "torch")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    mp.apply_policy(model, policy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torchao's own deprecation notes)
+        quantization.quantize_(model, quantization.Int8WeightOnlyConfig())
+    kind = type(model[0].weight)
+    mp.remove_policy(model)
+    assert type(model[0].weight) is kind and model[0].bias.dtype == torch.float32
+    assert {r.source for r in mp.describe(model)} == {"no policy applied"}
+    x = torch.randn(4, 64, dtype=model[0].weight.dtype)
+    assert torch.isfinite(model(x)).all()
+    mp.apply_policy(model, "mixed_bfloat16")  # and a policy goes on again
+    assert torch.isfinite(model(x.float())).all()
