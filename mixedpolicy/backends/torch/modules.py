@@ -41,7 +41,7 @@ import torch
 
 from mixedpolicy._adapter import ModelAdapter
 from mixedpolicy.backends.torch.arrays import NAMES as _NAMES, PARAMETER_POLICY, TORCH_DTYPES as _TORCH_DTYPES
-from mixedpolicy.table import LayerPolicy, unapplied_source
+from mixedpolicy.table import LayerPolicy
 from mixedpolicy.policy import Policy
 from mixedpolicy.layer_plan import dotted_chains, join, plan
 from mixedpolicy.policy_map import (EMBEDDING, HEAD, LOSS, NO_FLOAT8, NORMALIZATION, SMALL_MATMUL, LayerInfo,
@@ -49,7 +49,7 @@ from mixedpolicy.policy_map import (EMBEDDING, HEAD, LOSS, NO_FLOAT8, NORMALIZAT
 from mixedpolicy.backends.torch import declared, float8
 from mixedpolicy.layer_kinds import MODEL_KEPT
 from mixedpolicy.backends.torch.paths import named_layers, unwrap
-from mixedpolicy.backends.torch.regions import STATE as _STATE, _autocasts, install, uninstall
+from mixedpolicy.backends.torch.regions import STATE as _STATE, _autocasts, install, uninstall, unplaced
 from mixedpolicy.backends.torch.sharded import fsdp_units, refuse_sharded_changes
 
 _FLOAT32 = Policy("float32")
@@ -180,16 +180,14 @@ class TorchModels(ModelAdapter):
             return self.describe(unwrap(model))
         if _is_ddp(model):  # the wrapped module's own paths: the keys apply_policy(ddp, ...) matches
             return self.describe(model.module)
-        rows = []
+        rows, placed = [], {}
         for path, _, module in named_layers(model):
             state = getattr(module, _STATE, None)
             if state is not None:
                 policy, source = state["policy"], state["source"]
+                placed[path] = policy
             else:
-                dtypes = {_NAMES.get(p.dtype) for p in module.parameters(recurse=False)} - {None}
-                dtype = dtypes.pop() if len(dtypes) == 1 else "float32"
-                policy = Policy(dtype)
-                source = unapplied_source(policy, "its parameters' dtype")  # (a model.half(), say)
+                policy, source = unplaced(module, path, placed)
             # fp8 runs where a layer was swapped for an fp8 one, not in its container or a dropout
             rows.append(LayerPolicy(path, type(module).__name__, policy, source,
                                     runs_float8=state is not None and "float8_original" in state))

@@ -21,8 +21,9 @@ import torch
 from torch.utils import _pytree as pytree
 
 from mixedpolicy.backends.torch import declared
-from mixedpolicy.backends.torch.arrays import TORCH_DTYPES as _TORCH_DTYPES
+from mixedpolicy.backends.torch.arrays import NAMES as _NAMES, TORCH_DTYPES as _TORCH_DTYPES
 from mixedpolicy.policy import Policy
+from mixedpolicy.table import unapplied_source
 
 STATE = "_mixedpolicy"  # attribute holding what apply_policy changed on a module
 
@@ -220,3 +221,20 @@ def _weights_in_another_dtype(err: RuntimeError, module: torch.nn.Module, policy
         f"param_dtype; a cast after apply_policy, such as model.float(), changes them too). Under FSDP2, "
         f"shard this layer as a unit of its own with mp_policy=mp.Policy({policy.name!r}).to_fsdp() (or "
         f"without mp_policy); otherwise apply the policy again after the cast.")
+
+
+def unplaced(module: torch.nn.Module, path: str, placed: dict) -> tuple[Policy, str]:
+    """`describe`'s (policy, source) for a module that has no policy of its own, given `placed`,
+    the policies of the modules before it by path: its parameters' dtype, computing so, except
+    under an enclosing module whose region autocasts (a layer added after `apply_policy`, such as
+    PEFT's LoRA layers put on a model under a policy), where it computes in that autocast's dtype."""
+    dtypes = {_NAMES.get(p.dtype) for p in module.parameters(recurse=False)} - {None}
+    own = dtypes.pop() if len(dtypes) == 1 else "float32"
+    enclosing = max((p for p in placed if p == "" or path.startswith(p + ".")), key=len, default=None)
+    if enclosing is not None and _autocasts(placed[enclosing]):
+        outer = placed[enclosing]
+        return (Policy(outer.compute_dtype, outer.output_dtype, variable_dtype=own),
+                f"added after apply_policy: runs under the autocast of {enclosing or '(root)'!r}; apply the "
+                f"policy again for one of its own")
+    policy = Policy(own)
+    return policy, unapplied_source(policy, "its parameters' dtype")  # (a model.half(), say)

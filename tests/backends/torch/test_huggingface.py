@@ -702,3 +702,21 @@ def test_the_trainer_switches_a_schedule_free_optimizers_mode_through_the_wrappe
     trainer.evaluate()
     assert _ModeSwitching.calls[:1] == ["train"] and "eval" in _ModeSwitching.calls
     assert trainer.loss_scale_optimizer.inner_optimizer is optimizer
+
+
+def test_lora_layers_added_after_the_policy_are_described_as_they_compute():
+    """peft's LoRA put on a model already under a policy: its new layers have no policy of their
+    own and run under the autocast of the layer they wrap; `describe` says so (it read them as
+    float32, "no policy applied"), and the LoRA matmuls do compute in bfloat16."""
+    peft = pytest.importorskip("peft")
+    model = mp.apply_policy(_model(), "mixed_bfloat16")
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["c_attn"], lora_dropout=0.0))
+    rows = {r.path: r for r in mp.describe(lora)}
+    added = [p for p in rows if p.endswith("lora_A.default")]
+    assert added and all(rows[p].compute_dtype == "bfloat16" and rows[p].variable_dtype == "float32"
+                         and "added after apply_policy" in rows[p].source for p in added), [rows[p] for p in added]
+    seen = []
+    layer = dict(lora.named_modules())[added[0]]
+    layer.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    lora(input_ids=torch.randint(0, 64, (2, 16)))
+    assert seen == [torch.bfloat16]
