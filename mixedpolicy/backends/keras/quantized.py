@@ -15,6 +15,8 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from mixedpolicy._warnings import user_stacklevel
+
 
 def weight_mode(dtype_policy: Any) -> str | None:
     """``"int8"``, ``"int4/128"``... where `dtype_policy` stores the layer's weights as
@@ -73,5 +75,5 @@ def restored(current: Any, original: Any, path: str) -> Any:
         warnings.warn(
             f"Keras layer {path!r} was quantized ({current.name}) after its policy was applied, and Keras "
             f"refuses its integer weights under the policy it had before ({original.name}): it keeps "
-            f"{current.name}.", UserWarning, stacklevel=4)
+            f"{current.name}.", UserWarning, stacklevel=user_stacklevel("keras"))
         return current
