@@ -48,7 +48,7 @@ from mixedpolicy.policy_map import (EMBEDDING, HEAD, LOSS, NO_FLOAT8, NORMALIZAT
                                     Resolution)
 from mixedpolicy.backends.torch import declared, float8
 from mixedpolicy.layer_kinds import MODEL_KEPT
-from mixedpolicy.backends.torch.paths import named_layers, unwrap
+from mixedpolicy.backends.torch.paths import named_layers, stored_at, unwrap
 from mixedpolicy.backends.torch.regions import STATE as _STATE, _autocasts, install, uninstall, unplaced
 from mixedpolicy.backends.torch.sharded import fsdp_units, refuse_sharded_changes
 
@@ -323,13 +323,14 @@ def remove_policy(model: torch.nn.Module) -> torch.nn.Module:
                 uninstall(module, state[key])
         originals = state.get("originals", {})
         for name, dtype in state["dtypes"].items():
-            tensor = getattr(module, name)
-            value = _restored(tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor,
-                              originals.get(name), dtype)
-            if isinstance(tensor, torch.nn.Parameter):
-                tensor.data = value
-            else:
-                setattr(module, name, value)
+            for owner, attr in stored_at(module, name):  # (pruned or parametrized since: what it is made from)
+                tensor = getattr(owner, attr)
+                value = _restored(tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor,
+                                  originals.get(name), dtype)
+                if isinstance(tensor, torch.nn.Parameter):
+                    tensor.data = value
+                else:
+                    setattr(owner, attr, value)
     return model
 
 

@@ -51,3 +51,21 @@ def named_layers(model: torch.nn.Module) -> Iterator[tuple[str, str, torch.nn.Mo
     for path, module in model.named_modules():
         if _wrapped(module) is None:
             yield clean(path), path, module
+
+
+def stored_at(module: torch.nn.Module, name: str) -> list[tuple[torch.nn.Module, str]]:
+    """Where the tensor `module` held as `name` when a policy was applied is kept now: itself, or,
+    where torch reparametrized it since, the tensors it is computed from (``torch.nn.utils.prune``'s
+    ``<name>_orig``; ``torch.nn.utils.parametrize``'s ``original``, or ``original0``, ``original1``...
+    of weight_norm, with its parametrizations' floating buffers); each as (owner, attribute)."""
+    if name in module._parameters or name in module._buffers:
+        return [(module, name)]
+    if f"{name}_orig" in module._parameters:
+        return [(module, f"{name}_orig")]
+    parametrizations = module._modules.get("parametrizations")
+    chain = parametrizations._modules.get(name) if parametrizations is not None else None
+    if chain is not None:  # and the floating state its parametrizations keep (spectral_norm's vectors)
+        return [(chain, attr) for attr in chain._parameters if attr.startswith("original")] + [
+            (step, attr) for step in chain.children() for attr, buffer in step._buffers.items()
+            if buffer is not None and buffer.is_floating_point()]
+    return [(module, name)]

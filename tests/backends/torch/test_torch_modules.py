@@ -448,3 +448,25 @@ def test_weights_quantized_by_torchao_after_the_policy_survive_its_removal(polic
     assert torch.isfinite(model(x)).all()
     mp.apply_policy(model, "mixed_bfloat16")  # and a policy goes on again
     assert torch.isfinite(model(x.float())).all()
+
+
+def test_weights_pruned_or_parametrized_after_a_pure_policy_come_back_in_their_dtype():
+    """torch.nn.utils.prune and parametrize move a weight the policy cast to bfloat16 into
+    `weight_orig` / `parametrizations.weight.original*` (spectral_norm keeps vectors made from it):
+    remove_policy gives those back in float32. It restored an attribute the next forward
+    recomputes, and left the model failing with "must have the same dtype"."""
+    from torch.nn.utils import parametrizations, prune
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 4))
+    mp.apply_policy(model, "bfloat16")
+    prune.l1_unstructured(model[0], "weight", amount=0.5)
+    parametrizations.weight_norm(model[2])
+    parametrizations.spectral_norm(model[4])
+    x = torch.randn(2, 8)
+    assert model(x).dtype == torch.bfloat16
+    mp.remove_policy(model)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert model(x).dtype == torch.float32
+    assert float((model[0].weight == 0).float().mean()) == 0.5  # the pruning mask kept
