@@ -245,6 +245,10 @@ def loss_scale_transformation(inner: Any, config: LossScale, axis_name: Any = No
     recipe = recipe_of_transformation(inner)
     inner = optax.with_extra_args_support(inner)
 
+    # multiplies the loss by something other than 1: an update whose loss was never scaled is warned of
+    scales = not isinstance(config, NoLossScale) and not (
+        isinstance(config, StaticLossScale) and float(config.loss_scale) == 1.0)
+
     def make_state(inner_state: Any) -> Any:
         if is_pass_through(config):
             return PassThroughState(inner_state)
@@ -281,8 +285,8 @@ def loss_scale_transformation(inner: Any, config: LossScale, axis_name: Any = No
             return updates, PassThroughState(inner_state)
         if not isinstance(config, NoLossScale):
             refuse_reevaluation(extra_args, summary(config))
-            if not (isinstance(config, StaticLossScale) and float(config.loss_scale) == 1.0):
-                warn_unscaled(update, summary(config))
+        if scales:
+            warn_unscaled(update, config)
         scale = _scale_state(config, state)  # NoLossScale: no unscale, but the skip all the same
         grads = scale.unscale(grads)
         finite = all_finite(grads)

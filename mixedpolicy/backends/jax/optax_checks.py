@@ -10,7 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mixedpolicy import _warnings
 from mixedpolicy._warnings import user_stacklevel
+from mixedpolicy.loss_scale import summary
 
 _HALF = ("float16", "bfloat16")
 
@@ -73,20 +75,19 @@ def refuse_reevaluation(extra_args: dict, what: str) -> None:
             f"first-order optimizer such as optax.adamw.")
 
 
-def warn_unscaled(update: Any, what: str) -> None:
+def warn_unscaled(update: Any, config: Any) -> None:
     """Warns once per wrapper, at the user's line, where a scaling wrapper's `update` comes while
     its ``scale_loss`` was never called: a loop that differentiates the plain loss has its update
     divided by the scale. torch's wrapper (and GradScaler) refuse such a step; a JAX wrapper sees
     arrays only, not where they came from, and gradients multiplied by ``state.loss_scale`` by
     hand are right, so it warns, and not at all once code of the user's has read that scale.
     Under ``jax.jit`` the check runs as the step is traced."""
-    from mixedpolicy.backends.jax.optax_state import scale_read_by_user
-
-    if getattr(update, "scaled_a_loss", False) or getattr(update, "warned_unscaled", False) or scale_read_by_user():
+    if getattr(update, "scaled_a_loss", False) or getattr(update, "warned_unscaled", False) \
+            or _warnings.SCALE_READ_BY_USER[0]:
         return
     update.warned_unscaled = True
     warnings.warn(
-        f"update() of a LossScaleOptimizer that scales the loss ({what}) was called, and its "
+        f"update() of a LossScaleOptimizer that scales the loss ({summary(config)}) was called, and its "
         f"scale_loss never was: "
         f"where these are the gradients of the plain loss, dividing them by the loss scale makes "
         f"the update that many times too small (torch's GradScaler refuses such a step). "

@@ -4,22 +4,15 @@ and counters taken by a wrapper of another policy."""
 from __future__ import annotations
 
 import logging
-import sys
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from mixedpolicy._warnings import note_scale_read
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale
 
 _log = logging.getLogger("mixedpolicy")
-_READ_BY_USER = [False]  # code outside mixedpolicy read a state's loss scale (to scale by hand, or show it)
-
-
-def scale_read_by_user() -> bool:
-    """Whether code outside mixedpolicy has read a `LossScaleState`'s ``loss_scale``: such a loop
-    may scale its loss by hand, so an update without ``scale_loss`` is not taken for a mistake."""
-    return _READ_BY_USER[0]
 
 
 def _value(x: Any) -> Any:
@@ -67,8 +60,7 @@ class LossScaleState(NamedTuple):
 
     @property
     def loss_scale(self) -> Any:
-        if not _READ_BY_USER[0] and not str(sys._getframe(1).f_globals.get("__name__")).startswith("mixedpolicy"):
-            _READ_BY_USER[0] = True
+        note_scale_read()  # (a loop that scales by hand is not warned of as one that forgot to)
         return jax.lax.bitcast_convert_type(_value(self.counts)[..., 3], jnp.float32)
 
     @property

@@ -28,12 +28,13 @@ from keras.src.saving import object_registration as _registry  # the name a clas
 
 from mixedpolicy._adapter import OptimizerAdapter
 from mixedpolicy._scale_checks import anchor_names
+from mixedpolicy._warnings import note_scale_read
 from mixedpolicy.backends.keras.reduce import (all_finite, already_summed, check_gradients, check_loss,
                                                check_reduce_policy, finite_on_every_replica, is_concrete,
                                                reduce_to_config, sum_across_replicas)
 from mixedpolicy.backends.keras.updates import KerasUpdates, rounding_to_config
 from mixedpolicy.backends.keras.policy_maps import policies_in
-from mixedpolicy.backends.keras.stateless import StatelessScaling, note_read
+from mixedpolicy.backends.keras.stateless import StatelessScaling
 from mixedpolicy.backends.keras.saving import (SkipCounters, SkipCounts, constructor_arguments, load_keras_layout,
                                                prepared_for_checkpoints, save_keras_layout)
 from mixedpolicy.policy import Policy
@@ -107,8 +108,7 @@ class LossScaleOptimizer(SkipCounters, StatelessScaling, keras.optimizers.LossSc
         self._pass_through = pass_through
         self._reduce_policy = check_reduce_policy(reduce_policy)
         self._skip_store = SkipCounts(self)
-        extra = set(self.get_config()) - {"name", "inner_optimizer", "initial_scale",
-                                          "dynamic_growth_steps"}
+        extra = set(self.get_config()) - {"name", "inner_optimizer", "initial_scale", "dynamic_growth_steps"}
         if type(self) is LossScaleOptimizer and not extra:
             self.__class__ = _SavedAsKeras  # Keras's own can express it: saved under Keras's name
 
@@ -130,7 +130,7 @@ class LossScaleOptimizer(SkipCounters, StatelessScaling, keras.optimizers.LossSc
     @property
     def loss_scale(self) -> float:
         """The current scale (reading it syncs with the device)."""
-        note_read()
+        note_scale_read("keras")  # (a loop that scales by hand is not warned of as one that forgot to)
         return float(ops.convert_to_numpy(self.dynamic_scale)) if self.built else float(self.initial_scale)
 
     @property

@@ -17,19 +17,9 @@ from typing import Any
 import keras
 from keras.src.backend.common.stateless_scope import in_stateless_scope
 
+from mixedpolicy import _warnings
 from mixedpolicy._warnings import user_stacklevel
 from mixedpolicy.loss_scale import DynamicLossScale
-
-_READ_BY_USER = [False]  # code outside mixedpolicy read a wrapper's scale (to scale a loss by hand)
-
-
-def note_read() -> None:
-    """Notes a read of a wrapper's scale by code outside mixedpolicy and Keras (see above)."""
-    import sys
-
-    if not _READ_BY_USER[0] and str(sys._getframe(2).f_globals.get("__name__")).partition(".")[0] not in (
-            "mixedpolicy", "keras"):
-        _READ_BY_USER[0] = True
 
 
 def _staged(x: Any) -> bool:
@@ -90,7 +80,8 @@ class StatelessScaling:
         trainers call ``scale_loss`` themselves). Once code of the user's has read ``loss_scale`` (to
         scale by hand), nothing is said."""
         seen = self.__dict__
-        if seen.get("_mixedpolicy_scaled_a_loss") or seen.get("_mixedpolicy_warned_unscaled") or _READ_BY_USER[0]:
+        if seen.get("_mixedpolicy_scaled_a_loss") or seen.get("_mixedpolicy_warned_unscaled") \
+                or _warnings.SCALE_READ_BY_USER[0]:
             return
         seen["_mixedpolicy_warned_unscaled"] = True
         warnings.warn(

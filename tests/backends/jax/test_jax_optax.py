@@ -679,9 +679,9 @@ def test_a_loop_that_never_scales_its_loss_is_warned_once_where_the_wrapper_scal
     never called warns, naming the fix (under jit, as the step is traced; once). Nothing is said
     where nothing is scaled, where the loop scales, or once the user's code has read the scale
     (to scale by hand)."""
-    from mixedpolicy.backends.jax import optax_state
+    from mixedpolicy import _warnings
 
-    monkeypatch.setattr(optax_state, "_READ_BY_USER", [False])
+    monkeypatch.setattr(_warnings, "SCALE_READ_BY_USER", [False])
     params = {"w": jnp.ones(3)}
 
     def run(tx, scaled, steps=2):
@@ -704,7 +704,7 @@ def test_a_loop_that_never_scales_its_loss_is_warned_once_where_the_wrapper_scal
     assert "tx.scale_loss(loss, opt_state)" in str(caught[0].message)
     assert float(p["w"][0]) > 0.999  # what it warns of: the update 32768x too small
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
+        warnings.filterwarnings("error", message=".*scale_loss never was")
         run(forgot, scaled=False)  # said once per wrapper
         np.testing.assert_allclose(run(mp.LossScaleOptimizer(optax.sgd(0.1), policy="mixed_float16"), scaled=True)["w"],
                                    run(optax.sgd(0.1), scaled=False)["w"], rtol=1e-6)

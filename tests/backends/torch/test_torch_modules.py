@@ -347,7 +347,8 @@ def test_keys_written_for_the_bare_model_reach_it_compiled_or_checkpoint_wrapped
         warnings.simplefilter("error")
         mp.apply_policy(parallel, "mixed_bfloat16", overrides)
     assert [(r.path, r.source) for r in mp.describe(parallel)] == [(r.path, r.source) for r in mp.describe(bare)]
-    assert torch.equal(parallel(x.detach()), bare(x.detach()))
+    if not torch.cuda.is_available():  # (with GPUs, DataParallel moves the model to the first)
+        assert torch.equal(parallel(x.detach()), bare(x.detach()))
     mp.remove_policy(parallel)
     assert {r.source for r in mp.describe(parallel)} == {"no policy applied"}
 
