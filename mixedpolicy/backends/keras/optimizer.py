@@ -36,7 +36,7 @@ from mixedpolicy.backends.keras.updates import KerasUpdates, rounding_to_config
 from mixedpolicy.backends.keras.policy_maps import policies_in
 from mixedpolicy.backends.keras.stateless import StatelessScaling
 from mixedpolicy.backends.keras.saving import (SkipCounters, SkipCounts, constructor_arguments, load_keras_layout,
-                                               prepared_for_checkpoints, save_keras_layout)
+                                               prepared_for_checkpoints, save_keras_layout, to_numpy)
 from mixedpolicy.policy import Policy
 from mixedpolicy.scope import global_policy
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale, is_pass_through, summary
@@ -108,8 +108,7 @@ class LossScaleOptimizer(SkipCounters, StatelessScaling, keras.optimizers.LossSc
         self._pass_through = pass_through
         self._reduce_policy = check_reduce_policy(reduce_policy)
         self._skip_store = SkipCounts(self)
-        extra = set(self.get_config()) - {"name", "inner_optimizer", "initial_scale", "dynamic_growth_steps"}
-        if type(self) is LossScaleOptimizer and not extra:
+        if type(self) is LossScaleOptimizer and not self._settings_config():
             self.__class__ = _SavedAsKeras  # Keras's own can express it: saved under Keras's name
 
     def build(self, var_list: Any) -> None:
@@ -131,7 +130,7 @@ class LossScaleOptimizer(SkipCounters, StatelessScaling, keras.optimizers.LossSc
     def loss_scale(self) -> float:
         """The current scale (reading it syncs with the device)."""
         note_scale_read("keras")  # (a loop that scales by hand is not warned of as one that forgot to)
-        return float(ops.convert_to_numpy(self.dynamic_scale)) if self.built else float(self.initial_scale)
+        return float(to_numpy(self.dynamic_scale)) if self.built else float(self.initial_scale)
 
     @property
     def loss_scaling(self) -> str:
@@ -213,7 +212,7 @@ class LossScaleOptimizer(SkipCounters, StatelessScaling, keras.optimizers.LossSc
         with keras.StatelessScope(state_mapping=mapping) as scope:
             finite = self._finite(grads)
             concrete = is_concrete(finite)
-            if concrete and not bool(ops.convert_to_numpy(finite)):
+            if concrete and not bool(to_numpy(finite)):
                 new_trainable, new_inner = old_trainable, old_inner
             else:
                 def apply_inner():  # unscaled in the branch: XLA fuses it into the update's kernels
@@ -240,7 +239,7 @@ class LossScaleOptimizer(SkipCounters, StatelessScaling, keras.optimizers.LossSc
         # the skip counted in its own branch: a step applied (in a TensorFlow graph, ~2 us an op)
         # spends nothing on the counters
         if is_concrete(finite):
-            (apply_inner if bool(ops.convert_to_numpy(finite)) else self._count_skip)()
+            (apply_inner if bool(to_numpy(finite)) else self._count_skip)()
         else:
             ops.cond(finite, apply_inner, self._count_skip)
         self._update_scale(finite, counted=True)
@@ -267,12 +266,13 @@ class LossScaleOptimizer(SkipCounters, StatelessScaling, keras.optimizers.LossSc
             super().load_own_variables(store)  # Keras's warning: nothing or a mismatch
 
     def get_config(self) -> dict:
-        """Keras's four keys; the settings Keras's own cannot express only where they are set.
+        """Keras's own four keys, then the settings Keras's own cannot express (only those set)."""
+        return {**super().get_config(), **self._settings_config()}
 
-        A default wrapper's config is exactly Keras's (``name``, ``inner_optimizer``,
-        ``initial_scale``, ``dynamic_growth_steps``).
-        """
-        config = {**super().get_config(), **rounding_to_config(self.inner_optimizer)}
+    def _settings_config(self) -> dict:
+        """`get_config`'s keys beyond Keras's four (none for a default wrapper), without serializing
+        the inner optimizer (whose variables Keras reads by a call NumPy 2 deprecates: not at construction)."""
+        config = dict(rounding_to_config(self.inner_optimizer))
         reduce_config = reduce_to_config(self._reduce_policy)
         if reduce_config is not None:
             config["reduce_policy"] = reduce_config

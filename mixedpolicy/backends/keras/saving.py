@@ -23,6 +23,18 @@ from mixedpolicy.loss_scale import StaticLossScale
 _log = logging.getLogger("mixedpolicy")
 
 
+def to_numpy(x: Any) -> Any:
+    """`keras.ops.convert_to_numpy` of an eager value, but a torch or TensorFlow tensor (or a Keras
+    variable's) read by its own ``.numpy()``: Keras's ``np.array(...)`` of those warns under NumPy 2
+    (their ``__array__`` takes no ``copy``), an error in a suite that turns warnings into errors,
+    where Keras's own loss-scale optimizer trains without reading any."""
+    value = getattr(x, "value", x)  # a Keras variable: its backend tensor
+    if hasattr(value, "detach"):  # torch: no bfloat16 in NumPy's own dtypes
+        value = value.detach().cpu()
+        value = value.float() if str(value.dtype) == "torch.bfloat16" else value
+    return value.numpy() if callable(getattr(value, "numpy", None)) else ops.convert_to_numpy(value)
+
+
 class SkipCounters:
     """A Keras `LossScaleOptimizer`'s skip counters, one int32 variable ``[num_skipped_steps, the
     attempt skipped last]`` (each variable costs in Keras's JAX trainer), an attempt numbered by
@@ -37,13 +49,13 @@ class SkipCounters:
         """Whether the last step was skipped for a non-finite gradient."""
         if not self.built:
             return False
-        total, attempt = (int(v) for v in ops.convert_to_numpy(self._skips))
-        return total > 0 and attempt == int(ops.convert_to_numpy(self.inner_optimizer._iterations)) + total
+        total, attempt = (int(v) for v in to_numpy(self._skips))
+        return total > 0 and attempt == int(to_numpy(self.inner_optimizer._iterations)) + total
 
     @property
     def num_skipped_steps(self) -> int:
         """How many steps were skipped so far."""
-        return int(ops.convert_to_numpy(self._skips)[0]) if self.built else 0
+        return int(to_numpy(self._skips)[0]) if self.built else 0
 
     def _skipped_counts(self) -> Any:
         """The counters once the step under way is counted as skipped."""
@@ -56,9 +68,9 @@ class SkipCounters:
     def _read_earlier_counters(self) -> None:
         """Counters loaded from a file written before 2026-11-28 (``[skipped, 1 if the last step
         was]``, an attempt below the count) in today's form."""
-        total, last = (int(v) for v in ops.convert_to_numpy(self._skips))
+        total, last = (int(v) for v in to_numpy(self._skips))
         if last < total or (total == 0 and last):
-            iterations = int(ops.convert_to_numpy(self.inner_optimizer._iterations))
+            iterations = int(to_numpy(self.inner_optimizer._iterations))
             self._skips.assign(np.asarray([total, iterations + total if last == 1 else 0], np.int32))
 
 
@@ -75,7 +87,7 @@ class SkipCounts(KerasSaveable):
     def save_own_variables(self, store: Any) -> None:
         owner = self._owner()
         if owner is not None and owner.built:
-            store["0"] = ops.convert_to_numpy(owner._skips)
+            store["0"] = to_numpy(owner._skips)
             store["1"] = np.asarray(_scales(owner), np.int32)  # whether the scale in the file was used
 
     def load_own_variables(self, store: Any) -> None:
@@ -90,7 +102,7 @@ class SkipCounts(KerasSaveable):
         owner._read_earlier_counters()
         if "1" not in store.keys():
             return
-        loaded, own = float(ops.convert_to_numpy(owner.dynamic_scale)), float(owner.initial_scale)
+        loaded, own = float(to_numpy(owner.dynamic_scale)), float(owner.initial_scale)
         saved_scaled = bool(store["1"])
         static = isinstance(owner._scale_settings, StaticLossScale) and _scales(owner)  # keeps its own (torch, optax)
         if saved_scaled == _scales(owner) and not (static and loaded != own):
@@ -151,7 +163,7 @@ def load_keras_layout(optimizer: Any, store: Any) -> bool:
                      "it as %s, so it was converted (moments rounded to nearest into a float dtype, "
                      "block-quantized into int8; a Kahan compensation the checkpoint lacks starts at "
                      "zero, one this optimizer does not keep is dropped).", *changed)
-    scale = float(ops.convert_to_numpy(optimizer.dynamic_scale))
+    scale = float(to_numpy(optimizer.dynamic_scale))
     if not (scale > 0 and scale < float("inf")):
         raise ValueError(
             f"Received a checkpoint whose loss scale is {scale}; expected a finite number > 0 "

@@ -8,6 +8,7 @@ import os
 import sys
 import unittest
 import tempfile
+import warnings
 
 import numpy as np
 import pytest
@@ -705,3 +706,26 @@ def test_a_custom_loop_that_never_scales_its_loss_is_warned_once(monkeypatch):
         model.fit(np.ones((8, 3)), np.ones((8, 2)), verbose=0)
     by_hand = mp.LossScaleOptimizer(keras.optimizers.SGD(0.1), policy="mixed_float16")
     assert not said(by_hand, by=by_hand.loss_scale)
+
+
+@pytest.mark.parametrize("settings", [{"policy": "mixed_float16"}, {"policy": "float32"}, {"min_scale": 0.5}],
+                         ids=["scaling", "pass-through", "bounded"])
+def test_a_suite_that_turns_deprecation_warnings_into_errors_trains_with_the_wrapper(settings):
+    """Keras's own loss-scale optimizer trains without reading a value to the host; ours reads a
+    step's finiteness (an eager step: the torch backend) and the scale. Keras's
+    `convert_to_numpy` is `np.array(...)`, which NumPy 2 warns of for a torch or TensorFlow
+    tensor and a Keras variable (their `__array__` takes no `copy`): an error in a suite that
+    turns warnings into errors (pytest's `-W error`), where Keras's own trained."""
+    x, y = np.ones((8, 4), "float32"), np.ones((8, 2), "float32")
+    bad = x.copy()
+    bad[0, 0] = np.inf
+    model = mp.apply_policy(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]), "mixed_float16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # (a pass-through beside a float16 model says so)
+        warnings.simplefilter("error", DeprecationWarning)
+        opt = mp.LossScaleOptimizer(keras.optimizers.Adam(1e-2), **settings)
+        model.compile(opt, "mse")
+        model.fit(x, y, batch_size=4, epochs=2, verbose=0)
+        model.train_on_batch(bad, y)
+        assert opt.last_step_skipped and opt.num_skipped_steps >= 1
+        assert opt.loss_scale > 0 and np.isfinite(opt.loss_scale)
