@@ -78,6 +78,10 @@ def half_dtype(tree: Any = None) -> DType:
     >>> half_dtype(np.ones(2, np.float32))
     'float16'
     """
+    if isinstance(tree, (str, bytes)):  # a device or platform name would silently mean "no arrays"
+        raise TypeError(f"Received half_dtype({tree!r}); expected a tree of arrays, whose device decides, or "
+                        f"nothing (JAX's default device, as jmp.half_dtype()). A policy's half dtype is "
+                        f"Policy(...).compute_dtype.")
     if tree is None:
         from mixedpolicy._registry import imported_array_ops
 

@@ -457,6 +457,8 @@ def test_cast_to_full_and_half_are_jmps_on_every_frameworks_trees(backend):
     half = mp.half_dtype()
     on_tpu = backend == "jax" and require_module("jax").local_devices()[0].platform == "tpu"
     assert half == ("bfloat16" if on_tpu else "float16") and isinstance(half, str)
+    with pytest.raises(TypeError, match=r"half_dtype\('tpu'\).*tree of arrays"):
+        mp.half_dtype("tpu")  # a platform's name is not a tree of arrays on it
     o = object()
     tree = {"o": o, "h": xp.ones((), dtype=xp.float16), "f": xp.ones((), dtype=xp.float32),
             "i": xp.ones((), dtype=xp.int16)}
