@@ -14,6 +14,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from mixedpolicy.backends.keras.saving import to_numpy
 from mixedpolicy.ranges import merge, numpy_stats
 
 
@@ -57,7 +58,7 @@ def _stats(flat: list, scales: tuple) -> np.ndarray:
 
             vector = jax_stats(by_output(g), scales)
         else:
-            a = np.asarray(keras.ops.convert_to_numpy(g))
+            a = np.asarray(to_numpy(g))
             vector = numpy_stats(a.reshape(-1, a.shape[-1]).T if a.ndim > 1 else a, scales)
         total = merge(total, vector)
     return total

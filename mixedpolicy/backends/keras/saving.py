@@ -13,6 +13,7 @@ import logging
 import weakref
 from typing import Any
 
+import keras
 import numpy as np
 from keras import ops
 from keras.src.saving.keras_saveable import KerasSaveable
@@ -28,7 +29,7 @@ def to_numpy(x: Any) -> Any:
     variable's) read by its own ``.numpy()``: Keras's ``np.array(...)`` of those warns under NumPy 2
     (their ``__array__`` takes no ``copy``), an error in a suite that turns warnings into errors,
     where Keras's own loss-scale optimizer trains without reading any."""
-    value = getattr(x, "value", x)  # a Keras variable: its backend tensor
+    value = x.value if isinstance(x, keras.Variable) else x  # a Keras variable: its backend tensor
     if hasattr(value, "detach"):  # torch: no bfloat16 in NumPy's own dtypes
         value = value.detach().cpu()
         value = value.float() if str(value.dtype) == "torch.bfloat16" else value
