@@ -127,7 +127,6 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
-
 _MODULES_FROZEN = [0]  # len(sys.modules) when the collector last froze what there was
 
 
