@@ -221,6 +221,7 @@ _COLUMNS = (
     ("B/param (native)", _bytes_per_parameter),
     ("loss gap", lambda r: _percent(r.get("max_loss_gap_vs_native"))),
     ("accuracy", lambda r: "-" if r["accuracy"] is None else f"{r['accuracy']:.3f}"),
+    ("test loss", lambda r: "-" if r.get("test_loss") is None else f"{r['test_loss']:.4f}"),
     ("vs f32 acc", lambda r: "-" if r.get("accuracy_gap_vs_float32") is None
      else f"{r['accuracy_gap_vs_float32']:+.3f}"),
     ("skipped", lambda r: str(r["skipped_steps"])),
@@ -272,8 +273,9 @@ def markdown(results: dict) -> str:
               "`flag`: NOISY where a ratio's interval is wider than +-3% (it cannot tell a few percent), "
               "ABOVE GOAL where the overhead is steadily above the goal (the note says what ours does "
               "there). "
-              "`loss gap`: the largest gap of ours's loss curve to native's; `vs f32 acc`: accuracy "
-              "against the float32 run; `B/param`: bytes per parameter of weights, gradients and "
+              "`loss gap`: the largest gap of ours's loss curve to native's; `test loss`: the mean cross "
+              "entropy on the held-out digits after training (read with the accuracy); `vs f32 acc`: "
+              "accuracy against the float32 run; `B/param`: bytes per parameter of weights, gradients and "
               "optimizer state, counted from the live arrays, ours (native). On CPUs without bf16/fp16 "
               "hardware, half precision is slower than float32: that is the hardware; the overhead "
               "ratio is the figure that measures mixedpolicy there.", "",
@@ -301,8 +303,8 @@ def csv_rows(runs: list[dict]) -> list[list]:
     """One row per run: its headline numbers, for spreadsheets."""
     header = ["framework", "compile", "policy", "model", "data", "batch_size", "step_ms", "native_step_ms",
               "throughput_per_s", "peak_memory_mb", "bytes_per_parameter", "speedup_vs_float32", "speedup_ci",
-              "final_loss", "max_loss_gap_vs_native", "accuracy", "accuracy_gap_vs_float32", "skipped_steps",
-              "final_loss_scale", "overhead_vs_native", "overhead_ci", "flag"]
+              "final_loss", "max_loss_gap_vs_native", "accuracy", "test_loss", "accuracy_gap_vs_float32",
+              "skipped_steps", "final_loss_scale", "overhead_vs_native", "overhead_ci", "flag"]
     rows = [header]
     for r in runs:
         rows.append([r["framework"], r.get("compile", False), r["policy"], r["model"], r.get("data", "digits"),
@@ -310,7 +312,7 @@ def csv_rows(runs: list[dict]) -> list[list]:
                      r.get("throughput_tokens_per_s", r["throughput_samples_per_s"]),
                      r["peak_memory_bytes"] / 2**20, ((r.get("memory") or {}).get("ours") or {}).get(
                          "bytes_per_parameter"), *ratio(r, "speedup"), r["final_loss"],
-                     r.get("max_loss_gap_vs_native"), r["accuracy"], r.get("accuracy_gap_vs_float32"),
+                     r.get("max_loss_gap_vs_native"), r["accuracy"], r.get("test_loss"), r.get("accuracy_gap_vs_float32"),
                      r["skipped_steps"], r["final_loss_scale"], *ratio(r, "overhead"), noise(r)])
     return rows
 

@@ -60,16 +60,22 @@ def build(spec: RunSpec, runner, policy: str | None = None) -> tuple:
                            tf32=policy == "tf32")
 
 
-def accuracy(spec: RunSpec, trainer: Trainer, x: np.ndarray, y: np.ndarray) -> float | None:
-    """Test accuracy of `trainer`'s current weights (in batches, so a large model's logits
-    fit the device); None on synthetic data, whose labels are noise."""
+def evaluate(spec: RunSpec, trainer: Trainer, x: np.ndarray, y: np.ndarray) -> tuple:
+    """(test accuracy, test loss) of `trainer`'s current weights, read from the same logits (in
+    batches, so a large model's logits fit the device); the loss is the mean cross entropy of
+    the class logits in float64, the held-out figure a last training batch's loss is too noisy
+    to be. (None, None) on synthetic data, whose labels are noise."""
     if spec.dataset == "synthetic":
-        return None
-    hits = 0
+        return None, None
+    hits, nll = 0, 0.0
     for i in range(0, len(x), spec.batch_size):
-        logits = models.class_logits(spec.model, trainer.predict(x[i:i + spec.batch_size]))
-        hits += int(np.sum(np.argmax(logits, -1) == y[i:i + spec.batch_size]))
-    return hits / len(x)
+        logits = models.class_logits(spec.model, trainer.predict(x[i:i + spec.batch_size])).astype(np.float64)
+        target = y[i:i + spec.batch_size]
+        hits += int(np.sum(np.argmax(logits, -1) == target))
+        top = logits.max(-1, keepdims=True)
+        log_z = np.log(np.exp(logits - top).sum(-1)) + top[..., 0]
+        nll += float(np.sum(log_z - np.take_along_axis(logits, target[:, None], -1)[:, 0]))
+    return hits / len(x), nll / len(x)
 
 
 class _Feed:
@@ -166,8 +172,8 @@ def run(spec: RunSpec) -> dict:
         feeds = {t: _Cycle(own) for t in (ours, native)}
         batch_size = user_model.batch_size(own[0][0])
 
-    def score(trainer: Trainer) -> float | None:
-        return accuracy(spec, trainer, x_test, y_test) if own is None else batch_accuracy(trainer, own)
+    def score(trainer: Trainer) -> tuple:
+        return evaluate(spec, trainer, x_test, y_test) if own is None else (batch_accuracy(trainer, own), None)
 
     def advance(trainer: Trainer, n: int) -> float:
         if spec.policy == "tf32":  # TF32 is a global switch: on for ours and native, off for the reference
@@ -182,11 +188,14 @@ def run(spec: RunSpec) -> dict:
         advance(ours, n)
         advance(native, n)
         losses.append([spec.warmup + done + n, ours.last_loss(), native.last_loss()])  # step, ours, native
+    (accuracy_ours, test_loss), (accuracy_native, native_test_loss) = score(ours), score(native)
     quality = {
         "final_loss": losses[-1][1],
         "loss_curve": losses,
-        "accuracy": score(ours),
-        "native_accuracy": score(native),
+        "accuracy": accuracy_ours,
+        "native_accuracy": accuracy_native,
+        "test_loss": test_loss,
+        "native_test_loss": native_test_loss,
         "skipped_steps": ours.skipped_steps(),
         "final_loss_scale": ours.loss_scale(),
     }

@@ -23,7 +23,7 @@ import zoo_helper
 FIELDS = {"framework", "policy", "model", "batch_size", "steps", "step_time_s", "throughput_samples_per_s",
           "peak_memory_bytes", "final_loss", "accuracy", "skipped_steps", "final_loss_scale",
           "overhead_vs_native", "overhead_ci", "speedup_vs_float32", "speedup_ratios", "speedup_ci", "memory",
-          "max_loss_gap_vs_native", "accuracy_gap_vs_float32"}
+          "max_loss_gap_vs_native", "accuracy_gap_vs_float32", "test_loss"}
 
 
 @pytest.mark.parametrize("args, message", [
@@ -193,6 +193,25 @@ def test_a_run_trains_both_sides_alike_then_times_them_in_interleaved_long_enoug
     # the speed-up over float32 comes from the same blocks: the reference's time over ours
     assert record["speedup_vs_float32"] == pytest.approx(1.5) and record["speedup_ci"] == pytest.approx(0)
     assert record["loss_curve"][-1][0] == 2 + 10 and record["steps"] == 10 and record["repeats"] == 5
+    # equal logits for every class: the held-out cross entropy is log(10) on both sides
+    assert record["test_loss"] == pytest.approx(np.log(10)) and record["native_test_loss"] == pytest.approx(np.log(10))
+
+
+def test_the_test_loss_is_the_held_out_cross_entropy_read_with_the_accuracy():
+    """Read in batches (the last one short), in float64: logits far beyond float32's exp range
+    give their exact cross entropy, and a synthetic run (labels of noise) reports neither."""
+    from mixedpolicy.bench import worker
+
+    logits = np.zeros((5, 10))
+    logits[:, 0] = 1000.0  # class 0 everywhere, by a margin exp() cannot hold
+    trainer = type("T", (), {"predict": lambda self, x: logits[x[:, 0].astype(int)]})()
+    x = np.arange(5, dtype=np.float32)[:, None]
+    y = np.array([0, 0, 3, 0, 3])
+    run = spec.RunSpec("torch", "float32", "mlp", 2, 1, 1, 0, "cpu", "", 0)
+    accuracy, loss = worker.evaluate(run, trainer, x, y)
+    assert accuracy == pytest.approx(3 / 5)
+    assert loss == pytest.approx(2 * 1000.0 / 5)  # 0 where class 0 is right, 1000 where it is not
+    assert worker.evaluate(run._replace(dataset="synthetic"), trainer, x, y) == (None, None)
 
 
 @pytest.mark.parametrize("elapsed_per_step, expected", [(0.1, 1), (0.02, 3), (1e-4, 525), (0.0, 1 << 20)])
