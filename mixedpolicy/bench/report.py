@@ -274,7 +274,7 @@ def markdown(results: dict) -> str:
               "ABOVE GOAL where the overhead is steadily above the goal (the note says what ours does "
               "there). "
               "`loss gap`: the largest gap of ours's loss curve to native's; `test loss`: the mean cross "
-              "entropy on the held-out digits after training (read with the accuracy); `vs f32 acc`: "
+              "entropy on the held-out test split after training (read with the accuracy); `vs f32 acc`: "
               "accuracy against the float32 run; `B/param`: bytes per parameter of weights, gradients and "
               "optimizer state, counted from the live arrays, ours (native). On CPUs without bf16/fp16 "
               "hardware, half precision is slower than float32: that is the hardware; the overhead "
