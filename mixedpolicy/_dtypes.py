@@ -298,13 +298,17 @@ def host_leaves_finite(leaves: Any, own: Any = None) -> bool:
     Keras variable, which holds its backend's array) is read on the host, not passed as finite.
 
     Raises:
-      TypeError: such a leaf cannot be read as an array.
+      TypeError: such a leaf cannot be read as an array, or a leaf is a string.
     """
     import numpy as np
 
     for leaf in leaves:
         if own is not None and own(leaf):
             continue
+        if isinstance(leaf, (str, bytes)):  # jmp's all_finite fails on one too (jnp.isfinite of a string)
+            raise TypeError(f"Received the {type(leaf).__name__} {leaf[:40]!r} among the leaves; expected arrays and "
+                            f"numbers, e.g. the gradients all_finite(grads) checks. Pass the tree of arrays, not a "
+                            f"name or a path.")
         if not (isinstance(leaf, (float, np.ndarray, np.generic))) and hasattr(leaf, "__array__") \
                 and hasattr(leaf, "dtype") and not isinstance(leaf, type):
             try:

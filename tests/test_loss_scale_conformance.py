@@ -45,6 +45,9 @@ def test_all_finite_checks_python_floats_and_numpy_leaves_beside_a_frameworks_te
             return self.value
 
     assert not bool(all_finite({"t": ones, "v": Held([np.inf])})) and bool(all_finite([ones, Held([2.0])]))
+    for text in ("grads", b"grads"):  # a name is not a tree of arrays (jmp's fails on it too)
+        with pytest.raises(TypeError, match=r"Received the (str|bytes) b?'grads' among the leaves; expected arrays"):
+            all_finite({"t": ones, "name": text})
 
 
 def test_scale_takes_a_tree_on_every_loss_scale():
