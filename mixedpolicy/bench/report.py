@@ -312,7 +312,8 @@ def csv_rows(runs: list[dict]) -> list[list]:
                      r.get("throughput_tokens_per_s", r["throughput_samples_per_s"]),
                      r["peak_memory_bytes"] / 2**20, ((r.get("memory") or {}).get("ours") or {}).get(
                          "bytes_per_parameter"), *ratio(r, "speedup"), r["final_loss"],
-                     r.get("max_loss_gap_vs_native"), r["accuracy"], r.get("test_loss"), r.get("accuracy_gap_vs_float32"),
+                     r.get("max_loss_gap_vs_native"), r["accuracy"], r.get("test_loss"),
+                     r.get("accuracy_gap_vs_float32"),
                      r["skipped_steps"], r["final_loss_scale"], *ratio(r, "overhead"), noise(r)])
     return rows
 
