@@ -27,20 +27,22 @@ def _top() -> argparse.ArgumentParser:
 def _describe(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="mixedpolicy describe",
                                 description="Builds your model with FACTORY() from MODULE (a module path or a "
-                                            ".py file) and prints mixedpolicy's per-layer table, after "
+                                            ".py file; a factory of the bench's that returns a dict gives its "
+                                            "'model') and prints mixedpolicy's per-layer table, after "
                                             "putting --policy on it if given.")
     p.add_argument("target", metavar="MODULE:FACTORY")
     p.add_argument("--policy", default=None, help="a policy in any spelling mixedpolicy accepts")
     args = p.parse_args(argv)
     import mixedpolicy as mp
-    from mixedpolicy.bench.user_model import load_factory
+    from mixedpolicy.bench.user_model import load_factory, unpack
 
     try:
         policy = None if args.policy is None else mp.Policy(args.policy)
         # the global policy first, as a script sets it: a Keras model the factory builds
         # (a functional or Sequential one is built as it is defined) takes its dtypes
         mp.set_global_policy(policy)
-        model = load_factory(args.target)()
+        # a bench factory's dict (the model with its own batches and loss) too: its model
+        model = unpack(load_factory(args.target)(), args.target, named=args.target).model
         if policy is not None:
             model = mp.apply_policy(model, policy)
         print(mp.describe(model))

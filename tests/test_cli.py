@@ -40,3 +40,23 @@ def test_describe_a_users_model_from_a_file_with_a_policy(tmp_path, capsys):
     assert main(["describe", target.replace(":make", ":make_wide")]) == 2
     assert "make_wide requires the arguments width; expected a factory that takes no arguments" in \
         capsys.readouterr().err
+
+
+def test_describe_takes_a_bench_factory_that_returns_its_model_with_batches(tmp_path, capsys):
+    """The MODULE:FACTORY `mixedpolicy bench --model` and `inspect --model` take (a dict with the
+    model, its batches and loss) describes its model; a dict that breaks the contract says how."""
+    require_module("torch")
+    (tmp_path / "zoo.py").write_text(
+        "import torch\n"
+        "def own():\n"
+        "    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))\n"
+        "    return {'model': model, 'batches': [(torch.ones(2, 4), torch.zeros(2, dtype=torch.long))]}\n"
+        "def odd():\n"
+        "    return {'model': torch.nn.Linear(2, 2), 'optimizer': None}\n")
+    target = f"{tmp_path / 'zoo.py'}:own"
+    assert main(["describe", target, "--policy", "mixed_float16"]) == 0
+    out = capsys.readouterr().out
+    assert "Sequential" in out and "LayerNorm" in out and "float16" in out and "built-in rule" in out
+    assert main(["describe", target.replace(":own", ":odd")]) == 2
+    err = capsys.readouterr().err
+    assert f"Received {tmp_path / 'zoo.py'}:odd, whose factory returns a dict with the keys 'optimizer'" in err

@@ -87,8 +87,9 @@ class UserSetup(NamedTuple):
     loss: Callable | None = None
 
 
-def unpack(built: Any, target: str) -> UserSetup:
-    """`built`, what the factory of `target` returned, as a `UserSetup`.
+def unpack(built: Any, target: str, named: str | None = None) -> UserSetup:
+    """`built`, what the factory of `target` returned, as a `UserSetup`; `named`: how errors
+    name the target (default ``--model TARGET``, the bench's and inspect's option).
 
     Raises:
       ValueError: a dict that breaks the contract: unknown or missing keys, both or neither of
@@ -97,7 +98,7 @@ def unpack(built: Any, target: str) -> UserSetup:
     """
     if not isinstance(built, Mapping):
         return UserSetup(built)
-    where = f"Received --model {target}, whose factory returns a dict"
+    where = f"Received {named or '--model ' + target}, whose factory returns a dict"
     unknown = [k for k in built if k not in KEYS]
     if unknown:
         raise ValueError(f"{where} with the keys {', '.join(map(repr, unknown))}; expected only "
