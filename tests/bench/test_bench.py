@@ -640,11 +640,12 @@ def test_the_hand_written_jax_step_skips_a_non_finite_step_as_jmp_does(tmp_path)
     assert not all(np.array_equal(a, b) for a, b in zip(start, values()))
 
 
-def test_the_hand_written_nnx_fp8_hook_is_ours_bit_for_bit_over_a_float32_source():
+def test_the_hand_written_nnx_fp8_hook_is_ours_within_float32_rounding_over_a_float32_source():
     """The JAX fp8 row's native side (the dot_general NNX users write by hand) and ours run the
-    same arithmetic: over float32 compute their gradients are equal bit for bit, so the loss gap
-    the bench shows over a bfloat16 source is the two programs' bfloat16 rounding that fp8's
-    coarse steps grow, not a different recipe (docs/benchmarks.md)."""
+    same arithmetic: over float32 compute their gradients agree to float32 rounding (bit for bit
+    on the machine this was written on; two programs, so not asserted), so the loss gap the bench
+    shows over a bfloat16 source is the two programs' bfloat16 rounding that fp8's coarse steps
+    grow, not a different recipe (another weight format moves them by percents)."""
     from conftest import require_module
 
     jax = require_module("jax")
@@ -667,7 +668,7 @@ def test_the_hand_written_nnx_fp8_hook_is_ours_bit_for_bit_over_a_float32_source
     a, b = grads(ours), grads(native)
     assert a.keys() == b.keys() and len(a) == 6
     for key in a:
-        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+        np.testing.assert_allclose(a[key], b[key], rtol=0, atol=1e-5 * np.abs(b[key]).max(), err_msg=key)
     # and fp8 is at work: on the two hidden layers (not the head), whose gradients it changes
     import mixedpolicy as mp
 
