@@ -292,6 +292,8 @@ def test_a_small_run_writes_every_output_with_every_field(tmp_path):
         assert FIELDS <= set(run), FIELDS - set(run)
         assert set(run["step_time_s"]) == {"median", "min", "max"}
         assert 0 <= run["accuracy"] <= 1 and run["overhead_vs_native"] > 0
+        # both sides evaluated as they train (native under its autocast): the same held-out loss
+        assert run["native_test_loss"] == pytest.approx(run["test_loss"], rel=1e-6), run["policy"]
     assert results["runs"][1]["final_loss_scale"] is not None
     assert "| torch | mixed_float16 |" in (out / "report.md").read_text()
     rows = (out / "results.csv").read_text().splitlines()

@@ -300,12 +300,13 @@ class Native(_Torch):
             "float32, no autocast" if self.dtype is None else
             f"torch.autocast(torch.{source[6:]})" + (" + GradScaler" if self.scaler.is_enabled() else ""))
 
+    def _forward(self, x):  # under its autocast, predictions too: a mixed row's accuracy is the mixed model's
+        with torch.autocast(self.device.split(":")[0], dtype=self.dtype or torch.float32, enabled=bool(self.dtype)):
+            return user_model.call(self.model, x)
+
     def step(self, x, y) -> None:
         x, y = self._batch(x, y)
-        with torch.autocast(self.device.split(":")[0], dtype=self.dtype or torch.float32,
-                            enabled=self.dtype is not None):
-            out = self._forward(x)
-        loss = self.objective(out, y)
+        loss = self.objective(self._forward(x), y)
         self.scaler.scale(loss).backward()
         self.scaler.step(self.opt)
         self.scaler.update()
@@ -324,8 +325,7 @@ def trainers(model: str, cfg: dict, policy: str, weights: dict, device: str, com
     ours = Ours(net, policy, device, learning_rate(model), setup)
     native = Native(twin, recipes.model_part(policy), device, learning_rate(model), setup)  # no update recipe: nearest
     if compile:
-        for side in (ours, native):
-            side.model = torch.compile(side.model)
+        ours.model, native.model = torch.compile(ours.model), torch.compile(native.model)
     return ours, native
 
 
