@@ -263,7 +263,8 @@ FINITE_GROUP_ELEMENTS = 1 << 22
 FINITE_ALONE_ELEMENTS = 1 << 16
 
 
-def finite_groups(arrays: Any, size: Any, key: Any = None) -> list:
+def finite_groups(arrays: Any, size: Any, key: Any = None, alone: int | None = None,
+                  up_to: int | None = None) -> list:
     """`arrays` in groups that one finiteness reduction checks together (over their values
     concatenated): one dtype to a group, at most `FINITE_GROUP_ELEMENTS` elements, in their order
     within a dtype. An array of more than `FINITE_ALONE_ELEMENTS` elements, or one whose
@@ -272,17 +273,20 @@ def finite_groups(arrays: Any, size: Any, key: Any = None) -> list:
     A compiler runs each array's reduction as kernels of their own (XLA:CPU three), whose fixed
     cost was a third of a small model's step; a group of small arrays is one fused pass over a
     small copy. A large array is read in place: concatenated, its copy doubled the check's memory
-    traffic (GPT-2 small's AdamW update on an H100: 0.8 ms added where 0.4 ms reads it)."""
+    traffic (GPT-2 small's AdamW update on an H100: 0.8 ms added where 0.4 ms reads it).
+    `alone` and `up_to`, where given, stand for the two limits (a backend's own)."""
+    alone = FINITE_ALONE_ELEMENTS if alone is None else alone
+    up_to = FINITE_GROUP_ELEMENTS if up_to is None else up_to
     groups: list = []
     open_group: dict = {}
     for x in arrays:
         n = size(x)
-        if n is None or n > FINITE_ALONE_ELEMENTS:
+        if n is None or n > alone:
             groups.append([x])
             continue
         kind = x.dtype if key is None else key(x)
         group, total = open_group.get(kind, (None, 0))
-        if group is None or total + n > FINITE_GROUP_ELEMENTS:
+        if group is None or total + n > up_to:
             group, total = [], 0
             groups.append(group)
         group.append(x)

@@ -88,7 +88,8 @@ def all_finite(tree: Any) -> Any:
               for part in ((x.real, x.imag) if jnp.iscomplexobj(x) else (x,)) if dtype_name(part.dtype) is not None]
     if not arrays:
         return jnp.asarray(True)
-    terms = [_finite_term(group) for group in finite_groups(arrays, lambda x: x.size)]
+    terms = [_finite_term(group) for group in finite_groups(arrays, lambda x: x.size, alone=READ_ALONE_FROM,
+                                                            up_to=GROUPED_UP_TO)]
     if len(terms) == 1:
         return jnp.isfinite(terms[0])
     # added up by a dot product: XLA rewrites a reduction over stacked scalars into a chain that
@@ -98,30 +99,41 @@ def all_finite(tree: Any) -> Any:
     return jnp.isfinite(total)
 
 
-#: A group of small arrays of at most this many values is checked through a mask (`_finite_term`).
-MASKED_UP_TO = 1 << 18
+#: An array of more values than this is checked in place, by a product of its own (`_finite_term`).
+READ_ALONE_FROM = 1 << 12
+#: Smaller arrays are concatenated into groups of at most this many values (`_finite_term`).
+GROUPED_UP_TO = 1 << 15
 
 
 def _finite_term(group: list) -> Any:
     """A float scalar, 0 where every value of the group is finite, NaN where one is inf or NaN.
 
-    A sum of x * 0 (a float product with zero is not folded away, and the sum cannot overflow)
-    vectorizes where a mask's reduction does not: 11 against 16 ms over 31M float32 values on
-    one CPU core (half and 8-bit floats widened to float32 first, exactly; float64 kept). A
-    large array is read in place that way, and so is a large group, concatenated. A group of
-    up to `MASKED_UP_TO` values is concatenated into a mask instead: XLA fuses the concatenation
-    with the ``isfinite`` into one kernel writing a byte per value, and reduces it in a plain
-    loop where the sum went to a library kernel of a higher fixed cost. The bench MLP's jitted
-    step (26k values) on one pinned core: 1.04x the bare optimizer's against 1.09x; alike
-    (within 5%) from 10 to 200 arrays of up to 200k values in all (docs/benchmarks.md)."""
-    flat = jnp.concatenate([x.ravel() for x in group]) if len(group) > 1 else group[0]
-    if flat.size > MASKED_UP_TO:
-        return jnp.sum(_widened(flat) * 0)
+    A group of small arrays (`GROUPED_UP_TO` values at most) is concatenated into an ``isfinite``
+    mask: XLA fuses the concatenation with the test into one kernel, and reduces the bytes in
+    a plain loop. A larger array is read in place by a matrix-vector product with zeros
+    (``x * 0`` is 0 for a finite x and NaN for inf or NaN, and a sum of zeros cannot overflow;
+    no compiler folds a float product with zero away), which XLA:CPU hands to its vectorized
+    matrix kernel. On one CPU core the mask (the previous reading of every group) cost 26 us
+    over 43k float32 values and 340 us over 150k (XLA:CPU's concatenation of many values is a
+    slow loop), a sum of ``x * 0`` per array 110 us, the products 28 us
+    (docs/benchmarks.md, "The check's reading")."""
+    if len(group) == 1 and group[0].size > READ_ALONE_FROM:
+        return _product_with_zeros(group[0])
+    flat = jnp.concatenate([x.ravel() for x in group]) if len(group) > 1 else group[0].ravel()
     return jnp.where(jnp.isfinite(flat).all(), jnp.float32(0), jnp.float32(np.nan))
 
 
-def _widened(x: Any) -> Any:
-    return x.astype(jnp.float32) if x.dtype.itemsize < 4 else x
+def _product_with_zeros(x: Any) -> Any:
+    """The sum of ``x * 0``, as a matrix-vector product over `x`'s values in rows (float16 widened
+    to float32 first, exactly); bfloat16 and 8-bit floats widened and summed, which costs a CPU
+    less (bfloat16: 50 against 110 us over 262k values, where float16 takes 90 against 130); a
+    size no row length divides, summed."""
+    columns = next((c for c in (256, 128, 64, 32, 16) if x.size % c == 0), None)
+    wide = x if x.dtype in (jnp.float32, jnp.float64) else x.astype(jnp.float32)
+    if columns is None or x.dtype not in (jnp.float32, jnp.float64, jnp.float16):
+        return jnp.sum(wide * 0)
+    rows = wide.reshape(-1, columns)
+    return jnp.sum(jnp.dot(rows, jnp.zeros(columns, wide.dtype), precision=jax.lax.Precision.HIGHEST))
 
 
 class JaxArrays(ArrayOps):

@@ -545,25 +545,26 @@ def test_optax_transformations_skip_through_the_cond_as_through_the_selects(name
     assert int(by_cond[-1][1].num_skipped_steps) == 1
 
 
-@pytest.mark.parametrize("path", ["mask", "sum"])
+@pytest.mark.parametrize("path", ["mask", "product"])
 def test_the_check_finds_every_non_finite_value_through_either_reading(path, monkeypatch):
-    """Groups of small gradients are read through an isfinite mask, large ones through a sum of
-    x * 0 (`arrays.MASKED_UP_TO`): each finds inf, -inf and NaN in every float dtype, in any
-    leaf of several groups, jitted or not, and never reads values at the top of a range as
+    """Groups of small gradients are read through an isfinite mask, larger ones in place through a
+    product with zeros (`arrays.READ_ALONE_FROM`: a matrix-vector product, or a sum of x * 0 for
+    bfloat16 and sizes no row length divides): each finds inf, -inf and NaN in every float dtype,
+    in any leaf of several groups, jitted or not, and never reads values at the top of a range as
     overflowing."""
     from mixedpolicy.backends.jax import arrays
 
-    if path == "sum":
-        monkeypatch.setattr(arrays, "MASKED_UP_TO", 0)
+    if path == "product":
+        monkeypatch.setattr(arrays, "READ_ALONE_FROM", 0)
     tops = {jnp.float32: 3.0e38, jnp.bfloat16: 3.3e38, jnp.float16: 65504.0}
-    leaves = [jnp.full((300,), top, dtype) for dtype, top in tops.items()] + [jnp.full((70000,), -3.0e38),
-                                                                              jnp.full((5,), 2.0)]
+    leaves = [jnp.full(shape, top, dtype) for dtype, top in tops.items() for shape in ((300,), (64, 48))]
+    leaves += [jnp.full((70000,), -3.0e38), jnp.full((3, 4096), 3.0e38), jnp.full((5,), 2.0)]
     for check in (arrays.all_finite, jax.jit(arrays.all_finite)):
         assert bool(check(leaves))
         for i, leaf in enumerate(leaves):
             for bad in (jnp.inf, -jnp.inf, jnp.nan):
                 poisoned = list(leaves)
-                poisoned[i] = leaf.at[-1].set(bad)
+                poisoned[i] = leaf.ravel().at[-1].set(bad).reshape(leaf.shape)
                 assert not bool(check(poisoned)), (path, i, bad)
 
 
