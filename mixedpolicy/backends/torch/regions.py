@@ -97,6 +97,39 @@ def cast_inputs(model: torch.nn.Module, data: Any) -> Any:
     return cast_floating(data, _TORCH_DTYPES[state["policy"].compute_dtype])
 
 
+# torch's fused inference kernels for attention (the "fastpath" of nn.MultiheadAttention,
+# nn.TransformerEncoderLayer and nn.TransformerEncoder's nested tensors, taken in eval mode without
+# gradients) take every weight of the layer at once, in the input's dtype: they fail where a
+# region computes in half precision around float32 weights (the norms the built-in rule keeps in
+# float32, a mixed policy's variables), and torch's own test for autocast sees CUDA's alone
+# (pytorch/pytorch#132613: "expected scalar type Float but found BFloat16" under a CPU
+# autocast). Such a region runs with the fastpath off, as it runs in training: module by module.
+_FASTPATH_MODULES = (torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer, torch.nn.TransformerEncoder)
+_fastpath_lock = threading.Lock()
+_fastpath_off = {"regions": 0, "found": True}  # regions running with it off (any thread), the setting found
+
+
+def _has_fastpath(module: torch.nn.Module) -> bool:
+    return any(isinstance(m, _FASTPATH_MODULES) for m in module.modules())
+
+
+def _set_fastpath_off(off: bool) -> None:
+    """Counts a region in (`off`) or out; the first in turns torch's fastpath off, the last out
+    puts back the setting it found (regions in several threads share the one global switch)."""
+    from torch.backends import mha
+
+    with _fastpath_lock:
+        if off:
+            if _fastpath_off["regions"] == 0:
+                _fastpath_off["found"] = mha.get_fastpath_enabled()
+                mha.set_fastpath_enabled(False)
+            _fastpath_off["regions"] += 1
+        else:
+            _fastpath_off["regions"] -= 1
+            if _fastpath_off["regions"] == 0:
+                mha.set_fastpath_enabled(_fastpath_off["found"])
+
+
 class _Region:
     """A module's forward run under a policy: what `apply_policy` puts on ``module.forward``.
 
@@ -117,6 +150,7 @@ class _Region:
         # Under autocast with output == compute, outputs are left as autocast makes them
         # (half for matmul-like ops, float32 for float32 ops and float32 sub-regions).
         self._cast_out = not (self._autocast and policy.output_dtype == policy.compute_dtype)
+        self._no_fastpath: bool | None = None  # (on the first call: a module being unpickled is half made)
 
     def __getstate__(self) -> dict:
         return {"module": self.module, "policy": self.policy, "inner": self.inner}
@@ -136,6 +170,17 @@ class _Region:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # (one Python frame between the module's call and its forward where it can: on a CPU a
         # small model's forward spends as much time in Python as in its kernels)
+        if self._no_fastpath is None:
+            self._no_fastpath = self._compute != torch.float32 and _has_fastpath(self.module)
+        if self._no_fastpath and not torch.compiler.is_compiling():
+            _set_fastpath_off(True)
+            try:
+                return self._run(args, kwargs)
+            finally:
+                _set_fastpath_off(False)
+        return self._run(args, kwargs)
+
+    def _run(self, args: tuple, kwargs: dict) -> Any:
         _running.depth = getattr(_running, "depth", 0) + 1
         try:
             if self._autocast:

@@ -471,3 +471,41 @@ def test_weights_pruned_or_parametrized_after_a_pure_policy_come_back_in_their_d
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     assert model(x).dtype == torch.float32
     assert float((model[0].weight == 0).float().mean()) == 0.5  # the pruning mask kept
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16", "bfloat16"])
+def test_a_transformer_encoder_in_eval_mode_computes_as_in_training(policy):
+    """nn.TransformerEncoder and nn.MultiheadAttention take a fused kernel in eval mode without
+    gradients (torch's "fastpath"), which needs every weight of the layer in the input's dtype:
+    under a CPU autocast it failed ("expected scalar type Float but found BFloat16", as torch's
+    own autocast does, pytorch/pytorch#132613), and under a pure policy it met the float32 norms.
+    A region around such layers runs module by module, as in training, and puts torch's setting
+    back (a user's own False kept)."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, dropout=0.0)
+    model = torch.nn.TransformerEncoder(layer, 2)
+    reference = copy.deepcopy(model)
+    mp.apply_policy(model, policy)
+    x = torch.randn(3, 8, 32)
+    pad = torch.zeros(3, 8, dtype=torch.bool)
+    pad[1, 5:] = True
+    kept = ~pad
+    trained = model(x, src_key_padding_mask=pad).detach()
+    model.eval()
+    for fastpath in (True, False):
+        torch.backends.mha.set_fastpath_enabled(fastpath)
+        try:
+            with torch.no_grad():
+                evaluated = model(x, src_key_padding_mask=pad)
+                attention = model.layers[0].self_attn(x, x, x, need_weights=False)[0]
+            assert torch.backends.mha.get_fastpath_enabled() is fastpath
+        finally:
+            torch.backends.mha.set_fastpath_enabled(True)
+        assert evaluated.dtype == trained.dtype
+        torch.testing.assert_close(evaluated[kept], trained[kept], rtol=0, atol=0)
+        assert attention.dtype == getattr(torch, mp.Policy(policy).compute_dtype)
+    if policy.startswith("mixed"):  # training under torch's own autocast takes the same modules
+        half = getattr(torch, mp.Policy(policy).compute_dtype)
+        with torch.autocast("cpu", dtype=half):
+            expected = reference(x, src_key_padding_mask=pad)
+        torch.testing.assert_close(trained[kept], expected[kept].detach(), rtol=0, atol=0)
