@@ -250,22 +250,63 @@ def uninstall(module: torch.nn.Module, before: Any) -> None:
 
 def _weights_in_another_dtype(err: RuntimeError, module: torch.nn.Module, policy: Policy,
                               compute: torch.dtype) -> Exception | None:
-    """Where a region that casts its inputs failed on dtypes and a weight of its layer is in
-    another floating dtype than the inputs (FSDP2's mp_policy gathered it so, or the module was
-    cast after apply_policy), the error that says so and the fixes; else None (the error stands)."""
+    """Where a region that casts its inputs failed on dtypes, the error that says why and the fix:
+    a weight of its layers in another dtype than the policy put it in (FSDP2's mp_policy gathered
+    it so, or the module was cast after apply_policy), else the layer that failed on activations
+    that left the compute dtype inside the forward; None where the error is not about dtypes or
+    neither is found (torch's error stands)."""
     if not any(words in str(err) for words in ("dtype", "scalar type")):
         return None
-    other = next(((name, p.dtype) for name, p in module.named_parameters()
-                  if p.is_floating_point() and p.dtype != compute), None)
-    if other is None:
+    moved = _weight_off_its_policy(module)
+    if moved is not None:
+        return RuntimeError(
+            f"A layer of type {type(module).__name__} computes in {policy.compute_dtype} under its policy "
+            f"({policy}), which casts its inputs to {policy.compute_dtype}, but its weight {moved[0]!r} is "
+            f"{str(moved[1]).removeprefix('torch.')} at this call (FSDP2 gathers weights in its mp_policy's "
+            f"param_dtype; a cast after apply_policy, such as model.float(), changes them too). Under FSDP2, "
+            f"shard this layer as a unit of its own with mp_policy=mp.Policy({policy.name!r}).to_fsdp() (or "
+            f"without mp_policy); otherwise apply the policy again after the cast.")
+    failed = _failing_layer(err, module) if policy.compute_dtype in ("bfloat16", "float16") else None
+    if failed is None:
         return None
+    path, layer = failed
+    held = sorted({str(p.dtype).removeprefix("torch.") for p in layer.parameters(recurse=False)
+                   if p.is_floating_point()})
     return RuntimeError(
-        f"A layer of type {type(module).__name__} computes in {policy.compute_dtype} under its policy ({policy}), "
-        f"which casts its inputs to {policy.compute_dtype}, but its weight {other[0]!r} is "
-        f"{str(other[1]).removeprefix('torch.')} at this call (FSDP2 gathers weights in its mp_policy's "
-        f"param_dtype; a cast after apply_policy, such as model.float(), changes them too). Under FSDP2, "
-        f"shard this layer as a unit of its own with mp_policy=mp.Policy({policy.name!r}).to_fsdp() (or "
-        f"without mp_policy); otherwise apply the policy again after the cast.")
+        f"The layer {path or '(root)'!r} ({type(layer).__name__}) of a {type(module).__name__} under the policy "
+        f"{policy}, its weights in {' and '.join(held) or 'no dtype'} as the policy puts them, failed on "
+        f"activations in another dtype ({err}). The region casts its inputs to {policy.compute_dtype} once, "
+        f"at its entry; a floating tensor made inside the forward in float32 (torch.arange, torch.ones or "
+        f"torch.tensor without a dtype) turned the activations into float32 on the way, as it would under "
+        f"model.to({policy.compute_dtype}). Make such tensors in the activations' dtype (dtype=x.dtype), or "
+        f"use a mixed policy ('mixed_{policy.compute_dtype}'), whose autocast takes inputs of any dtype.")
+
+
+def _weight_off_its_policy(module: torch.nn.Module) -> tuple | None:
+    """(path, dtype) of the first floating weight under `module` not in the variable dtype its
+    layer's policy gave it; None where every one is."""
+    for path, sub in module.named_modules():
+        state = getattr(sub, STATE, None)
+        if state is None:
+            continue
+        stored = _TORCH_DTYPES[state["policy"].variable_dtype]
+        for name, p in sub.named_parameters(recurse=False):
+            if p.is_floating_point() and p.dtype != stored:
+                return (f"{path}.{name}" if path else name), p.dtype
+    return None
+
+
+def _failing_layer(err: BaseException, module: torch.nn.Module) -> tuple | None:
+    """(path, layer): the innermost layer under `module` whose forward the traceback of `err`
+    passes through, else None."""
+    layers = {id(m): (path, m) for path, m in module.named_modules()}
+    found, tb = None, err.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if isinstance(owner, torch.nn.Module) and id(owner) in layers:
+            found = layers[id(owner)]
+        tb = tb.tb_next
+    return found
 
 
 def unplaced(module: torch.nn.Module, path: str, placed: dict) -> tuple[Policy, str]:

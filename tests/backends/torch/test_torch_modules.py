@@ -169,6 +169,32 @@ def test_weights_cast_after_the_policy_fail_with_what_happened_and_the_fix():
                                      torch.bfloat16) is None
 
 
+class _MadeInFloat32(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.mix = torch.nn.Embedding(50, 16), torch.nn.Linear(16, 16)
+        self.norm, self.head = torch.nn.LayerNorm(16), torch.nn.Linear(16, 4)
+
+    def forward(self, ids):
+        position = torch.arange(ids.shape[1], dtype=torch.float32)[:, None] * torch.ones(16)  # float32
+        return self.head(self.norm(self.mix(self.embed(ids) + torch.sin(position))))
+
+
+@pytest.mark.parametrize("policy", ["bfloat16", "float16"])
+def test_activations_turned_float32_inside_a_pure_forward_name_the_layer_not_a_kept_norm(policy):
+    """A tensor made in float32 inside the forward promotes the activations (as it would under
+    model.to(bfloat16)); the error named the norm the built-in rule keeps in float32 and spoke of
+    FSDP2. It names the layer that failed, the cause and the fixes; a mixed policy runs it."""
+    model = mp.apply_policy(_MadeInFloat32(), policy)
+    ids = torch.randint(0, 50, (2, 6))
+    with pytest.raises(RuntimeError, match=rf"The layer 'mix' \(Linear\) .* its weights in {policy} .*"
+                                           r"dtype=x.dtype.*'mixed_") as caught:
+        model(ids)
+    assert "norm" not in str(caught.value) and "FSDP2" not in str(caught.value)
+    mp.apply_policy(model, "mixed_" + policy)
+    assert model(ids).dtype == getattr(torch, policy)  # autocast's: the head is a matmul
+
+
 def test_a_pure_region_casts_floating_tensors_in_any_argument_structure():
     """Tensors, tuples, lists and dicts of plain values take a fast path; anything else
     (nested containers, named tuples) torch's pytree: every floating tensor is cast alike,
