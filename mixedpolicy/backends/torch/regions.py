@@ -78,7 +78,21 @@ def region_context(model: torch.nn.Module, device: str) -> Any:
     state = getattr(model, STATE, None)
     if state is None or "forward" not in state:  # no policy, or a plain float32 root
         return contextlib.nullcontext()
-    return policy_autocast(state["policy"], device)
+    autocast = policy_autocast(state["policy"], device)
+    if state["policy"].compute_dtype in ("bfloat16", "float16") and _has_fastpath(model):
+        return _fastpath_off_around(autocast)  # (a submodule called directly runs no region of its own)
+    return autocast
+
+
+@contextlib.contextmanager
+def _fastpath_off_around(context: Any) -> Any:
+    """`context` with torch's attention fastpath off (see `_FASTPATH_MODULES`)."""
+    _set_fastpath_off(True)
+    try:
+        with context:
+            yield
+    finally:
+        _set_fastpath_off(False)
 
 
 def policy_autocast(policy: Policy, device: str) -> Any:

@@ -505,3 +505,56 @@ def test_under_fsdp_strategy_ranks_skip_together_as_by_hand_with_sharded_grad_sc
 
     assert _report("lightning_fsdp_worker.py") == {"ok": True}
     assert issubclass(mpl.Precision, pl.plugins.precision.FSDPPrecision)
+
+
+class _Encoder(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        layer = torch.nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, dropout=0.0)
+        self.encoder, self.head = torch.nn.TransformerEncoder(layer, 2), torch.nn.Linear(32, 3)
+
+    def forward(self, x, pad):
+        return self.head(self.encoder(x, src_key_padding_mask=pad)[:, 0])
+
+    def training_step(self, batch, batch_idx):
+        x, pad, y = batch
+        return torch.nn.functional.cross_entropy(self(x, pad).float(), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, pad, y = batch
+        self.log("val_loss", torch.nn.functional.cross_entropy(self(x, pad).float(), y))
+
+    def predict_step(self, batch, batch_idx):
+        return self.encoder(batch[0], src_key_padding_mask=batch[1])  # a submodule called directly
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "bfloat16"])
+def test_a_transformer_encoder_validates_and_predicts_under_the_plugin(policy):
+    """Validation and prediction run in eval mode without gradients, where torch's fused
+    attention kernel (its "fastpath") failed on a half-precision autocast on the CPU (Lightning's
+    own bf16-mixed fails there too: Lightning-AI/pytorch-lightning#19980): under the plugin the
+    encoder computes module by module, the steps' own calls into it included, and torch's
+    setting is put back."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(16, 8, 32, generator=g)
+    pad = torch.zeros(16, 8, dtype=torch.bool)
+    pad[::2, 6:] = True
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, pad, torch.randint(0, 3, (16,), generator=g)),
+                                       batch_size=4)
+    trainer = pl.Trainer(max_steps=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=2,
+                         plugins=[mpl.Precision(policy)])
+    module = _Encoder()
+    trainer.fit(module, data, data)
+    predicted = trainer.predict(module, data)
+    assert torch.backends.mha.get_fastpath_enabled()
+    module.eval()
+    with torch.no_grad():  # called from outside the trainer, the encoder runs its policy's region
+        expected = module.encoder(x[:4], src_key_padding_mask=pad[:4])
+    kept = ~pad[:4]
+    assert predicted[0].dtype == expected.dtype
+    torch.testing.assert_close(predicted[0][kept], expected[kept], rtol=0, atol=0)
