@@ -142,7 +142,8 @@ def all_finite(grads: Any) -> Any:
     On JAX and torch, the check mixedpolicy makes there (`mixedpolicy.all_finite`): a large
     gradient read in place, small ones a group at a time; through ``keras.ops`` every group was
     concatenated, which cost XLA:CPU 350 us over an MLP's 151k gradient values where JAX's own
-    check takes 24 (torch 363 against 119). On TensorFlow a group of gradients at a time
+    check takes 24 (torch 363 against 119). So on TensorFlow, where the gradients are tensors.
+    Otherwise (numpy gradients given to ``apply``) a group of gradients at a time
     (`finite_groups`), over their values concatenated, counted by a dot product, not ``all`` of
     the stacked flags as Keras's own check: XLA copies that chain of ands into every fusion that
     reads the flag, a compile time quadratic in the number of weights."""
@@ -156,6 +157,13 @@ def all_finite(grads: Any) -> Any:
         from mixedpolicy.backends.torch.arrays import TorchArrays
 
         return TorchArrays().all_finite(present)
+    if backend == "tensorflow" and all(ops.is_tensor(g) for g in present):
+        import tensorflow as tf
+
+        from mixedpolicy.backends.tensorflow.arrays import TensorFlowArrays
+
+        # an embedding's gradient (tf.IndexedSlices): its values are what it holds
+        return TensorFlowArrays().all_finite([g.values if isinstance(g, tf.IndexedSlices) else g for g in present])
     flags = [ops.all(ops.isfinite(ops.concatenate([ops.reshape(g, (-1,)) for g in group])))
              for group in finite_groups(present, _static_size)]
     if len(flags) < 2:

@@ -467,6 +467,33 @@ def test_the_finite_check_counts_every_gradient_once_and_finds_the_one_that_is_n
     assert bool(all_finite([keras.ops.ones((2,), "float16") * 60000]))  # large but finite
 
 
+def test_the_finite_check_reads_large_gradients_in_place_and_an_embeddings_slices():
+    """The backend's own check: a large gradient read in place (a product with zeros), small ones
+    through a mask, numpy gradients on the host; on TensorFlow an embedding's gradient, a
+    tf.IndexedSlices, by its values. Each finds inf, -inf and NaN wherever it is."""
+    from mixedpolicy.backends.keras.reduce import all_finite
+
+    shapes = [(300, 256), (64, 128), (128,), (1000, 17), (5,)]
+    grads = [keras.ops.ones(shape) * 3.0e38 for shape in shapes]
+    assert bool(all_finite(grads)) and bool(all_finite([np.ones(70000, "float32"), None]))
+    for i, shape in enumerate(shapes):
+        for bad in (np.inf, -np.inf, np.nan):
+            values = np.full(shape, 1.0, np.float32)
+            values.reshape(-1)[-1] = bad
+            poisoned = list(grads)
+            poisoned[i] = keras.ops.convert_to_tensor(values)
+            assert not bool(all_finite(poisoned)), (shape, bad)
+            assert not bool(all_finite([values])), (shape, bad)  # numpy, read on the host
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        def slices(value):
+            return tf.IndexedSlices(tf.fill([2, 8], value), tf.constant([3, 7]), tf.constant([20, 8]))
+
+        assert bool(all_finite([slices(1.0), grads[0]])) and bool(tf.function(all_finite)([slices(1.0)]))
+        assert not bool(all_finite([slices(np.inf)])) and not bool(tf.function(all_finite)([slices(np.nan)]))
+
+
 def test_a_loss_gradients_or_config_that_are_not_what_they_name_are_refused():
     # a string loss reached the backend's float() ("could not convert string"), a gradient list of
     # ints an AttributeError on .dtype, a config without the inner optimizer a KeyError
