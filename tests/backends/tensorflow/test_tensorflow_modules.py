@@ -193,3 +193,27 @@ def test_tensorflow_modules_tape_loops_and_mirrored_strategy():
                           timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     assert proc.stdout.rstrip().endswith("ok")
+
+
+def test_the_finite_check_reads_large_tensors_in_place_and_finds_every_non_finite_value():
+    """A float32 tensor of more than `READ_ALONE_FROM` values is read by a product with zeros,
+    smaller ones (and other dtypes) through a mask: eager or in a graph, each finds inf, -inf and
+    NaN wherever it is, and values at the top of the range are finite."""
+    import numpy as np
+
+    tf = require_module("tensorflow")
+    from mixedpolicy.backends.tensorflow.arrays import TensorFlowArrays
+
+    check = TensorFlowArrays().all_finite
+    shapes = [((300, 256), tf.float32), ((20000,), tf.float64), ((1000, 17), tf.float32), ((4096, 8), tf.bfloat16),
+              ((64,), tf.float32)]
+    tensors = [tf.fill(shape, tf.constant(3.0e38 if dtype != tf.bfloat16 else 3.3e38, dtype)) for shape, dtype in shapes]
+    for run in (check, tf.function(check)):
+        assert bool(run(tensors))
+        for i, (shape, dtype) in enumerate(shapes):
+            for bad in (np.inf, -np.inf, np.nan):
+                values = np.ones(shape, np.float64)
+                values.reshape(-1)[-1] = bad
+                poisoned = list(tensors)
+                poisoned[i] = tf.constant(values, dtype)
+                assert not bool(run(poisoned)), (shape, dtype, bad)
