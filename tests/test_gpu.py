@@ -163,6 +163,27 @@ def test_jax_on_gpu_keeps_the_step_on_the_device():
     assert np.isfinite(np.asarray(params["w"])).all()
 
 
+def test_jax_check_reads_large_arrays_through_the_gpus_matrix_kernels():
+    """JAX's check reads an array of more than 4096 values by a matrix-vector product with zeros:
+    on the GPU's kernels (and whatever XLA:GPU rewrites it into) an inf or NaN anywhere must still
+    come out, jitted, in every float dtype; values at the top of the range stay finite."""
+    jax = require_module("jax")
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs JAX with a GPU")
+    jnp = jax.numpy
+    from mixedpolicy.backends.jax.arrays import all_finite
+
+    check = jax.jit(all_finite)
+    tops = {jnp.float32: 3.0e38, jnp.bfloat16: 3.3e38, jnp.float16: 65504.0}
+    leaves = [jnp.full((512, 384), top, dtype) for dtype, top in tops.items()] + [jnp.full((70001,), 1.0)]
+    assert bool(check(leaves))
+    for i, leaf in enumerate(leaves):
+        for bad in (jnp.inf, -jnp.inf, jnp.nan):
+            poisoned = list(leaves)
+            poisoned[i] = leaf.ravel().at[12345].set(bad).reshape(leaf.shape)
+            assert not bool(check(poisoned)), (i, bad)
+
+
 @pytest.mark.parametrize("policy", ["float32", "bfloat16_stochastic"])
 def test_optax_wrapper_keeps_its_one_state_array_on_the_device_under_nnx_jit(policy):
     """The one int32 state array (counters and the scale's bits) and the stochastic-rounding
