@@ -217,3 +217,7 @@ def test_the_finite_check_reads_large_tensors_in_place_and_finds_every_non_finit
                 poisoned = list(tensors)
                 poisoned[i] = tf.constant(values, dtype)
                 assert not bool(run(poisoned)), (shape, dtype, bad)
+    # sizes known only at run time (an embedding's gradient values in a graph): through the mask
+    unknown = tf.function(check, input_signature=[[tf.TensorSpec([None, 256], tf.float32), tf.TensorSpec(None, tf.float32)]])
+    assert bool(unknown([tensors[0], tensors[2]]))
+    assert not bool(unknown([tensors[0], tf.constant([[1.0, np.nan]])]))
