@@ -139,14 +139,14 @@ def _static_size(x: Any) -> int | None:
 def all_finite(grads: Any) -> Any:
     """A boolean scalar tensor: are all the gradients (None skipped) free of inf and NaN?
 
-    On JAX and torch, the check mixedpolicy makes there (`mixedpolicy.all_finite`): a large
-    gradient read in place, small ones a group at a time; through ``keras.ops`` every group was
+    The check mixedpolicy makes on the backend's own tensors (`mixedpolicy.all_finite`): a large
+    gradient read in place, small ones a group at a time. Through ``keras.ops`` every group was
     concatenated, which cost XLA:CPU 350 us over an MLP's 151k gradient values where JAX's own
-    check takes 24 (torch 363 against 119). So on TensorFlow, where the gradients are tensors.
-    Otherwise (numpy gradients given to ``apply``) a group of gradients at a time
-    (`finite_groups`), over their values concatenated, counted by a dot product, not ``all`` of
-    the stacked flags as Keras's own check: XLA copies that chain of ands into every fusion that
-    reads the flag, a compile time quadratic in the number of weights."""
+    check takes 24 (torch 363 against 119). On TensorFlow with numpy gradients given to ``apply``,
+    a group of gradients at a time (`finite_groups`), over their values concatenated, counted by
+    a dot product, not ``all`` of the stacked flags as Keras's own check: XLA copies that chain of
+    ands into every fusion that reads the flag, a compile time quadratic in the number of
+    weights."""
     present = [g for g in grads if g is not None]
     backend = keras.backend.backend()
     if backend == "jax":
