@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import weakref
 from typing import Any, Callable
 
 import torch
 from torch.utils import _pytree as pytree
 
 from mixedpolicy.backends.torch import declared
+from mixedpolicy.backends.torch.fastpath import fastpath_off_around, has_fastpath, holds_fastpath, set_fastpath_off
 from mixedpolicy.backends.torch.arrays import NAMES as _NAMES, TORCH_DTYPES as _TORCH_DTYPES
 from mixedpolicy.policy import Policy
 from mixedpolicy.table import unapplied_source
@@ -80,20 +80,9 @@ def region_context(model: torch.nn.Module, device: str) -> Any:
     if state is None or "forward" not in state:  # no policy, or a plain float32 root
         return contextlib.nullcontext()
     autocast = policy_autocast(state["policy"], device)
-    if state["policy"].compute_dtype in ("bfloat16", "float16") and _holds_fastpath(model):
-        return _fastpath_off_around(autocast)  # (a submodule called directly runs no region of its own)
+    if state["policy"].compute_dtype in ("bfloat16", "float16") and holds_fastpath(model):
+        return fastpath_off_around(autocast)  # (a submodule called directly runs no region of its own)
     return autocast
-
-
-@contextlib.contextmanager
-def _fastpath_off_around(context: Any) -> Any:
-    """`context` with torch's attention fastpath off (see `_FASTPATH_MODULES`)."""
-    _set_fastpath_off(True)
-    try:
-        with context:
-            yield
-    finally:
-        _set_fastpath_off(False)
 
 
 def policy_autocast(policy: Policy, device: str) -> Any:
@@ -110,51 +99,6 @@ def cast_inputs(model: torch.nn.Module, data: Any) -> Any:
     if state is None or "forward" not in state or _autocasts(state["policy"]):
         return data
     return cast_floating(data, _TORCH_DTYPES[state["policy"].compute_dtype])
-
-
-# torch's fused inference kernels for attention (the "fastpath" of nn.MultiheadAttention,
-# nn.TransformerEncoderLayer and nn.TransformerEncoder's nested tensors, taken in eval mode without
-# gradients) take every weight of the layer at once, in the input's dtype: they fail where a
-# region computes in half precision around float32 weights (the norms the built-in rule keeps in
-# float32, a mixed policy's variables), and torch's own test for autocast sees CUDA's alone
-# (pytorch/pytorch#132613: "expected scalar type Float but found BFloat16" under a CPU
-# autocast). Such a region runs with the fastpath off, as it runs in training: module by module.
-_FASTPATH_MODULES = (torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer, torch.nn.TransformerEncoder)
-_fastpath_lock = threading.Lock()
-_fastpath_off = {"regions": 0, "found": True}  # regions running with it off (any thread), the setting found
-
-
-_fastpath_models: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
-
-
-def _has_fastpath(module: torch.nn.Module) -> bool:
-    return any(isinstance(m, _FASTPATH_MODULES) for m in module.modules())
-
-
-def _holds_fastpath(model: torch.nn.Module) -> bool:
-    """`_has_fastpath` of a model whose steps run in its region, found once (a walk of GPT-2's
-    164 modules costs 145 us, on every step of a trainer)."""
-    found = _fastpath_models.get(model)
-    if found is None:
-        found = _fastpath_models[model] = _has_fastpath(model)
-    return found
-
-
-def _set_fastpath_off(off: bool) -> None:
-    """Counts a region in (`off`) or out; the first in turns torch's fastpath off, the last out
-    puts back the setting it found (regions in several threads share the one global switch)."""
-    from torch.backends import mha
-
-    with _fastpath_lock:
-        if off:
-            if _fastpath_off["regions"] == 0:
-                _fastpath_off["found"] = mha.get_fastpath_enabled()
-                mha.set_fastpath_enabled(False)
-            _fastpath_off["regions"] += 1
-        else:
-            _fastpath_off["regions"] -= 1
-            if _fastpath_off["regions"] == 0:
-                mha.set_fastpath_enabled(_fastpath_off["found"])
 
 
 class _Region:
@@ -198,13 +142,13 @@ class _Region:
         # (one Python frame between the module's call and its forward where it can: on a CPU a
         # small model's forward spends as much time in Python as in its kernels)
         if self._no_fastpath is None:
-            self._no_fastpath = self._compute != torch.float32 and _has_fastpath(self.module)
+            self._no_fastpath = self._compute != torch.float32 and has_fastpath(self.module)
         if self._no_fastpath and not torch.compiler.is_compiling():
-            _set_fastpath_off(True)
+            set_fastpath_off(True)
             try:
                 return self._run(args, kwargs)
             finally:
-                _set_fastpath_off(False)
+                set_fastpath_off(False)
         return self._run(args, kwargs)
 
     def _run(self, args: tuple, kwargs: dict) -> Any:
