@@ -184,7 +184,7 @@ class _Region:
                     return self._forward(*args, **kwargs)
             return self._forward(*args, **kwargs)
         except RuntimeError as err:
-            raise _weights_in_another_dtype(err, self.module, self.policy, self._compute) or err
+            raise _weights_in_another_dtype(err, self.module, self.policy) or err
 
 
 def _autocasts(policy: Policy) -> bool:
@@ -219,8 +219,7 @@ def uninstall(module: torch.nn.Module, before: Any) -> None:
         module.forward = before
 
 
-def _weights_in_another_dtype(err: RuntimeError, module: torch.nn.Module, policy: Policy,
-                              compute: torch.dtype) -> Exception | None:
+def _weights_in_another_dtype(err: RuntimeError, module: torch.nn.Module, policy: Policy) -> Exception | None:
     """Where a region that casts its inputs failed on dtypes, the error that says why and the fix:
     a weight of its layers in another dtype than the policy put it in (FSDP2's mp_policy gathered
     it so, or the module was cast after apply_policy), else the layer that failed on activations

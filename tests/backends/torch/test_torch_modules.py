@@ -165,8 +165,7 @@ def test_weights_cast_after_the_policy_fail_with_what_happened_and_the_fix():
     from mixedpolicy.backends.torch.regions import _weights_in_another_dtype
 
     net.float()  # a weight in another dtype, but an error that is not about dtypes: left as it is
-    assert _weights_in_another_dtype(RuntimeError("shapes cannot be multiplied"), net, mp.Policy("bfloat16"),
-                                     torch.bfloat16) is None
+    assert _weights_in_another_dtype(RuntimeError("shapes cannot be multiplied"), net, mp.Policy("bfloat16")) is None
 
 
 class _MadeInFloat32(torch.nn.Module):
