@@ -41,7 +41,7 @@ from mixedpolicy._adapter import OptimizerAdapter
 from mixedpolicy.backends.jax.arrays import all_finite
 from mixedpolicy.backends.jax.optax_state import _STATES, LossScaleState, PassThroughState, adopted_scale, pack_counts
 from mixedpolicy.backends.jax.optax_checks import (check_gradients, is_number, refuse_reevaluation, warn_half_masters,
-                                                   warn_unscaled)
+                                                   warn_transformations_ahead, warn_unscaled)
 from mixedpolicy.backends.jax.vanishing import warn_vanishing_eps
 from mixedpolicy.float8 import DELAYED_STATE
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale, is_pass_through, summary
@@ -51,6 +51,12 @@ from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, Sta
 _handed_on: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 _log = logging.getLogger("mixedpolicy")
 _STRUCTURES_CHECKED: set = set()  # gradient tree structures holding no fp8 state (_refuse_float8_state)
+
+
+def _scales(config: LossScale) -> bool:
+    """Does `config` multiply the loss by something other than 1?"""
+    return not isinstance(config, NoLossScale) and not (
+        isinstance(config, StaticLossScale) and float(config.loss_scale) == 1.0)
 
 
 def _check_state(state: Any, config: LossScale) -> None:
@@ -68,16 +74,19 @@ def _check_state(state: Any, config: LossScale) -> None:
         f"the state of an optax.chain around it).")
 
 
-def _own_state(state: Any, config: LossScale) -> Any:
-    """This wrapper's state: `state`, or the one such state inside it (the state of an
-    ``optax.chain`` around the wrapper).
+def _own_state(state: Any, config: LossScale, update: Any = None) -> Any:
+    """This wrapper's state: `state`, or the one such state inside it (the state of an ``optax.chain``
+    around it; `update`'s wrapper warns once where it scales behind other transformations there).
 
     Raises:
       ValueError: the state of an ``optax.MultiSteps`` around a wrapper that scales or skips.
     """
     if not isinstance(state, _STATES):
-        inside = [x for x in jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, _STATES))
-                  if isinstance(x, _STATES)]
+        found = [(path, x) for path, x in jax.tree_util.tree_flatten_with_path(
+            state, is_leaf=lambda x: isinstance(x, _STATES))[0] if isinstance(x, _STATES)]
+        inside = [x for _, x in found]
+        if len(found) == 1 and update is not None and _scales(config):
+            warn_transformations_ahead(update, state, found[0][0], config)
         if len(inside) == 1 and isinstance(state, optax.MultiStepsState) and not is_pass_through(config):
             raise ValueError(
                 "Received the state of an optax.MultiSteps around this LossScaleOptimizer: MultiSteps "
@@ -123,7 +132,7 @@ class LossScaleTransformation(optax.GradientTransformationExtraArgs):
         if not is_number(loss) or jnp.issubdtype(getattr(loss, "dtype", jnp.float32), jnp.complexfloating):
             raise TypeError(f"Received a loss of type {type(loss).__name__} ({loss!r:.60}); expected the "
                             f"scalar loss, a JAX array (or a number) of a floating dtype.")
-        state = _own_state(state, self.update.loss_scale)
+        state = _own_state(state, self.update.loss_scale, self.update)
         self.update.scaled_a_loss = True  # (`warn_unscaled`)
         if isinstance(self.update.loss_scale, NoLossScale):
             return loss
@@ -245,9 +254,7 @@ def loss_scale_transformation(inner: Any, config: LossScale, axis_name: Any = No
     recipe = recipe_of_transformation(inner)
     inner = optax.with_extra_args_support(inner)
 
-    # multiplies the loss by something other than 1: an update whose loss was never scaled is warned of
-    scales = not isinstance(config, NoLossScale) and not (
-        isinstance(config, StaticLossScale) and float(config.loss_scale) == 1.0)
+    scales = _scales(config)  # an update whose loss was never scaled is warned of
 
     def make_state(inner_state: Any) -> Any:
         if is_pass_through(config):

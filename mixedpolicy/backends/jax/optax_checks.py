@@ -3,6 +3,7 @@ dtype the policy it follows stores, and a loss scaled before a scaling update.""
 
 from __future__ import annotations
 
+import collections
 import warnings
 from typing import Any
 
@@ -93,4 +94,51 @@ def warn_unscaled(update: Any, config: Any) -> None:
         f"the update that many times too small (torch's GradScaler refuses such a step). "
         f"Differentiate tx.scale_loss(loss, opt_state) (with nnx.Optimizer: "
         f"optimizer.tx.scale_loss(loss, optimizer.opt_state)).",
+        UserWarning, stacklevel=user_stacklevel("jax", "optax", "flax"))
+
+
+def _ahead_in_chains(state: Any, path: tuple) -> list:
+    """The states of the transformations that run before the one at `path` in `state`: those
+    before it in each ``optax.chain`` (a plain tuple of states) or ``optax.named_chain`` (an
+    ordered dict) on the way down."""
+    ahead, node = [], state
+    for key in path:
+        if isinstance(key, jax.tree_util.SequenceKey):
+            if type(node) is tuple:
+                ahead.extend(node[:key.idx])
+            node = node[key.idx]
+        elif isinstance(key, jax.tree_util.DictKey):
+            if type(node) in (dict, collections.OrderedDict):
+                names = list(node)
+                ahead.extend(node[k] for k in names[:names.index(key.key)])
+            node = node[key.key]
+        elif isinstance(key, jax.tree_util.GetAttrKey):
+            node = getattr(node, key.name)
+        else:  # a node flattened by index alone: nothing more to tell
+            break
+    return ahead
+
+
+def warn_transformations_ahead(update: Any, state: Any, path: tuple, config: Any) -> None:
+    """Warns once per wrapper, at the user's line, where a scaling wrapper runs behind other
+    transformations in an ``optax.chain``: they receive the gradients multiplied by the loss
+    scale, so a clip (``clip_by_global_norm``), weight decay or any transformation not linear in
+    the gradients acts on scaled values (clipped to norm 1 and then unscaled, an update is the
+    scale's factor too small), silently. Only a transformation that commutes with scaling
+    (``optax.identity``, ``optax.scale``) is harmless there, and it loses nothing inside."""
+    if getattr(update, "warned_ahead", False):
+        return
+    ahead = _ahead_in_chains(state, path)
+    if not ahead:
+        return
+    update.warned_ahead = True
+    kinds = ", ".join(type(s).__name__ for s in ahead)
+    warnings.warn(
+        f"This LossScaleOptimizer ({summary(config)}) runs behind {len(ahead)} other transformation"
+        f"{'s' if len(ahead) > 1 else ''} in an optax.chain (their states: {kinds}): they receive the "
+        f"gradients multiplied by the loss scale, before the wrapper unscales them, so a clip "
+        f"(optax.clip_by_global_norm), weight decay or any other transformation that is not linear "
+        f"in the gradients acts on the scaled values (a clip to norm 1 then makes the update the "
+        f"scale's factor too small). Put them inside the wrapper, which hands them unscaled "
+        f"gradients: mp.LossScaleOptimizer(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))).",
         UserWarning, stacklevel=user_stacklevel("jax", "optax", "flax"))

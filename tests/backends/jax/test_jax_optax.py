@@ -202,19 +202,51 @@ def test_gradient_accumulation_inside_the_wrapper_and_a_chain_around_it():
 
     with adam():
         lso = mp.LossScaleOptimizer(optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2))
-        tx = optax.chain(optax.identity(), lso)
+        tx = optax.chain(lso, optax.identity())
         plain, _ = run(optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2), lambda v, s: v)
         ours, _ = run(tx, lso.scale_loss)
         for a, b in zip(jax.tree_util.tree_leaves(plain), jax.tree_util.tree_leaves(ours)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
         skipped, state = run(tx, lso.scale_loss, poisoned=(0,))
-        assert int(state[1].num_skipped_steps) == 1 and float(state[1].loss_scale) == 2.0**14
-        assert int(state[1].inner_state.gradient_step) == 1  # micro-batches 1 and 2 made a step
+        assert int(state[0].num_skipped_steps) == 1 and float(state[0].loss_scale) == 2.0**14
+        assert int(state[0].inner_state.gradient_step) == 1  # micro-batches 1 and 2 made a step
         assert all(bool(jnp.isfinite(leaf).all()) for leaf in jax.tree_util.tree_leaves(skipped))
         around = optax.MultiSteps(mp.LossScaleOptimizer(optax.adam(1e-2)), every_k_schedule=2)
         with pytest.raises(ValueError, match=r"optax.MultiSteps around this LossScaleOptimizer.*"
                                              r"mp.LossScaleOptimizer\(optax.MultiSteps\(tx"):
             around.inner_opt.scale_loss(loss_fn(params_tree(), False), around.init(params_tree()))
+
+
+def test_transformations_ahead_of_a_scaling_wrapper_in_a_chain_are_warned_of_once():
+    """optax.chain(clip, wrapper): the clip receives the scaled gradients (clipped to norm 1, then
+    unscaled, the update is 2**15 times too small), silently before; warned once, at the user's
+    line, naming the fix. Behind the wrapper, or with nothing to scale, nothing is said."""
+    params = {"w": jnp.ones((4,))}
+
+    def first_update(tx, lso):
+        state = tx.init(params)
+        grads = jax.grad(lambda p: lso.scale_loss(jnp.sum(p["w"] ** 2), state))(params)
+        return tx.update(grads, state, params)[0]["w"]
+
+    lso = mp.LossScaleOptimizer(optax.sgd(0.1), policy="mixed_float16")
+    with pytest.warns(UserWarning, match=r"runs behind 1 other transformation in an optax.chain.*"
+                                         r"mp.LossScaleOptimizer\(optax.chain\(optax.clip_by_global_norm") as seen:
+        first_update(optax.chain(optax.clip_by_global_norm(1.0), lso), lso)
+    assert seen[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        first_update(optax.chain(optax.clip_by_global_norm(1.0), lso), lso)  # once per wrapper
+        inside = mp.LossScaleOptimizer(optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1)),
+                                       policy="mixed_float16")
+        np.testing.assert_allclose(first_update(inside, inside), -0.05)  # the clip of the true gradient
+        behind = mp.LossScaleOptimizer(optax.sgd(0.1), policy="mixed_float16")
+        first_update(optax.chain(behind, optax.add_decayed_weights(1e-4)), behind)
+        unscaled = mp.LossScaleOptimizer(optax.sgd(0.1), policy="mixed_bfloat16")  # scales nothing
+        first_update(optax.chain(optax.clip_by_global_norm(1.0), unscaled), unscaled)
+    named = mp.LossScaleOptimizer(optax.sgd(0.1), policy="mixed_float16")
+    with pytest.warns(UserWarning, match=r"behind 2 other transformations.*their states: EmptyState, ZeroNansState"):
+        first_update(optax.named_chain(("clip", optax.clip(1.0)), ("zeros", optax.zero_nans()), ("opt", named)),
+                     named)
 
 
 def test_200_overflows_leave_the_weights_and_the_scale_at_its_floor(skip_by):
