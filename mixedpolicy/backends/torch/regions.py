@@ -155,9 +155,12 @@ class _Region:
         _running.depth = getattr(_running, "depth", 0) + 1
         try:
             if self._autocast:
-                with torch.autocast(device_type(args, kwargs, self.module), dtype=self._compute):
-                    out = (type(self.module).forward(self.module, *args, **kwargs) if self.inner is None
-                           else self.inner(*args, **kwargs))
+                try:
+                    with torch.autocast(device_type(args, kwargs, self.module), dtype=self._compute):
+                        out = (type(self.module).forward(self.module, *args, **kwargs) if self.inner is None
+                               else self.inner(*args, **kwargs))
+                except RuntimeError as err:
+                    raise _weights_in_another_dtype(err, self.module, self.policy) or err
             else:
                 out = self._cast_and_run(args, kwargs)
         finally:
@@ -229,13 +232,19 @@ def _weights_in_another_dtype(err: RuntimeError, module: torch.nn.Module, policy
         return None
     moved = _weight_off_its_policy(module)
     if moved is not None:
+        how = (f"keeps its weights in {policy.variable_dtype} and computes in {policy.compute_dtype} through "
+               f"torch.autocast under its policy ({policy})" if _autocasts(policy) else
+               f"computes in {policy.compute_dtype} under its policy ({policy}), which casts its inputs to "
+               f"{policy.compute_dtype}")
         return RuntimeError(
-            f"A layer of type {type(module).__name__} computes in {policy.compute_dtype} under its policy "
-            f"({policy}), which casts its inputs to {policy.compute_dtype}, but its weight {moved[0]!r} is "
+            f"A layer of type {type(module).__name__} {how}, but its weight {moved[0]!r} is "
             f"{str(moved[1]).removeprefix('torch.')} at this call (FSDP2 gathers weights in its mp_policy's "
-            f"param_dtype; a cast after apply_policy, such as model.float(), changes them too). Under FSDP2, "
+            f"param_dtype; a cast after apply_policy, model.half() or model.float(), changes them too, as does "
+            f"load_state_dict(..., assign=True) of tensors in another dtype) ({err}). Under FSDP2, "
             f"shard this layer as a unit of its own with mp_policy=mp.Policy({policy.name!r}).to_fsdp() (or "
-            f"without mp_policy); otherwise apply the policy again after the cast.")
+            f"without mp_policy); otherwise " + (
+                f"cast the weights back (model.to({policy.variable_dtype})): autocast computes in "
+                f"{policy.compute_dtype} by itself." if _autocasts(policy) else "apply the policy again after the cast."))
     failed = _failing_layer(err, module) if policy.compute_dtype in ("bfloat16", "float16") else None
     if failed is None:
         return None

@@ -166,6 +166,16 @@ def test_weights_cast_after_the_policy_fail_with_what_happened_and_the_fix():
 
     net.float()  # a weight in another dtype, but an error that is not about dtypes: left as it is
     assert _weights_in_another_dtype(RuntimeError("shapes cannot be multiplied"), net, mp.Policy("bfloat16")) is None
+    # a mixed policy's autocast region: model.half() after it failed in torch's words alone (as
+    # torch.autocast does over float16 weights: "expect parameter to have scalar type of Float")
+    mixed = mp.apply_policy(torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.LayerNorm(4)), "mixed_bfloat16")
+    mixed.half()
+    with pytest.raises(RuntimeError, match=r"keeps its weights in float32 and computes in bfloat16 through "
+                                           r"torch.autocast.*'0.weight' is float16 at this call.*model.half\(\).*"
+                                           r"cast the weights back \(model.to\(float32\)\)"):
+        mixed(torch.randn(3, 8))
+    mixed.to(torch.float32)
+    assert mixed(torch.randn(3, 8)).dtype == torch.bfloat16 and mixed[0].weight.dtype == torch.float32
 
 
 class _MadeInFloat32(torch.nn.Module):
