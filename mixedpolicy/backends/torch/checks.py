@@ -150,8 +150,9 @@ def unscaled_step_error(what: str, scale: float) -> RuntimeError:
     return RuntimeError(
         f"{what} was called, but no loss was scaled since the last step: the gradients came "
         f"from loss.backward(), not from opt.scale_loss(loss).backward(), and dividing them by "
-        f"the loss scale ({scale:g}) would make the update that many times too small "
-        f"(torch.amp.GradScaler stops here too). Call opt.scale_loss(loss).backward(). In "
+        f"the loss scale ({scale:g}) would make the update that many times too small, or this is "
+        f"a second step on gradients a step already took (torch.amp.GradScaler stops at either). "
+        f"Call opt.scale_loss(loss).backward() before each step. In "
         f"Lightning, let the Trainer scale: Trainer(plugins=[mixedpolicy.lightning."
         f"Precision(policy)]) with the plain optimizer from configure_optimizers; for the "
         f"Hugging Face Trainer, mixedpolicy.huggingface.Trainer(..., policy=policy) scales "

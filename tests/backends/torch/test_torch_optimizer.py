@@ -462,6 +462,8 @@ def test_a_step_whose_loss_was_not_scaled_is_refused_under_scaling():
     opt.scale_loss(loss_of(model, x, y)).backward()  # accumulating several scaled losses is fine
     opt.scale_loss(loss_of(model, x, y)).backward()
     opt.step()
+    with pytest.raises(RuntimeError, match="no loss was scaled.*a second step on gradients a step already took"):
+        opt.step()  # the same gradients again (GradScaler: "step() has already been called since the last update()")
     loss_of(model, x, y).backward()  # the flag is per step
     with pytest.raises(RuntimeError, match="no loss was scaled"):
         opt.step()
