@@ -39,9 +39,11 @@ import optax
 
 from mixedpolicy._adapter import OptimizerAdapter
 from mixedpolicy.backends.jax.arrays import all_finite
-from mixedpolicy.backends.jax.optax_state import _STATES, LossScaleState, PassThroughState, adopted_scale, pack_counts
-from mixedpolicy.backends.jax.optax_checks import (check_gradients, is_number, refuse_reevaluation, warn_half_masters,
-                                                   warn_transformations_ahead, warn_unscaled)
+from mixedpolicy.backends.jax.optax_state import (_STATES, LossScaleState, PassThroughState, _value, adopted_scale,
+                                                  pack_counts)
+from mixedpolicy.backends.jax.optax_checks import (check_axis, check_gradients, is_number, note_scaled,
+                                                   refuse_reevaluation, warn_half_masters, warn_transformations_ahead,
+                                                   warn_unscaled)
 from mixedpolicy.backends.jax.vanishing import warn_vanishing_eps
 from mixedpolicy.float8 import DELAYED_STATE
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale, is_pass_through, summary
@@ -136,6 +138,7 @@ class LossScaleTransformation(optax.GradientTransformationExtraArgs):
         self.update.scaled_a_loss = True  # (`warn_unscaled`)
         if isinstance(self.update.loss_scale, NoLossScale):
             return loss
+        note_scaled(_value(state.counts))
         return jnp.asarray(loss).astype(jnp.float32) * state.loss_scale
 
     def adopt_state(self, state: Any, params: Any = None) -> Any:
@@ -169,18 +172,6 @@ class LossScaleTransformation(optax.GradientTransformationExtraArgs):
         if changed is not None:
             _log.warning("Adopted an optimizer state saved under another update recipe: %s.", changed)
         return adopted_scale(state, self.update.make_state(inner_state), self.update.loss_scale)
-
-
-def _check_axis(axis_name: Any) -> None:
-    """Refuses an `axis_name` that names no axis this update is mapped over (JAX's NameError
-    says only "unbound axis name"), whatever the wrapper scales."""
-    try:
-        jax.lax.psum(1, axis_name)  # the axis size, known while tracing: no collective
-    except NameError:
-        raise ValueError(
-            f"Received axis_name={axis_name!r}, but this update does not run inside a mapped axis of "
-            f"that name (jax.pmap, shard_map or vmap with axis_name={axis_name!r}). Pass axis_name only "
-            f"where the step is mapped over it, or leave it out (sharding under jax.jit needs none).") from None
 
 
 def _refuse_float8_state(grads: Any) -> None:
@@ -286,14 +277,14 @@ def loss_scale_transformation(inner: Any, config: LossScale, axis_name: Any = No
                 "the whole chain: mp.LossScaleOptimizer(optax.chain(...)).")
         _refuse_float8_state(grads)
         if axis_name is not None:
-            _check_axis(axis_name)
+            check_axis(axis_name)
         if is_pass_through(config):  # the inner update, nothing added
             updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
             return updates, PassThroughState(inner_state)
         if not isinstance(config, NoLossScale):
             refuse_reevaluation(extra_args, summary(config))
         if scales:
-            warn_unscaled(update, config)
+            warn_unscaled(update, config, _value(state.counts))
         scale = _scale_state(config, state)  # NoLossScale: no unscale, but the skip all the same
         grads = scale.unscale(grads)
         finite = all_finite(grads)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import warnings
+import weakref
 from typing import Any
 
 import jax
@@ -39,6 +40,18 @@ def check_gradients(grads: Any) -> Any:
             f"{jax.tree_util.keystr(path) or 'the root'}{why}; expected a pytree of arrays, such as "
             f"jax.grad(loss_fn)(params) returns.")
     return leaves[0] if leaves else None
+
+
+def check_axis(axis_name: Any) -> None:
+    """Refuses an `axis_name` that names no axis this update is mapped over (JAX's NameError
+    says only "unbound axis name"), whatever the wrapper scales."""
+    try:
+        jax.lax.psum(1, axis_name)  # the axis size, known while tracing: no collective
+    except NameError:
+        raise ValueError(
+            f"Received axis_name={axis_name!r}, but this update does not run inside a mapped axis of "
+            f"that name (jax.pmap, shard_map or vmap with axis_name={axis_name!r}). Pass axis_name only "
+            f"where the step is mapped over it, or leave it out (sharding under jax.jit needs none).") from None
 
 
 def warn_half_masters(params: Any, stored: Any) -> None:
@@ -76,7 +89,18 @@ def refuse_reevaluation(extra_args: dict, what: str) -> None:
             f"first-order optimizer such as optax.adamw.")
 
 
-def warn_unscaled(update: Any, config: Any) -> None:
+# The counts arrays (or tracers) of the states `scale_loss` was given, weakly: an update of such a
+# state follows a scaled loss even where the wrapper running it is not the one whose scale_loss
+# was called (optax.inject_hyperparams builds its inner transformation anew at every update).
+_SCALED_COUNTS: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+
+
+def note_scaled(counts: Any) -> None:
+    """Notes that a loss was scaled with the state whose counts array is `counts`."""
+    _SCALED_COUNTS[id(counts)] = counts
+
+
+def warn_unscaled(update: Any, config: Any, counts: Any = None) -> None:
     """Warns once per wrapper, at the user's line, where a scaling wrapper's `update` comes while
     its ``scale_loss`` was never called: a loop that differentiates the plain loss has its update
     divided by the scale. torch's wrapper (and GradScaler) refuse such a step; a JAX wrapper sees
@@ -84,7 +108,7 @@ def warn_unscaled(update: Any, config: Any) -> None:
     hand are right, so it warns, and not at all once code of the user's has read that scale.
     Under ``jax.jit`` the check runs as the step is traced."""
     if getattr(update, "scaled_a_loss", False) or getattr(update, "warned_unscaled", False) \
-            or _warnings.SCALE_READ_BY_USER[0]:
+            or _warnings.SCALE_READ_BY_USER[0] or (counts is not None and _SCALED_COUNTS.get(id(counts)) is counts):
         return
     update.warned_unscaled = True
     warnings.warn(

@@ -750,3 +750,15 @@ def test_a_loop_that_never_scales_its_loss_is_warned_once_where_the_wrapper_scal
         grads = jax.grad(lambda p: jnp.sum(p["w"] ** 2) * state.loss_scale)(params)
         updates, _ = by_hand.update(grads, state, params)
         np.testing.assert_allclose(updates["w"], -0.2 * np.ones(3), rtol=1e-6)
+    monkeypatch.setattr(_warnings, "SCALE_READ_BY_USER", [False])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*scale_loss never was")
+        # optax.inject_hyperparams builds the wrapper anew at every update: the update of a state
+        # whose loss was scaled (by the wrapper built at init) is not one that forgot to scale
+        made = []
+        injected = optax.inject_hyperparams(
+            lambda learning_rate: made.append(mp.LossScaleOptimizer(optax.sgd(learning_rate), policy="mixed_float16"))
+            or made[-1])(learning_rate=0.1)
+        injected.scale_loss = lambda loss, state: made[0].scale_loss(loss, state)
+        np.testing.assert_allclose(run(injected, scaled=True)["w"], run(optax.sgd(0.1), scaled=False)["w"], rtol=1e-6)
+        assert len(made) > 1
