@@ -222,21 +222,25 @@ def uninstall(module: torch.nn.Module, before: Any) -> None:
         module.forward = before
 
 
+class RegionDtypeError(RuntimeError):
+    """A region's account of a dtype error, with the fix (`_weights_in_another_dtype`)."""
+
+
 def _weights_in_another_dtype(err: RuntimeError, module: torch.nn.Module, policy: Policy) -> Exception | None:
     """Where a region that casts its inputs failed on dtypes, the error that says why and the fix:
     a weight of its layers in another dtype than the policy put it in (FSDP2's mp_policy gathered
     it so, or the module was cast after apply_policy), else the layer that failed on activations
     that left the compute dtype inside the forward; None where the error is not about dtypes or
     neither is found (torch's error stands)."""
-    if not any(words in str(err) for words in ("dtype", "scalar type")):
-        return None
+    if isinstance(err, RegionDtypeError) or not any(words in str(err) for words in ("dtype", "scalar type")):
+        return None  # (an inner region's diagnosis goes out as it is)
     moved = _weight_off_its_policy(module)
     if moved is not None:
         how = (f"keeps its weights in {policy.variable_dtype} and computes in {policy.compute_dtype} through "
                f"torch.autocast under its policy ({policy})" if _autocasts(policy) else
                f"computes in {policy.compute_dtype} under its policy ({policy}), which casts its inputs to "
                f"{policy.compute_dtype}")
-        return RuntimeError(
+        return RegionDtypeError(
             f"A layer of type {type(module).__name__} {how}, but its weight {moved[0]!r} is "
             f"{str(moved[1]).removeprefix('torch.')} at this call (FSDP2 gathers weights in its mp_policy's "
             f"param_dtype; a cast after apply_policy, model.half() or model.float(), changes them too, as does "
@@ -245,13 +249,14 @@ def _weights_in_another_dtype(err: RuntimeError, module: torch.nn.Module, policy
             f"without mp_policy); otherwise " + (
                 f"cast the weights back (model.to({policy.variable_dtype})): autocast computes in "
                 f"{policy.compute_dtype} by itself." if _autocasts(policy) else "apply the policy again after the cast."))
-    failed = _failing_layer(err, module) if policy.compute_dtype in ("bfloat16", "float16") else None
+    failed = _failing_layer(err, module) if policy.compute_dtype in ("bfloat16", "float16") and not _autocasts(
+        policy) else None  # (autocast takes activations of any dtype)
     if failed is None:
         return None
     path, layer = failed
     held = sorted({str(p.dtype).removeprefix("torch.") for p in layer.parameters(recurse=False)
                    if p.is_floating_point()})
-    return RuntimeError(
+    return RegionDtypeError(
         f"The layer {path or '(root)'!r} ({type(layer).__name__}) of a {type(module).__name__} under the policy "
         f"{policy}, its weights in {' and '.join(held) or 'no dtype'} as the policy puts them, failed on "
         f"activations in another dtype ({err}). The region casts its inputs to {policy.compute_dtype} once, "
