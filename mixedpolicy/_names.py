@@ -20,6 +20,10 @@ _LIGHTNING = {
     "32": ("float32", "float32"),
     "64": ("float64", "float64"),
 }
+# Lightning's Transformer Engine strings: fp8 matmuls under TE's default DelayedScaling (margin 0,
+# an amax history of 1024, e4m3 forward and e5m2 backward: the "delayed" recipe's defaults) over
+# weights in this dtype, everything else computing in it.
+_LIGHTNING_FLOAT8 = {"transformer-engine": "bfloat16", "transformer-engine-float16": "float16"}
 # Names two anchors read differently: refused, naming both readings and the unambiguous spellings.
 _AMBIGUOUS = {
     "16": "Lightning reads precision='16' (or 16) as '16-mixed' (float32 variables, float16 "
@@ -55,7 +59,7 @@ def _valid_names_hint() -> str:
         f"('params=float32,compute=bfloat16,output=float32' or 'p=f32,c=bf16'; fp8 matmuls: "
         f"'p=f32,c=bf16,float8=tensorwise'; weight updates: 'p=bf16,rounding=stochastic,state=int8'), "
         f"a memory preset ({', '.join(repr(n) for n in PRESETS)}) or a Lightning precision "
-        f"({', '.join(repr(n) for n in _LIGHTNING)})."
+        f"({', '.join(repr(n) for n in (*_LIGHTNING, *_LIGHTNING_FLOAT8))})."
     )
 
 
@@ -96,6 +100,9 @@ def parse_name(name: str) -> Parsed:
     if key in _LIGHTNING:
         variable, compute = _LIGHTNING[key]
         return variable, compute, None, None, None, {}
+    if key in _LIGHTNING_FLOAT8:
+        dtype = _LIGHTNING_FLOAT8[key]
+        return dtype, dtype, None, None, Float8Recipe("delayed"), {}
     if "=" in key:
         return _parse_jmp(name)
     try:

@@ -174,6 +174,20 @@ def test_lightning_numbers_32_and_64_mean_what_lightning_means():
         Policy(True)
 
 
+def test_lightnings_transformer_engine_strings_are_fp8_over_their_weights_dtype():
+    """Lightning's precision="transformer-engine": weights in bfloat16, matmuls in fp8 under TE's
+    default DelayedScaling (margin 0, a history of 1024, e4m3 / e5m2): Keras's float8_from_bfloat16."""
+    te = Policy("transformer-engine")
+    assert te == Policy("float8_from_bfloat16") and te.name == "float8_from_bfloat16"
+    assert (te.variable_dtype, te.compute_dtype) == ("bfloat16", "bfloat16")
+    recipe = te.float8_recipe
+    assert (recipe.recipe, recipe.amax_history_len, recipe.margin) == ("delayed", 1024, 0)
+    assert (recipe.forward_dtype, recipe.backward_dtype) == ("float8_e4m3fn", "float8_e5m2")
+    assert Policy("transformer-engine-float16") == Policy("float8_from_float16")
+    with pytest.raises(ValueError, match="'transformer-engine', 'transformer-engine-float16'"):
+        Policy("transformer-engine-bf16")  # the hint lists Lightning's strings, these two included
+
+
 def test_bad_dtype_keyword():
     with pytest.raises(ValueError, match="compute_dtype='int32'"):
         Policy(None, compute_dtype="int32")
