@@ -121,20 +121,27 @@ def warn_unscaled(update: Any, config: Any, counts: Any = None) -> None:
         UserWarning, stacklevel=user_stacklevel("jax", "optax", "flax"))
 
 
+def _is_transformation_state(x: Any) -> bool:
+    """An optax transformation's state: a NamedTuple (``EmptyState``, ``ScaleByAdamState``...) or
+    a chain's tuple of them; not parameters or a train state the user holds beside the optimizer's."""
+    return isinstance(x, tuple) and (hasattr(x, "_fields") or all(map(_is_transformation_state, x)))
+
+
 def _ahead_in_chains(state: Any, path: tuple) -> list:
     """The states of the transformations that run before the one at `path` in `state`: those
     before it in each ``optax.chain`` (a plain tuple of states) or ``optax.named_chain`` (an
-    ordered dict) on the way down."""
+    ordered dict of them) on the way down; a tuple or dict of the user's, holding parameters
+    beside the state, is none."""
     ahead, node = [], state
     for key in path:
         if isinstance(key, jax.tree_util.SequenceKey):
-            if type(node) is tuple:
+            if type(node) is tuple and all(map(_is_transformation_state, node[:key.idx])):
                 ahead.extend(node[:key.idx])
             node = node[key.idx]
         elif isinstance(key, jax.tree_util.DictKey):
-            if type(node) in (dict, collections.OrderedDict):
-                names = list(node)
-                ahead.extend(node[k] for k in names[:names.index(key.key)])
+            if type(node) is collections.OrderedDict:
+                before = [node[k] for k in list(node)[:list(node).index(key.key)]]
+                ahead.extend(before if all(map(_is_transformation_state, before)) else [])
             node = node[key.key]
         elif isinstance(key, jax.tree_util.GetAttrKey):
             node = getattr(node, key.name)

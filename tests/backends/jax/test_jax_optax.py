@@ -243,6 +243,9 @@ def test_transformations_ahead_of_a_scaling_wrapper_in_a_chain_are_warned_of_onc
         first_update(optax.chain(behind, optax.add_decayed_weights(1e-4)), behind)
         unscaled = mp.LossScaleOptimizer(optax.sgd(0.1), policy="mixed_bfloat16")  # scales nothing
         first_update(optax.chain(optax.clip_by_global_norm(1.0), unscaled), unscaled)
+        held = mp.LossScaleOptimizer(optax.sgd(0.1), policy="mixed_float16")  # the user's own containers
+        for together in ((params, held.init(params)), {"params": params, "opt_state": held.init(params)}):
+            held.scale_loss(jnp.float32(1.0), together)
     named = mp.LossScaleOptimizer(optax.sgd(0.1), policy="mixed_float16")
     with pytest.warns(UserWarning, match=r"behind 2 other transformations.*their states: EmptyState, ZeroNansState"):
         first_update(optax.named_chain(("clip", optax.clip(1.0)), ("zeros", optax.zero_nans()), ("opt", named)),
