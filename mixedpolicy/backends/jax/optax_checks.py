@@ -127,13 +127,24 @@ def _is_transformation_state(x: Any) -> bool:
     return isinstance(x, tuple) and (hasattr(x, "_fields") or all(map(_is_transformation_state, x)))
 
 
-def _ahead_in_chains(state: Any, path: tuple) -> list:
-    """The states of the transformations that run before the one at `path` in `state`: those
+def _beside_in_partition(node: Any, label: Any) -> list:
+    """The states of `optax.partition` / ``multi_transform``'s other labels that transform
+    their gradients (each inside a ``MaskedState``; a bare ``EmptyState``, such as
+    ``set_to_zero``'s, does not)."""
+    return [s for k, s in node.inner_states.items() if k != label
+            and type(getattr(s, "inner_state", s)).__name__ != "EmptyState"]
+
+
+def _ahead_in_chains(state: Any, path: tuple) -> tuple:
+    """(the states of the transformations that run before the one at `path` in `state`: those
     before it in each ``optax.chain`` (a plain tuple of states) or ``optax.named_chain`` (an
-    ordered dict of them) on the way down; a tuple or dict of the user's, holding parameters
-    beside the state, is none."""
-    ahead, node = [], state
-    for key in path:
+    ordered dict of them) on the way down, a tuple or dict of the user's holding parameters
+    beside the state being none; those beside it in an ``optax.partition``)."""
+    ahead, beside, node = [], [], state
+    for i, key in enumerate(path):
+        if (isinstance(key, jax.tree_util.GetAttrKey) and key.name == "inner_states" and i + 1 < len(path)
+                and type(node).__name__ in ("PartitionState", "MultiTransformState")):
+            beside.extend(_beside_in_partition(node, getattr(path[i + 1], "key", None)))
         if isinstance(key, jax.tree_util.SequenceKey):
             if type(node) is tuple and all(map(_is_transformation_state, node[:key.idx])):
                 ahead.extend(node[:key.idx])
@@ -147,29 +158,36 @@ def _ahead_in_chains(state: Any, path: tuple) -> list:
             node = getattr(node, key.name)
         else:  # a node flattened by index alone: nothing more to tell
             break
-    return ahead
+    return ahead, beside
 
 
 def warn_transformations_ahead(update: Any, state: Any, path: tuple, config: Any) -> None:
     """Warns once per wrapper, at the user's line, where a scaling wrapper runs behind other
-    transformations in an ``optax.chain``: they receive the gradients multiplied by the loss
+    transformations in an ``optax.chain`` (or beside them in an ``optax.partition``): they receive the gradients multiplied by the loss
     scale, so a clip (``clip_by_global_norm``), weight decay or any transformation not linear in
     the gradients acts on scaled values (clipped to norm 1 and then unscaled, an update is the
     scale's factor too small), silently. Only a transformation that commutes with scaling
     (``optax.identity``, ``optax.scale``) is harmless there, and it loses nothing inside."""
     if getattr(update, "warned_ahead", False):
         return
-    ahead = _ahead_in_chains(state, path)
-    if not ahead:
+    ahead, beside = _ahead_in_chains(state, path)
+    if not ahead and not beside:
         return
     update.warned_ahead = True
-    kinds = ", ".join(type(s).__name__ for s in ahead)
+    where = []
+    if ahead:
+        where.append(f"behind {len(ahead)} other transformation{'s' if len(ahead) > 1 else ''} in an "
+                     f"optax.chain (their states: {', '.join(type(s).__name__ for s in ahead)})")
+    if beside:
+        where.append(f"beside {len(beside)} other transformation{'s' if len(beside) > 1 else ''} in an "
+                     f"optax.partition / multi_transform (the other labels' states: "
+                     f"{', '.join(type(getattr(s, 'inner_state', s)).__name__ for s in beside)})")
     warnings.warn(
-        f"This LossScaleOptimizer ({summary(config)}) runs behind {len(ahead)} other transformation"
-        f"{'s' if len(ahead) > 1 else ''} in an optax.chain (their states: {kinds}): they receive the "
-        f"gradients multiplied by the loss scale, before the wrapper unscales them, so a clip "
+        f"This LossScaleOptimizer ({summary(config)}) runs {' and '.join(where)}: they receive the "
+        f"gradients multiplied by the loss scale, which only the wrapper divides out, so a clip "
         f"(optax.clip_by_global_norm), weight decay or any other transformation that is not linear "
         f"in the gradients acts on the scaled values (a clip to norm 1 then makes the update the "
-        f"scale's factor too small). Put them inside the wrapper, which hands them unscaled "
-        f"gradients: mp.LossScaleOptimizer(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))).",
+        f"scale's factor too small; a plain SGD beside it steps that many times too far). Put them "
+        f"inside the wrapper, which hands them unscaled gradients: mp.LossScaleOptimizer(optax.chain("
+        f"optax.clip_by_global_norm(1.0), optax.adam(1e-3))), mp.LossScaleOptimizer(optax.multi_transform(...)).",
         UserWarning, stacklevel=user_stacklevel("jax", "optax", "flax"))

@@ -250,6 +250,16 @@ def test_transformations_ahead_of_a_scaling_wrapper_in_a_chain_are_warned_of_onc
     with pytest.warns(UserWarning, match=r"behind 2 other transformations.*their states: EmptyState, ZeroNansState"):
         first_update(optax.named_chain(("clip", optax.clip(1.0)), ("zeros", optax.zero_nans()), ("opt", named)),
                      named)
+    # optax.multi_transform: another label's SGD receives the scaled gradients too (2**15 times too
+    # far); a label whose gradients are set to zero is harmless
+    two = {"w": jnp.ones((4,)), "v": jnp.ones((2,))}
+    for other, warns in ((optax.sgd(0.1), True), (optax.set_to_zero(), False)):
+        part = mp.LossScaleOptimizer(optax.sgd(0.1), policy="mixed_float16")
+        tx = optax.multi_transform({"scaled": part, "other": other}, {"w": "scaled", "v": "other"})
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            part.scale_loss(jnp.float32(1.0), tx.init(two))
+        assert any("beside 1 other transformation in an optax.partition" in str(w.message) for w in seen) == warns
 
 
 def test_200_overflows_leave_the_weights_and_the_scale_at_its_floor(skip_by):
