@@ -135,7 +135,7 @@ def _beside_in_partition(node: Any, label: Any) -> list:
             and type(getattr(s, "inner_state", s)).__name__ != "EmptyState"]
 
 
-def _ahead_in_chains(state: Any, path: tuple) -> tuple:
+def _seeing_scaled_gradients(state: Any, path: tuple) -> tuple:
     """(the states of the transformations that run before the one at `path` in `state`: those
     before it in each ``optax.chain`` (a plain tuple of states) or ``optax.named_chain`` (an
     ordered dict of them) on the way down, a tuple or dict of the user's holding parameters
@@ -163,14 +163,15 @@ def _ahead_in_chains(state: Any, path: tuple) -> tuple:
 
 def warn_transformations_ahead(update: Any, state: Any, path: tuple, config: Any) -> None:
     """Warns once per wrapper, at the user's line, where a scaling wrapper runs behind other
-    transformations in an ``optax.chain`` (or beside them in an ``optax.partition``): they receive the gradients multiplied by the loss
-    scale, so a clip (``clip_by_global_norm``), weight decay or any transformation not linear in
-    the gradients acts on scaled values (clipped to norm 1 and then unscaled, an update is the
-    scale's factor too small), silently. Only a transformation that commutes with scaling
-    (``optax.identity``, ``optax.scale``) is harmless there, and it loses nothing inside."""
+    transformations in an ``optax.chain`` (or beside them in an ``optax.partition``): they
+    receive the gradients multiplied by the loss scale, so a clip (``clip_by_global_norm``),
+    weight decay or any transformation not linear in the gradients acts on scaled values
+    (clipped to norm 1 and then unscaled, an update is the scale's factor too small), silently.
+    Only a transformation that commutes with scaling (``optax.identity``, ``optax.scale``) is
+    harmless there, and it loses nothing inside."""
     if getattr(update, "warned_ahead", False):
         return
-    ahead, beside = _ahead_in_chains(state, path)
+    ahead, beside = _seeing_scaled_gradients(state, path)
     if not ahead and not beside:
         return
     update.warned_ahead = True

@@ -248,7 +248,8 @@ def _weights_in_another_dtype(err: RuntimeError, module: torch.nn.Module, policy
             f"shard this layer as a unit of its own with mp_policy=mp.Policy({policy.name!r}).to_fsdp() (or "
             f"without mp_policy); otherwise " + (
                 f"cast the weights back (model.to({policy.variable_dtype})): autocast computes in "
-                f"{policy.compute_dtype} by itself." if _autocasts(policy) else "apply the policy again after the cast."))
+                f"{policy.compute_dtype} by itself." if _autocasts(policy) else
+                "apply the policy again after the cast."))
     failed = _failing_layer(err, module) if policy.compute_dtype in ("bfloat16", "float16") and not _autocasts(
         policy) else None  # (autocast takes activations of any dtype)
     if failed is None:

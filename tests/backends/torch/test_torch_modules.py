@@ -174,8 +174,9 @@ def test_weights_cast_after_the_policy_fail_with_what_happened_and_the_fix():
                                            r"torch.autocast.*'0.weight' is float16 at this call.*model.half\(\).*"
                                            r"cast the weights back \(model.to\(float32\)\)"):
         mixed(torch.randn(3, 8))
-    nested = mp.apply_policy(torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.LayerNorm(4)),
-                                                 torch.nn.Linear(4, 2)), mp.PolicyMap("mixed_bfloat16", {"0": "mixed_float16", "0.1": "float32"}))
+    inner = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.LayerNorm(4))
+    nested = mp.apply_policy(torch.nn.Sequential(inner, torch.nn.Linear(4, 2)),
+                             mp.PolicyMap("mixed_bfloat16", {"0": "mixed_float16", "0.1": "float32"}))
     nested.half()
     with pytest.raises(RuntimeError, match="LayerNorm computes in float32") as caught:  # regions in regions:
         nested(torch.randn(3, 8))  # said once, by the first to see it
