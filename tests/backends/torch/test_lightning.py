@@ -127,6 +127,43 @@ def test_clipping_and_accumulation_equal_lightnings_own_plugin_step_for_step(tra
     torch.testing.assert_close(_weights(ours), _weights(theirs), rtol=1e-6, atol=1e-6)
 
 
+class ClipsByHand(Net):
+    """Manual optimization with Lightning's documented clip: self.clip_gradients before opt.step()."""
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(self._loss(batch, batch_idx))
+        self.clip_gradients(opt, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+        opt.step()
+
+
+def test_manual_optimizations_clip_gradients_clips_the_true_gradients_as_torchs_recipe():
+    """Lightning's own MixedPrecision clips the scaled gradients in manual optimization (it
+    unscales at opt.step(), after self.clip_gradients: Lightning-AI/pytorch-lightning#18089),
+    so a clip to 0.5 lets through 0.5 / scale. The plugin unscales first, as torch's recipe says
+    (scaler.scale(loss).backward(); scaler.unscale_(opt); clip_grad_norm_; scaler.step(opt)):
+    the same weights, skipped step and scale as that recipe written by hand."""
+    ours = ClipsByHand(manual=True)
+    _fit(ours, plugins=[mpl.Precision("16-mixed")])
+    by_hand = Net()
+    opt, scaler = torch.optim.SGD(by_hand.parameters(), lr=0.1, momentum=0.9), torch.amp.GradScaler("cpu")
+    scales = []
+    for i, batch in enumerate(_data(8)):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = by_hand._loss(batch, i)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(by_hand.parameters(), 0.5)
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    assert ours.scales == scales and min(scales) < max(scales)  # the poisoned step backed off alike
+    torch.testing.assert_close(torch.tensor(ours.losses), torch.tensor(by_hand.losses), rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(_weights(ours), _weights(by_hand), rtol=1e-3, atol=1e-3)
+
+
 @pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual"])
 def test_bf16_mixed_matches_lightnings_own_plugin_and_skips_what_it_would_apply(manual):
     theirs = Net(manual, poison=None)
