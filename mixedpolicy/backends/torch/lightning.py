@@ -25,7 +25,7 @@ import torch
 from mixedpolicy.backends.torch.regions import (cast_floating, cast_inputs, device_type, policy_autocast,
                                                 region_context)
 from mixedpolicy.backends.torch.found_inf import any_gradient
-from mixedpolicy.backends.torch.lightning_fsdp import ShardedPlugin
+from mixedpolicy.backends.torch.lightning_fsdp import ShardedPlugin, fsdp_precision
 from mixedpolicy.backends.torch.optimizer import TorchLossScaleOptimizer
 from mixedpolicy.backends.torch.scaler_view import GRADSCALER_INITIAL_SCALE, GradScalerView
 from mixedpolicy.loss_scale import DynamicLossScale, LossScale, NoLossScale, summary
@@ -289,8 +289,17 @@ class PolicyPrecision(ShardedPlugin):
                             "re-evaluates the closure inside its step, which the plugin's check of "
                             "the gradients cannot follow. Use a first-order optimizer.")
         closure_result = closure()
+        automatic = getattr(model, "automatic_optimization", True)
         # automatic optimization whose training_step returned None: no backward, no step
-        skip_backward = closure_result is None and getattr(model, "automatic_optimization", True)
+        skip_backward = closure_result is None and automatic
+        if automatic and not skip_backward and not self.optimizer._unscaled and not any_gradient([inner]):
+            # a backward the loop skipped itself (StochasticWeightAveraging's last epoch, which only
+            # updates the batch norms' statistics): nothing to unscale or check; the inner step, a
+            # no-op on parameters without gradients, as under Lightning's own bf16-mixed (its
+            # 16-mixed fails there: "No inf checks were recorded")
+            self._after_closure(model, optimizer)
+            inner.step(**kwargs)
+            return closure_result
         with self.optimizer.acting_on(inner):
             if not skip_backward and not self.optimizer._unscaled:
                 self.optimizer.unscale_()  # clipping and on_before_optimizer_step see true gradients
@@ -334,15 +343,8 @@ def precision_class(*pls: Any) -> type:
     if key not in _built:
         plain = [pl.plugins.precision.Precision for pl in pls]
         fabric = [next(c for c in base.__mro__[1:] if c.__name__ == "Precision") for base in plain]
-        bases = [_fsdp_precision(base) for base in plain + fabric]
+        bases = [fsdp_precision(base) for base in plain + fabric]
         _built[key] = type("Precision", (PolicyPrecision, *bases),
                            {"__module__": "mixedpolicy.lightning", "__qualname__": "Precision",
                             "__doc__": PolicyPrecision.__doc__, "lightning_packages": pls})
     return _built[key]
-
-
-def _fsdp_precision(precision: type) -> type:
-    """The ``FSDPPrecision`` beside the ``Precision`` class `precision` (its own module's package)."""
-    import importlib
-
-    return importlib.import_module(precision.__module__.rsplit(".", 1)[0]).FSDPPrecision

@@ -244,3 +244,10 @@ def accelerate_mixed_precision(model: torch.nn.Module, plugin: Any) -> Any:
     from torch.distributed.fsdp import MixedPrecision
 
     return MixedPrecision(reduce_dtype=reduce)
+
+
+def fsdp_precision(precision: type) -> type:
+    """The ``FSDPPrecision`` beside the ``Precision`` class `precision` (its own module's package)."""
+    import importlib
+
+    return importlib.import_module(precision.__module__.rsplit(".", 1)[0]).FSDPPrecision

@@ -284,6 +284,41 @@ def test_a_training_step_that_returns_none_skips_the_batch_as_with_lightnings_ow
     assert torch.equal(_weights(ours), _weights(plain))
 
 
+class WithBatchNorm(Net):
+    def __init__(self):
+        super().__init__(poison=None)
+        self.body = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU())
+
+    def validation_step(self, batch, batch_idx):  # (Lightning clears the gradients before validating)
+        return None
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_stochastic_weight_averaging_updates_its_batch_norms_as_under_lightnings_own_bf16(policy):
+    """Lightning's StochasticWeightAveraging ends with an epoch that only recomputes the batch
+    norms' statistics: the loop skips the backward, and after a validation the step has no
+    gradient. The plugin
+    steps nothing then (it refused the step for want of gradients to check); Lightning's own
+    bf16-mixed trains through it, its own 16-mixed fails there ("No inf checks were recorded")."""
+    def fit(module, **kw):
+        callback = pl.callbacks.StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1)
+        trainer = pl.Trainer(max_epochs=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, callbacks=[callback], **kw)
+        trainer.fit(module, _data(4), _data(2))
+        return trainer
+
+    ours = WithBatchNorm()
+    trainer = fit(ours, plugins=[mpl.Precision(policy)])
+    assert trainer.precision_plugin.optimizer.num_skipped_steps == 0
+    assert torch.isfinite(_weights(ours)).all() and torch.isfinite(ours.body[1].running_var).all()
+    if policy == "mixed_bfloat16":
+        theirs = WithBatchNorm()
+        fit(theirs, precision="bf16-mixed")
+        assert ours.losses == theirs.losses
+        torch.testing.assert_close(_weights(ours), _weights(theirs), rtol=0, atol=0)
+        torch.testing.assert_close(ours.body[1].running_mean, theirs.body[1].running_mean, rtol=0, atol=0)
+
+
 def test_the_plugin_skips_a_batch_whose_training_step_returns_none_as_lightnings_own_does():
     """With clipping on: the skipped batch has no gradient to unscale or clip (it raised)."""
     theirs = SkipsOddBatches(poison=-1)
