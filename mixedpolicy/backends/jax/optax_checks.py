@@ -96,8 +96,12 @@ _SCALED_COUNTS: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDicti
 
 
 def note_scaled(counts: Any) -> None:
-    """Notes that a loss was scaled with the state whose counts array is `counts`."""
-    _SCALED_COUNTS[id(counts)] = counts
+    """Notes that a loss was scaled with the state whose counts array is `counts` (an object that
+    takes no weak reference is not noted: its update then goes by the wrapper's own flag)."""
+    try:
+        _SCALED_COUNTS[id(counts)] = counts
+    except TypeError:
+        pass
 
 
 def warn_unscaled(update: Any, config: Any, counts: Any = None) -> None:
