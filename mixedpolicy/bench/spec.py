@@ -255,10 +255,15 @@ def user_model_info(model: str, chosen: list[str], policies: list[str] = (),
     elif found == "flax" and _is_nnx(setup.model):
         inferred, name = ["jax"], "jax"
     else:
+        why = {"flax": " (a Flax linen module has no state of its own to train: wrap it with nnx.bridge or write "
+                       "it with flax.nnx)",
+               "equinox": " (an Equinox model has no framework-made mixed precision to time against: "
+                          "mp.apply_policy and mp.LossScaleOptimizer train it in your own loop)",
+               "tensorflow": " (a tf.Module has no framework-made training loop to time against: write it as "
+                             "a Keras 3 model, or train it under mp.apply_policy in your own loop)"}.get(found, "")
         raise ValueError(f"Received --model {model}, whose factory returns a {type(setup.model).__name__}; the "
                          f"bench runs a user's torch.nn.Module, Flax NNX module or Keras 3 model, alone or as "
-                         f"a dict's 'model' (a Flax linen module has no state of its own to train: wrap it "
-                         f"with nnx.bridge or write it with flax.nnx).")
+                         f"a dict's 'model'{why}.")
     wrong = [f for f in chosen if f not in inferred]
     if wrong or not inferred:
         valid = "one or more of keras-jax, keras-torch, keras-tensorflow" if name == "Keras" else inferred[0]

@@ -792,6 +792,10 @@ def test_a_user_model_is_checked_before_any_run(tmp_path, capsys):
     if not spec.missing_packages("jax"):
         assert bench(["--model", f"{USER_MODELS}:linen_mlp", "--out", out]) == 2
         assert "a Flax linen module has no state of its own" in capsys.readouterr().err
+        if importlib.util.find_spec("equinox"):  # each kind the bench does not run, with its own way out
+            assert bench(["--model", f"{USER_MODELS}:equinox_mlp", "--out", out]) == 2
+            err = capsys.readouterr().err
+            assert "an Equinox model has no framework-made mixed precision" in err and "linen" not in err, err
         # float32 needs no dtype arguments; a half policy's hand-written side does
         assert bench(["--model", f"{USER_MODELS}:nnx_without_dtype", "--policies", "float32,bf16-true",
                       "--out", out]) == 2

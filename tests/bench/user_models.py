@@ -39,6 +39,13 @@ def linen_mlp():
     return linen.Dense(10)
 
 
+def equinox_mlp():
+    import equinox as eqx
+    import jax
+
+    return eqx.nn.MLP(64, 10, 32, 1, key=jax.random.key(0))
+
+
 def keras_mlp():
     import keras
 
