@@ -42,9 +42,16 @@ def _describe(argv: list[str]) -> int:
         # (a functional or Sequential one is built as it is defined) takes its dtypes
         mp.set_global_policy(policy)
         # a bench factory's dict (the model with its own batches and loss) too: its model
-        model = unpack(load_factory(args.target)(), args.target, named=args.target).model
+        setup = unpack(load_factory(args.target)(), args.target, named=args.target)
+        model, linen = setup.model, _is_linen(setup.model)
+        if linen and policy is None:
+            raise ValueError(f"Received {args.target}, whose factory returns a Flax linen module: describe "
+                             f"reads a linen module through the policy put on it (apply_policy), so give one: "
+                             f"--policy mixed_bfloat16, say.")
         if policy is not None:
             model = mp.apply_policy(model, policy)
+        if linen:
+            _init_linen(model, setup, args.target)
         print(mp.describe(model))
     except (ValueError, TypeError, ImportError) as err:
         print(f"mixedpolicy describe: error: {err}", file=sys.stderr)
@@ -52,6 +59,27 @@ def _describe(argv: list[str]) -> int:
     finally:
         mp.set_global_policy(None)
     return 0
+
+
+def _is_linen(model: object) -> bool:
+    flax = sys.modules.get("flax.linen")
+    return flax is not None and isinstance(model, flax.Module)
+
+
+def _init_linen(model: object, setup: object, target: str) -> None:
+    """One ``init`` of a linen module on the inputs of its factory's first batch: linen builds its
+    layers only when called, so describe has nothing to list before."""
+    batches = getattr(setup, "batches", None)
+    if not batches:
+        raise ValueError(f"Received {target}, whose factory returns a Flax linen module: linen builds its "
+                         f"layers at its first call, and describe has no inputs to call it on. Return "
+                         f"{{'model': module, 'batch': (inputs, targets)}} from the factory: describe runs "
+                         f"one init on the inputs.")
+    import jax
+
+    from mixedpolicy.bench.user_model import call
+
+    call(lambda *a, **k: model.init(jax.random.key(0), *a, **k), batches[0][0])  # type: ignore[attr-defined]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -60,3 +60,25 @@ def test_describe_takes_a_bench_factory_that_returns_its_model_with_batches(tmp_
     assert main(["describe", target.replace(":own", ":odd")]) == 2
     err = capsys.readouterr().err
     assert f"Received {tmp_path / 'zoo.py'}:odd, whose factory returns a dict with the keys 'optimizer'" in err
+
+
+def test_describe_inits_a_linen_module_on_its_factorys_batch(tmp_path, capsys):
+    """linen builds its layers at its first call: describe runs one init on the inputs of the
+    factory's first batch; a bare module (no inputs to call it on), or one without --policy
+    (a linen module is read through the policy put on it), is refused with the way to give them."""
+    require_module("flax.linen", "jax")
+    (tmp_path / "lin.py").write_text(
+        "import numpy as np\n"
+        "import flax.linen as nn\n"
+        "def bare():\n"
+        "    return nn.Sequential([nn.Dense(8), nn.LayerNorm(), nn.Dense(2)])\n"
+        "def with_batch():\n"
+        "    return {'model': bare(), 'batch': (np.ones((2, 4), 'float32'), np.zeros((2,), 'int32'))}\n")
+    target = f"{tmp_path / 'lin.py'}:with_batch"
+    assert main(["describe", target, "--policy", "mixed_bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert "layers_0" in out and "LayerNorm" in out and "built-in rule" in out and "bfloat16" in out
+    assert main(["describe", target.replace(":with_batch", ":bare"), "--policy", "mixed_bfloat16"]) == 2
+    assert "Return {'model': module, 'batch': (inputs, targets)}" in capsys.readouterr().err
+    assert main(["describe", target]) == 2
+    assert "give one: --policy" in capsys.readouterr().err
