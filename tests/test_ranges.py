@@ -185,6 +185,10 @@ def test_the_cli_inspects_a_bench_model_and_writes_the_figure(tmp_path, capsys):
     if __import__("importlib").util.find_spec("flax"):  # a Flax NNX model with float targets and its own loss
         assert main(["inspect", "--model", f"{users}:nnx_regression", "--batches", "2", "--out", str(tmp_path)]) == 0
         assert "weight_grad" in capsys.readouterr().out
+        # a kind inspect --model does not read: said as inspect's, with where the API reads it
+        assert main(["inspect", "--model", f"{users}:linen_mlp", "--out", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert "inspect --model reads" in err and "mp.inspect_gradients also reads" in err and "the bench runs" not in err
     assert main(["inspect", "--model", f"{users}:torch_mlp", "--batches", "1", "--out", str(tmp_path)]) == 0
     assert "recommended static loss scale" in capsys.readouterr().out
     if __import__("importlib").util.find_spec("matplotlib"):

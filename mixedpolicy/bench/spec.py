@@ -254,6 +254,11 @@ def user_model_info(model: str, chosen: list[str], policies: list[str] = (),
         inferred, name = ["torch"], "torch"
     elif found == "flax" and _is_nnx(setup.model):
         inferred, name = ["jax"], "jax"
+    elif flag == "--framework":  # mixedpolicy inspect
+        raise ValueError(f"Received --model {model}, whose factory returns a {type(setup.model).__name__}; "
+                         f"inspect --model reads a user's torch.nn.Module, Flax NNX module or Keras 3 model, "
+                         f"alone or as a dict's 'model'. In your own code mp.inspect_gradients also reads an "
+                         f"Equinox model and a JAX pytree of parameters (a linen module's), docs/inspect.md.")
     else:
         why = {"flax": " (a Flax linen module has no state of its own to train: wrap it with nnx.bridge or write "
                        "it with flax.nnx)",
