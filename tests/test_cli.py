@@ -7,6 +7,13 @@ from mixedpolicy import __version__
 from mixedpolicy.__main__ import main
 
 
+def _describe(capsys, *argv):
+    """(exit status, stdout, stderr) of `mixedpolicy describe ARGV`."""
+    rc = main(["describe", *argv])
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
 def test_version_help_and_unknown_commands(capsys):
     assert main(["--version"]) == 0
     assert capsys.readouterr().out.strip() == f"mixedpolicy {__version__}"
@@ -54,12 +61,10 @@ def test_describe_takes_a_bench_factory_that_returns_its_model_with_batches(tmp_
         "def odd():\n"
         "    return {'model': torch.nn.Linear(2, 2), 'optimizer': None}\n")
     target = f"{tmp_path / 'zoo.py'}:own"
-    assert main(["describe", target, "--policy", "mixed_float16"]) == 0
-    out = capsys.readouterr().out
-    assert "Sequential" in out and "LayerNorm" in out and "float16" in out and "built-in rule" in out
-    assert main(["describe", target.replace(":own", ":odd")]) == 2
-    err = capsys.readouterr().err
-    assert f"Received {tmp_path / 'zoo.py'}:odd, whose factory returns a dict with the keys 'optimizer'" in err
+    rc, out, _ = _describe(capsys, target, "--policy", "mixed_float16")
+    assert rc == 0 and "Sequential" in out and "LayerNorm" in out and "float16" in out and "built-in rule" in out
+    rc, _, err = _describe(capsys, target.replace(":own", ":odd"))
+    assert rc == 2 and f"Received {tmp_path / 'zoo.py'}:odd, whose factory returns a dict with the keys 'optimizer'" in err
 
 
 def test_describe_inits_a_linen_module_on_its_factorys_batch(tmp_path, capsys):
@@ -75,10 +80,9 @@ def test_describe_inits_a_linen_module_on_its_factorys_batch(tmp_path, capsys):
         "def with_batch():\n"
         "    return {'model': bare(), 'batch': (np.ones((2, 4), 'float32'), np.zeros((2,), 'int32'))}\n")
     target = f"{tmp_path / 'lin.py'}:with_batch"
-    assert main(["describe", target, "--policy", "mixed_bfloat16"]) == 0
-    out = capsys.readouterr().out
-    assert "layers_0" in out and "LayerNorm" in out and "built-in rule" in out and "bfloat16" in out
-    assert main(["describe", target.replace(":with_batch", ":bare"), "--policy", "mixed_bfloat16"]) == 2
-    assert "Return {'model': module, 'batch': (inputs, targets)}" in capsys.readouterr().err
-    assert main(["describe", target]) == 2
-    assert "give one: --policy" in capsys.readouterr().err
+    rc, out, _ = _describe(capsys, target, "--policy", "mixed_bfloat16")
+    assert rc == 0 and "layers_0" in out and "LayerNorm" in out and "built-in rule" in out and "bfloat16" in out
+    rc, _, err = _describe(capsys, target.replace(":with_batch", ":bare"), "--policy", "mixed_bfloat16")
+    assert rc == 2 and "Return {'model': module, 'batch': (inputs, targets)}" in err
+    rc, _, err = _describe(capsys, target)
+    assert rc == 2 and "give one: --policy" in err
