@@ -34,7 +34,7 @@ def _describe(argv: list[str]) -> int:
     p.add_argument("--policy", default=None, help="a policy in any spelling mixedpolicy accepts")
     args = p.parse_args(argv)
     import mixedpolicy as mp
-    from mixedpolicy.bench.user_model import load_factory, unpack
+    from mixedpolicy.bench.user_model import init_linen, is_linen, load_factory, unpack
 
     try:
         policy = None if args.policy is None else mp.Policy(args.policy)
@@ -43,7 +43,7 @@ def _describe(argv: list[str]) -> int:
         mp.set_global_policy(policy)
         # a bench factory's dict (the model with its own batches and loss) too: its model
         setup = unpack(load_factory(args.target)(), args.target, named=args.target)
-        model, linen = setup.model, _is_linen(setup.model)
+        model, linen = setup.model, is_linen(setup.model)
         if linen and policy is None:
             raise ValueError(f"Received {args.target}, whose factory returns a Flax linen module: describe "
                              f"reads a linen module through the policy put on it (apply_policy), so give one: "
@@ -51,7 +51,7 @@ def _describe(argv: list[str]) -> int:
         if policy is not None:
             model = mp.apply_policy(model, policy)
         if linen:
-            _init_linen(model, setup, args.target)
+            init_linen(model, setup, args.target)
         print(mp.describe(model))
     except (ValueError, TypeError, ImportError) as err:
         print(f"mixedpolicy describe: error: {err}", file=sys.stderr)
@@ -59,27 +59,6 @@ def _describe(argv: list[str]) -> int:
     finally:
         mp.set_global_policy(None)
     return 0
-
-
-def _is_linen(model: object) -> bool:
-    flax = sys.modules.get("flax.linen")
-    return flax is not None and isinstance(model, flax.Module)
-
-
-def _init_linen(model: object, setup: object, target: str) -> None:
-    """One ``init`` of a linen module on the inputs of its factory's first batch: linen builds its
-    layers only when called, so describe has nothing to list before."""
-    batches = getattr(setup, "batches", None)
-    if not batches:
-        raise ValueError(f"Received {target}, whose factory returns a Flax linen module: linen builds its "
-                         f"layers at its first call, and describe has no inputs to call it on. Return "
-                         f"{{'model': module, 'batch': (inputs, targets)}} from the factory: describe runs "
-                         f"one init on the inputs.")
-    import jax
-
-    from mixedpolicy.bench.user_model import call
-
-    call(lambda *a, **k: model.init(jax.random.key(0), *a, **k), batches[0][0])  # type: ignore[attr-defined]
 
 
 def main(argv: list[str] | None = None) -> int:

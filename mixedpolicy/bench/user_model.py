@@ -200,3 +200,23 @@ def batch_size(inputs: Any) -> int:
         if shape:
             return int(shape[0])
     return 1
+
+
+def is_linen(model: Any) -> bool:
+    """A Flax linen module (flax.linen imported already: nothing else is)."""
+    linen = sys.modules.get("flax.linen")
+    return linen is not None and isinstance(model, linen.Module)
+
+
+def init_linen(model: Any, setup: UserSetup, target: str) -> None:
+    """One ``init`` of a linen module (through the policy put on it) on the inputs of its
+    factory's first batch: linen builds its layers only when called, so describe has nothing to
+    list before."""
+    if not setup.batches:
+        raise ValueError(f"Received {target}, whose factory returns a Flax linen module: linen builds its "
+                         f"layers at its first call, and describe has no inputs to call it on. Return "
+                         f"{{'model': module, 'batch': (inputs, targets)}} from the factory: describe runs "
+                         f"one init on the inputs.")
+    import jax
+
+    call(lambda *a, **k: model.init(jax.random.key(0), *a, **k), setup.batches[0][0])
